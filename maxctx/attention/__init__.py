@@ -1,0 +1,1 @@
+"""Attention kernels, context-parallel strategies and the one dispatch the model calls."""

@@ -1,0 +1,283 @@
+"""Typed, frozen run configuration: YAML files and `key=value` overrides fill one schema.
+
+Load order (later wins): `configs/base.yml` (or the YAML named on the command line), then the model preset
+`configs/models/<model_name>.yml`, then command-line overrides. Every key is documented in `configs/base.yml`.
+Cross-field checks live in `maxctx.validate` and run before JAX initialises; nothing writes into a Config after
+loading: derived values are properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from typing import Any, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the key, the value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Run.
+    run_name: str = "default_run"
+    base_output_directory: str = "outputs"
+    model_name: str = "tiny"
+    seed: int = 0
+    steps: int = 150
+    cpu_devices: int = 0
+    # Model shape (a preset from configs/models fills these).
+    base_emb_dim: int = 128
+    base_num_query_heads: int = 4
+    base_num_kv_heads: int = 2
+    base_mlp_dim: int = 384
+    base_num_decoder_layers: int = 2
+    head_dim: int = 32
+    vocab_size: int = 256
+    rope_max_timescale: float = 10000.0
+    normalization_layer_epsilon: float = 1e-5
+    logits_via_embedding: bool = False
+    # Numerics and memory.
+    dtype: str = "bfloat16"
+    weight_dtype: str = "float32"
+    remat_policy: str = "full"
+    scan_layers: bool = True
+    # Attention and context parallelism.
+    attention: str = "auto"
+    context_parallel_strategy: str = "all_gather"
+    context_parallel_load_balance: bool = True
+    context_parallel_a2a_degree: int = 0
+    flash_block_q: int = 512
+    flash_block_kv: int = 512
+    # Mesh.
+    ici_data_parallelism: int = 1
+    ici_fsdp_parallelism: int = -1
+    ici_context_parallelism: int = 1
+    ici_tensor_parallelism: int = 1
+    dcn_data_parallelism: int = -1
+    dcn_fsdp_parallelism: int = 1
+    dcn_context_parallelism: int = 1
+    dcn_tensor_parallelism: int = 1
+    # Batch and sequence.
+    per_device_batch_size: float = 4.0
+    max_target_length: int = 128
+    gradient_accumulation_steps: int = 1
+    # Optimiser.
+    learning_rate: float = 3e-3
+    warmup_steps_fraction: float = 0.1
+    learning_rate_schedule_steps: int = -1
+    cosine_learning_rate_final_fraction: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    adam_weight_decay: float = 0.1
+    gradient_clipping_threshold: float = 1.0
+    # Data.
+    dataset_type: str = "synthetic"
+    dataset_name: str = ""
+    dataset_split: str = "train"
+    eval_split: str = ""
+    tfds_data_dir: str = ""
+    grain_train_files: str = ""
+    grain_eval_files: str = ""
+    text_field: str = "text"
+    tokenizer_path: str = ""
+    add_bos: bool = True
+    add_eos: bool = True
+    packing: str = "first_fit"
+    grain_worker_count: int = 0
+    grain_prefetch_buffer_size: int = 16
+    data_shuffle_seed: int = 0
+    eval_interval: int = 0
+    eval_steps: int = 4
+    # Checkpointing.
+    enable_checkpointing: bool = True
+    async_checkpointing: bool = True
+    checkpoint_period: int = 100
+    max_num_checkpoints_to_keep: int = 3
+    load_parameters_path: str = ""
+    load_full_state_path: str = ""
+    # Metrics, logging and profiling.
+    log_period: int = 10
+    enable_tensorboard: bool = True
+    peak_tflops_per_device: float = 0.0
+    profile_start_step: int = -1
+    profile_steps: int = 3
+    # Multi-host and ahead-of-time compilation.
+    jax_coordinator_address: str = ""
+    jax_num_processes: int = 0
+    jax_process_id: int = -1
+    compile_topology: str = ""
+    compile_topology_num_slices: int = 1
+
+    # ---- derived values -------------------------------------------------------------------------------------
+    @property
+    def context_parallelism(self) -> int:
+        """Total CP degree C = ici x dcn context parallelism."""
+        return self.ici_context_parallelism * self.dcn_context_parallelism
+
+    @property
+    def cp_strategy(self) -> str:
+        """The strategy with MaxText's aliases resolved (ring -> p2p, ulysses -> a2a)."""
+        return STRATEGY_ALIASES.get(self.context_parallel_strategy, self.context_parallel_strategy)
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.learning_rate_schedule_steps if self.learning_rate_schedule_steps > 0 else self.steps
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.base_output_directory, self.run_name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return os.path.join(self.run_dir, "tensorboard")
+
+    def global_batch_size(self, num_devices: int) -> int:
+        """Sequences per optimiser micro-step across all devices (MaxText: per_device_batch_size x devices)."""
+        return int(round(self.per_device_batch_size * num_devices))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+STRATEGY_ALIASES = {"ring": "p2p", "ulysses": "a2a"}
+MODEL_KEYS = (
+    "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers",
+    "head_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "logits_via_embedding",
+)
+_FIELD_TYPES = get_type_hints(Config)
+REPO_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def _closest(key: str) -> str:
+    match = difflib.get_close_matches(key, list(_FIELD_TYPES), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else "; see configs/base.yml for the valid keys"
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    """Coerces a YAML-parsed value to the field's type, or raises a ConfigError naming the key."""
+    if key not in _FIELD_TYPES:
+        raise ConfigError(f"unknown config key '{key}' (from {source}){_closest(key)}")
+    kind = _FIELD_TYPES[key]
+    bad = ConfigError(f"{key}={value!r} (from {source}) is not a valid {kind.__name__}; "
+                      f"give a {kind.__name__}, e.g. {key}={Config.__dataclass_fields__[key].default!r}")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise bad
+    if kind is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise bad
+    if kind is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            result = float(value)  # YAML 1.1 reads '1e-3' as a string; float() takes it.
+        except (TypeError, ValueError):
+            raise bad from None
+        if not math.isfinite(result):
+            raise bad
+        return result
+    if kind is str:
+        if value is None:
+            return ""
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    raise bad
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file, e.g. configs/base.yml")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of key: value, not {type(data).__name__}")
+    return data
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Parses `key=value` arguments; values are read as YAML (so `true`, `8`, `0.5` get their types)."""
+    overrides: dict[str, Any] = {}
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(f"argument '{arg}' is not key=value; write e.g. steps=100")
+        key, raw = arg.split("=", 1)
+        key = key.strip()
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if key in overrides:
+            raise ConfigError(f"key '{key}' is given twice on the command line; keep one")
+        overrides[key] = value
+    return overrides
+
+
+def model_preset_path(model_name: str) -> str:
+    return os.path.join(REPO_CONFIG_DIR, "models", f"{model_name}.yml")
+
+
+def available_models() -> list[str]:
+    folder = os.path.join(REPO_CONFIG_DIR, "models")
+    return sorted(f[:-4] for f in os.listdir(folder) if f.endswith(".yml"))
+
+
+def load_config(argv: list[str]) -> Config:
+    """Builds and validates a Config from `[config.yml] key=value ...` (the train.py command line)."""
+    from maxctx import validate  # local import: validate imports this module
+
+    args = list(argv)
+    yaml_path = os.path.join(REPO_CONFIG_DIR, "base.yml")
+    if args and "=" not in args[0]:
+        yaml_path = args.pop(0)
+    raw = _read_yaml(yaml_path)
+    overrides = parse_overrides(args)
+    values: dict[str, Any] = {k: _coerce(k, v, yaml_path) for k, v in raw.items()}
+    cli = {k: _coerce(k, v, "command line") for k, v in overrides.items()}
+    model_name = cli.get("model_name", values.get("model_name", Config.model_name))
+    preset = model_preset_path(model_name)
+    if not os.path.isfile(preset):
+        raise ConfigError(f"model_name='{model_name}' has no preset {preset}; "
+                          f"choose one of {', '.join(available_models())}")
+    for key, value in _read_yaml(preset).items():
+        if key not in MODEL_KEYS:
+            raise ConfigError(f"model preset {preset} sets '{key}', which is not a model-shape key; "
+                              f"presets may set only {', '.join(MODEL_KEYS)}")
+        values[key] = _coerce(key, value, preset)
+    values.update(cli)
+    config = Config(**values)
+    validate.validate(config)
+    return config
+
+
+def save_config(config: Config, path: str) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(config.to_dict(), f, sort_keys=False)

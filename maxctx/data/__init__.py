@@ -1,0 +1,13 @@
+"""Input pipelines. Every source yields the same batch: a dict of [B, S] arrays
+
+    inputs       int32   token ids fed to the model
+    targets      int32   the next token of the same document (shift done on whole documents, before any reorder)
+    positions    int32   position of the token inside its document (restarts at 0 for each packed document)
+    segment_ids  int32   1, 2, ... per packed document in a row; 0 on padding
+    weights      float32 loss weight: 1 on real targets, 0 on padding
+
+laid out as x[B_(data,fsdp), S_(context,context_a2a)] global arrays, already in the zig-zag order when
+context_parallel_load_balance is on and the context parallelism C > 1.
+"""
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")

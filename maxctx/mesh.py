@@ -1,0 +1,108 @@
+"""Device mesh from the ici_*/dcn_* sizes, and the one table mapping logical axis names to mesh axes.
+
+Mesh axes: data, fsdp, context, context_a2a, tensor. The context-parallel degree C is split as
+context (ring part R, outer) x context_a2a (all-to-all part U, inner): a2a uses U = C, p2p and all_gather R = C,
+usp both. The sequence is sharded over (context, context_a2a) whatever the strategy, so token shard index
+= ring_rank * U + a2a_rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxctx.config import Config
+from maxctx.validate import a2a_degree, check_devices, mesh_sizes
+
+AXES = ("data", "fsdp", "context", "context_a2a", "tensor")
+CONTEXT_AXES = ("context", "context_a2a")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical name -> mesh axes. Weights shard their embed dimension over fsdp and the context axes too (as MaxText
+# does): CP devices would otherwise hold replicas. Activations use the `activation_*` names.
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    "batch": BATCH_AXES,
+    "length": CONTEXT_AXES,
+    "embed": ("fsdp", "context", "context_a2a"),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "head_dim": (),
+    "layers": (),
+    "norm": (),
+    "activation_embed": (),
+    "activation_heads": ("tensor",),
+    "activation_kv_heads": ("tensor",),
+    "activation_mlp": ("tensor",),
+    "activation_vocab": ("tensor",),
+}
+
+
+def axis_sizes(config: Config, num_devices: int) -> dict[str, int]:
+    """Mesh axis sizes (ici x dcn) for `num_devices`, with context split into ring x a2a parts."""
+    ici, dcn = mesh_sizes(config, num_devices)
+    u = a2a_degree(config)
+    cp = ici["context"] * dcn["context"]
+    return {"data": ici["data"] * dcn["data"], "fsdp": ici["fsdp"] * dcn["fsdp"], "context": cp // u,
+            "context_a2a": u, "tensor": ici["tensor"] * dcn["tensor"]}
+
+
+def create_mesh(config: Config, devices: list | None = None) -> Mesh:
+    """Builds the mesh; the checks that need the device count raise ConfigError before anything compiles."""
+    devices = list(jax.devices()) if devices is None else list(devices)
+    check_devices(config, len(devices))
+    ici, dcn = mesh_sizes(config, len(devices))
+    u = a2a_degree(config)
+    if ici["context"] % u:
+        raise ValueError(f"A2A degree {u} must divide ici_context_parallelism={ici['context']} "
+                         f"(all-to-all runs inside a slice)")
+    ici_shape = (ici["data"], ici["fsdp"], ici["context"] // u, u, ici["tensor"])
+    dcn_shape = (dcn["data"], dcn["fsdp"], dcn["context"], 1, dcn["tensor"])
+    if math.prod(dcn_shape) > 1:
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
+    elif devices[0].platform == "cpu":
+        grid = np.asarray(devices).reshape(ici_shape)
+    else:
+        grid = mesh_utils.create_device_mesh(ici_shape, devices)
+    return Mesh(grid, AXES)
+
+
+def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
+                    mesh: Mesh | None = None) -> P:
+    """PartitionSpec for logical axis names. With `shape` and `mesh`, mesh axes that do not divide a dimension
+    (or that an earlier dimension already uses) are dropped, so that dimension is replicated over them instead."""
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        axes = LOGICAL_RULES[name] if name is not None else ()
+        keep = []
+        for axis in axes:
+            if axis in used:
+                continue
+            if mesh is not None and shape is not None:
+                size = mesh.shape[axis] * math.prod(mesh.shape[a] for a in keep)
+                if shape[i] % size:
+                    continue
+            keep.append(axis)
+        used.update(keep)
+        spec.append(tuple(keep) if len(keep) > 1 else (keep[0] if keep else None))
+    return P(*spec)
+
+
+def named_sharding(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int, ...] | None = None
+                   ) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Layout of every [B, S] batch array: x[B_(data,fsdp), S_(context,context_a2a)]."""
+    return NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXES))
+
+
+def context_degree(mesh: Mesh) -> int:
+    return mesh.shape["context"] * mesh.shape["context_a2a"]

@@ -1,0 +1,168 @@
+"""Cross-field checks of a Config, run before JAX initialises.
+
+Each failure raises ConfigError whose message names the keys, their values and the fix. Checks that need the
+device count use `cpu_devices` when it is set; `check_devices` repeats them once JAX knows the real count.
+"""
+
+from __future__ import annotations
+
+import math
+
+from maxctx.config import STRATEGY_ALIASES, Config, ConfigError
+
+ATTENTION_KERNELS = ("auto", "dot_product", "flash", "splash", "cudnn")
+CP_STRATEGIES = ("all_gather", "a2a", "p2p", "usp")
+REMAT_POLICIES = ("none", "minimal", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+DATASET_TYPES = ("synthetic", "arrayrecord", "tfds", "text")
+PACKING = ("first_fit", "concat", "none")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+
+
+def _choice(config: Config, key: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, key)
+    if value not in choices:
+        raise ConfigError(f"{key}='{value}' is not one of {', '.join(choices)}; pick one of them")
+
+
+def _positive(config: Config, *keys: str, allow_zero: bool = False) -> None:
+    for key in keys:
+        value = getattr(config, key)
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{key}={value} must be {bound}")
+
+
+def mesh_sizes(config: Config, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Resolves the ici_* and dcn_* sizes (one -1 per group fills the rest) for `num_devices` devices.
+
+    Single-slice runs (the only kind on CPU and GPU) have dcn product 1: a -1 there becomes 1.
+    """
+    dcn = {a: getattr(config, f"dcn_{a}_parallelism") for a in MESH_AXES}
+    ici = {a: getattr(config, f"ici_{a}_parallelism") for a in MESH_AXES}
+    num_slices = max(1, config.compile_topology_num_slices) if config.compile_topology else 1
+    dcn = _fill(dcn, num_slices, "dcn", "number of slices")
+    per_slice, rem = divmod(num_devices, num_slices)
+    if rem:
+        raise ConfigError(f"{num_devices} devices do not split into {num_slices} slices")
+    ici = _fill(ici, per_slice, "ici", "devices per slice")
+    return ici, dcn
+
+
+def _fill(sizes: dict[str, int], total: int, group: str, what: str) -> dict[str, int]:
+    names = {a: f"{group}_{a}_parallelism" for a in sizes}
+    free = [a for a, s in sizes.items() if s == -1]
+    for a, s in sizes.items():
+        if s == 0 or s < -1:
+            raise ConfigError(f"{names[a]}={s} must be a positive size or -1 (fill the rest)")
+    if len(free) > 1:
+        raise ConfigError(f"{' and '.join(names[a] + '=-1' for a in free)}: at most one {group}_* size may be -1")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if total % fixed:
+            raise ConfigError(f"{names[free[0]]}=-1 cannot fill {total} {what}: the other {group}_* sizes multiply "
+                              f"to {fixed}, which does not divide {total}")
+        sizes = {**sizes, free[0]: total // fixed}
+    elif fixed != total:
+        given = " x ".join(f"{names[a]}={s}" for a, s in sizes.items())
+        raise ConfigError(f"{given} = {fixed}, but there are {total} {what}; make the product {total} or set one "
+                          f"size to -1")
+    return sizes
+
+
+def check_devices(config: Config, num_devices: int) -> None:
+    """Checks that need the device count: mesh product, batch and sequence divisibility."""
+    ici, dcn = mesh_sizes(config, num_devices)
+    axis = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    batch = config.per_device_batch_size * num_devices
+    if abs(batch - round(batch)) > 1e-9 or round(batch) < 1:
+        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = {batch} "
+                          f"is not a whole number of sequences; choose a per_device_batch_size that makes it one")
+    batch_shards = axis["data"] * axis["fsdp"]
+    if round(batch) % batch_shards:
+        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = "
+                          f"{round(batch)} sequences is not divisible by data x fsdp = {batch_shards}; change "
+                          f"per_device_batch_size or the data/fsdp parallelism")
+    cp = axis["context"]
+    chunks = 2 * cp if config.context_parallel_load_balance and cp > 1 else cp
+    if config.max_target_length % chunks:
+        fix = " (2 x context parallelism, for context_parallel_load_balance=true)" if chunks != cp else ""
+        raise ConfigError(f"max_target_length={config.max_target_length} is not divisible by {chunks}{fix}; "
+                          f"choose a multiple of {chunks}")
+    tp = axis["tensor"]
+    if config.base_num_query_heads % tp or config.base_num_kv_heads % tp and tp % config.base_num_kv_heads:
+        raise ConfigError(f"ici/dcn tensor parallelism {tp} must divide base_num_query_heads="
+                          f"{config.base_num_query_heads} and divide or be a multiple of base_num_kv_heads="
+                          f"{config.base_num_kv_heads}; lower the tensor parallelism")
+    if config.cp_strategy in ("a2a", "usp") and cp > 1:
+        u = a2a_degree(config)
+        if cp % u:
+            raise ConfigError(f"context_parallel_a2a_degree={u} does not divide the context parallelism {cp}; "
+                              f"choose a divisor of {cp}")
+        if (config.base_num_query_heads // tp) % u:
+            raise ConfigError(f"base_num_query_heads={config.base_num_query_heads} / tensor {tp} is not divisible "
+                              f"by the A2A degree {u} (context_parallel_strategy={config.context_parallel_strategy}); "
+                              f"use a head count divisible by {u}, or context_parallel_strategy=p2p or all_gather")
+
+
+def a2a_degree(config: Config) -> int:
+    """A2A degree U of the a2a and usp strategies (ring degree R = C / U).
+
+    a2a: U = C. usp with context_parallel_a2a_degree > 0: that value. usp default (0): across slices
+    (dcn_context_parallelism > 1) U = ici_context_parallelism, so all-to-all stays on ICI and the ring spans DCN;
+    on one slice, the largest divisor U of C with U * U <= C that divides the query heads (C=4 -> 2x2, C=8 -> 2x4),
+    so both parts take part.
+    """
+    cp = config.context_parallelism
+    if config.cp_strategy == "a2a":
+        return cp
+    if config.cp_strategy != "usp":
+        return 1
+    if config.context_parallel_a2a_degree > 0:
+        return config.context_parallel_a2a_degree
+    if config.dcn_context_parallelism > 1:
+        return config.ici_context_parallelism
+    heads = config.base_num_query_heads
+    return max(u for u in range(1, cp + 1) if cp % u == 0 and u * u <= cp and heads % u == 0)
+
+
+def validate(config: Config) -> None:
+    """All config checks that do not need JAX; raises ConfigError."""
+    _choice(config, "attention", ATTENTION_KERNELS)
+    strategy = config.context_parallel_strategy
+    if strategy not in CP_STRATEGIES and strategy not in STRATEGY_ALIASES:
+        raise ConfigError(f"context_parallel_strategy='{strategy}' is not one of "
+                          f"{', '.join(CP_STRATEGIES + tuple(STRATEGY_ALIASES))}; pick one of them")
+    _choice(config, "remat_policy", REMAT_POLICIES)
+    _choice(config, "dtype", DTYPES)
+    _choice(config, "weight_dtype", DTYPES)
+    _choice(config, "dataset_type", DATASET_TYPES)
+    _choice(config, "packing", PACKING)
+    if not config.run_name or "/" in config.run_name:
+        raise ConfigError(f"run_name='{config.run_name}' must be a non-empty name without '/'")
+    _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", allow_zero=True)
+    _positive(config, "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
+              "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
+              "checkpoint_period", "gradient_accumulation_steps", "max_num_checkpoints_to_keep", "eval_steps",
+              "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale")
+    if config.learning_rate < 0:
+        raise ConfigError(f"learning_rate={config.learning_rate} must be >= 0")
+    if not 0 <= config.warmup_steps_fraction < 1:
+        raise ConfigError(f"warmup_steps_fraction={config.warmup_steps_fraction} must be in [0, 1)")
+    if config.base_num_query_heads % config.base_num_kv_heads:
+        raise ConfigError(f"base_num_query_heads={config.base_num_query_heads} is not divisible by "
+                          f"base_num_kv_heads={config.base_num_kv_heads}; grouped-query attention needs a multiple")
+    if config.head_dim % 2:
+        raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
+    if config.load_parameters_path and config.load_full_state_path:
+        raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one "
+                          "(parameters only, or a whole training state)")
+    if config.context_parallel_a2a_degree < 0:
+        raise ConfigError(f"context_parallel_a2a_degree={config.context_parallel_a2a_degree} must be >= 0 "
+                          f"(0 picks the default)")
+    if config.dataset_type != "synthetic" and config.dataset_type != "tfds" and not config.grain_train_files:
+        raise ConfigError(f"dataset_type={config.dataset_type} needs grain_train_files (a file glob)")
+    if config.dataset_type == "tfds" and not config.dataset_name:
+        raise ConfigError("dataset_type=tfds needs dataset_name, e.g. dataset_name=my_dataset:1.0.0")
+    if config.cpu_devices:
+        check_devices(config, config.cpu_devices * max(1, config.jax_num_processes))
