@@ -1,0 +1,95 @@
+"""Model FLOPs per training step, in MaxText's convention, and the throughput / MFU numbers derived from them.
+
+Dimensions: B sequences per optimiser step, S sequence length, D model, H query heads, K kv heads, Dh head dim,
+F mlp, V vocab, L layers.
+
+    P_matmul  = L * (D*Dh*(2H + 2K) + 3*D*F) + D*V          # weights a token meets in matmuls
+    matmul    = 6 * P_matmul * B * S                        # 2 FLOPs per MAC, x3 for forward + backward
+    attention = 12 * L * H * Dh * A                         # QK^T and PV: 4*H*Dh per (query, key) pair, x3
+    A         = B * S^2 / 2                                 # causal pairs (MaxText's halving)
+              = sum over rows and documents of n(n+1)/2     # with segment ids: the true area of packed documents
+    total     = matmul + attention
+
+Counted: the Q/K/V/O projections, the SwiGLU MLP, the unembedding (also when it reuses the embedding table);
+not counted: the embedding lookup (a gather), norms, RoPE, softmax, the loss and the optimiser, which are small
+next to the matmuls. Rematerialisation is not counted either: MFU counts the FLOPs the model needs, not the
+recompute a remat policy adds, so changing `remat_policy` changes the step time and not the FLOP count (XLA's
+`cost_analysis()` does count recompute; compare against it with `remat_policy=none`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maxctx.config import Config
+
+
+def matmul_params(config: Config) -> int:
+    """Weights each token multiplies in the forward pass: P_matmul above (embedding lookup excluded)."""
+    d, h, k, dh = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
+    attention = d * dh * (2 * h + 2 * k)  # wq [D,H,Dh], wk/wv [D,K,Dh], wo [H,Dh,D]
+    mlp = 3 * d * config.base_mlp_dim  # w_gate, w_up [D,F], w_down [F,D]
+    return config.base_num_decoder_layers * (attention + mlp) + d * config.vocab_size
+
+
+def attention_pairs(global_batch: int, seq_len: int, *, segment_ids: np.ndarray | None = None,
+                    causal: bool = True) -> float:
+    """(query, key) pairs attended per layer and head, summed over the batch: A above.
+
+    Without segment ids: B*S^2/2 causal (MaxText's convention, diagonal not added), B*S^2 otherwise. With segment
+    ids [B, S] (0 marks padding, which is not counted), each document of n tokens in a row adds n(n+1)/2 causal
+    pairs (n^2 otherwise); counts per id, so any token order (e.g. the load-balanced zig-zag) gives the same area.
+    """
+    if segment_ids is None:
+        full = float(global_batch) * seq_len * seq_len
+        return full / 2 if causal else full
+    ids = np.asarray(segment_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"segment_ids must be [batch, seq], got shape {ids.shape}")
+    total = 0.0
+    for row in ids:
+        _, counts = np.unique(row[row != 0], return_counts=True)
+        counts = counts.astype(np.float64)
+        total += float(np.sum(counts * (counts + 1) / 2 if causal else counts * counts))
+    return total
+
+
+def training_flops_per_step(config: Config, global_batch: int, seq_len: int, *,
+                            segment_ids: np.ndarray | None = None) -> float:
+    """Model FLOPs of one optimiser step of the whole job (forward + backward), the `total` in the module doc.
+
+    global_batch: sequences per optimiser step over all devices (times gradient_accumulation_steps when
+    accumulating). segment_ids: optionally the step's [B, S] segment ids, to count packed documents by their true
+    attention area instead of B*S^2/2. Remat recompute is not counted (MFU counts model FLOPs).
+    """
+    matmul = 6.0 * matmul_params(config) * global_batch * seq_len
+    pairs = attention_pairs(global_batch, seq_len, segment_ids=segment_ids)
+    attention = 12.0 * config.base_num_decoder_layers * config.base_num_query_heads * config.head_dim * pairs
+    return matmul + attention
+
+
+def training_flops_per_device(config: Config, global_batch: int, seq_len: int, num_devices: int, *,
+                              segment_ids: np.ndarray | None = None) -> float:
+    """`training_flops_per_step` split evenly over all devices of the job (MaxText's TFLOPs per device).
+
+    Every parallelism (data, fsdp, context, tensor) divides the same work, so a CP rank is not counted twice.
+    """
+    return training_flops_per_step(config, global_batch, seq_len, segment_ids=segment_ids) / num_devices
+
+
+def throughput(step_time_s: float, *, tokens_per_step: int, flops_per_step: float, num_devices: int,
+               peak_flops_per_device: float) -> dict[str, float]:
+    """Throughput numbers for one step (or a mean step) taking `step_time_s` seconds.
+
+    tokens_per_step counts positions processed, B*S (MaxText's tokens/s; padding included), not loss weights.
+    Returns step_time_seconds, tokens_per_sec (global), per_device_tokens_per_sec, per_device_tflops_per_sec and
+    mfu = (flops_per_step / num_devices / step_time) / peak_flops_per_device.
+    """
+    flops_per_s_device = flops_per_step / num_devices / step_time_s
+    return {
+        "step_time_seconds": step_time_s,
+        "tokens_per_sec": tokens_per_step / step_time_s,
+        "per_device_tokens_per_sec": tokens_per_step / num_devices / step_time_s,
+        "per_device_tflops_per_sec": flops_per_s_device / 1e12,
+        "mfu": flops_per_s_device / peak_flops_per_device,
+    }
