@@ -1,0 +1,136 @@
+"""Llama-family building blocks in Flax NNX: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Legend: B batch, S sequence, D model width, H query heads, K kv heads, E head dim, F mlp width, V vocab.
+Every parameter carries logical axis names (metadata `axes`), mapped to mesh axes by maxctx.mesh.LOGICAL_RULES.
+Parameters are stored in `weight_dtype` and cast to the compute `dtype` where used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxctx.attention.dispatch import AttentionSpec, attend
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model's narrow view of the run config."""
+
+    emb_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    num_layers: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embedding: bool = False
+    dtype: str = "bfloat16"
+    weight_dtype: str = "float32"
+    remat_policy: str = "full"
+    scan_layers: bool = True
+    attention: AttentionSpec = AttentionSpec()
+
+    @classmethod
+    def from_config(cls, config) -> ModelConfig:
+        from maxctx.attention.dispatch import resolve_kernel
+
+        return cls(
+            emb_dim=config.base_emb_dim, num_heads=config.base_num_query_heads,
+            num_kv_heads=config.base_num_kv_heads, head_dim=config.head_dim, mlp_dim=config.base_mlp_dim,
+            num_layers=config.base_num_decoder_layers, vocab_size=config.vocab_size,
+            rope_theta=config.rope_max_timescale, norm_eps=config.normalization_layer_epsilon,
+            tied_embedding=config.logits_via_embedding, dtype=config.dtype, weight_dtype=config.weight_dtype,
+            remat_policy=config.remat_policy, scan_layers=config.scan_layers,
+            attention=AttentionSpec(kernel=resolve_kernel(config.attention), strategy=config.cp_strategy,
+                                    load_balance=config.context_parallel_load_balance,
+                                    block_q=config.flash_block_q, block_kv=config.flash_block_kv),
+        )
+
+
+def param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
+    """Truncated-normal parameter with fan-in scaling (or ones when scale == 0), tagged with logical axes."""
+    if scale == 0.0:
+        return nnx.Param(jnp.ones(shape, dtype), axes=axes)
+    std = scale if scale is not None else shape[0] ** -0.5
+    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, weight_dtype, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), ("norm",), weight_dtype, scale=0.0)
+        self.eps = eps
+
+    def __call__(self, x_BSD):
+        x = x_BSD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_BSD.dtype)
+
+
+def rotary(x_BSNE, positions_BS, theta: float):
+    """Rotary position embedding (rotate-half form) at the given token positions, computed in fp32."""
+    half = x_BSNE.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_BSE = positions_BS[..., None].astype(jnp.float32) * freqs
+    sin, cos = jnp.sin(angles_BSE)[:, :, None], jnp.cos(angles_BSE)[:, :, None]
+    x = x_BSNE.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNE.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention; the kernel and context-parallel strategy come from `cfg.attention`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
+        d, h, k, e, wd = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
+        self.wq = param(rngs, (d, h, e), ("embed", "heads", "head_dim"), wd)
+        self.wk = param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), wd)
+        self.wv = param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), wd)
+        self.wo = param(rngs, (h, e, d), ("heads", "head_dim", "embed"), wd, scale=(h * e) ** -0.5)
+        self.cfg, self.mesh = cfg, mesh
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+        dt = self.cfg.dtype
+        q = jnp.einsum("BSD,DHE->BSHE", x_BSD, self.wq[...].astype(dt))
+        k = jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wk[...].astype(dt))
+        v = jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wv[...].astype(dt))
+        q = rotary(q, positions_BS, self.cfg.rope_theta)
+        k = rotary(k, positions_BS, self.cfg.rope_theta)
+        out_BSHE = attend(q, k, v, positions_BS, segment_ids_BS, self.cfg.attention, self.mesh)
+        return jnp.einsum("BSHE,HED->BSD", out_BSHE, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, wd = cfg.emb_dim, cfg.mlp_dim, cfg.weight_dtype
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), wd)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), wd)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), wd)
+        self.dtype = cfg.dtype
+
+    def __call__(self, x_BSD):
+        gate = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(self.dtype))
+        up = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_up[...].astype(self.dtype))
+        return jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up, self.w_down[...].astype(self.dtype))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
+        self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
+        self.attn = Attention(cfg, rngs, mesh)
+        self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
+        return x_BSD + self.mlp(self.mlp_norm(x_BSD))

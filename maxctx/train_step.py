@@ -1,0 +1,162 @@
+"""The pure, jitted training step and everything it needs: abstract state, shardings, init, AOT compile.
+
+State: {"step": int32[], "params": nested dict of arrays, "opt_state": optax state}, parameters sharded by their
+logical axes (maxctx.mesh.LOGICAL_RULES), optimiser moments like their parameters, scalars replicated.
+Batch: dict of [B, S] arrays x[B_(data,fsdp), S_(context,context_a2a)] (see maxctx.data).
+
+The loss is the weighted mean of token cross-entropy over every token of the global batch (all micro-batches of
+gradient accumulation together), whatever the mesh: sums are reduced first, divided once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxctx.config import Config
+from maxctx.data import BATCH_KEYS
+from maxctx.mesh import batch_sharding, logical_to_spec
+from maxctx.model.decoder import Decoder, param_axes
+from maxctx.model.layers import ModelConfig
+from maxctx.optimizer import learning_rate_schedule, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+    """Static pieces of a run: the model's graph, the optimiser, shardings and abstract shapes."""
+
+    config: Config
+    mesh: Mesh
+    model_config: ModelConfig
+    graphdef: Any
+    param_axes: dict
+    optimizer: optax.GradientTransformation
+    abstract_state: dict
+    state_shardings: dict
+    batch_shardings: dict
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.global_batch_size(self.mesh.devices.size) * self.config.gradient_accumulation_steps
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        shape = (self.global_batch, self.config.max_target_length)
+        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32,
+                                        sharding=self.batch_shardings[k]) for k in BATCH_KEYS}
+
+
+def make_setup(config: Config, mesh: Mesh) -> TrainSetup:
+    model_config = ModelConfig.from_config(config)
+    abstract_model = nnx.eval_shape(lambda: Decoder(model_config, nnx.Rngs(config.seed), mesh))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    abstract_params = nnx.to_pure_dict(abstract_params)
+    axes = param_axes(abstract_model)
+    optimizer = make_optimizer(config, axes)
+    param_shardings = jax.tree.map(
+        lambda names, p: NamedSharding(mesh, logical_to_spec(names, p.shape, mesh)), axes, abstract_params,
+        is_leaf=lambda x: isinstance(x, tuple))
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    abstract_state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params,
+                      "opt_state": abstract_opt}
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  abstract_state, state_shardings)
+    batch_shardings = {k: batch_sharding(mesh) for k in BATCH_KEYS}
+    return TrainSetup(config, mesh, model_config, graphdef, axes, optimizer, abstract_state, state_shardings,
+                      batch_shardings)
+
+
+def init_state(setup: TrainSetup) -> dict:
+    """Fresh parameters (seeded by `seed`) and optimiser state, created directly in their shardings."""
+
+    def init():
+        model = Decoder(setup.model_config, nnx.Rngs(setup.config.seed), setup.mesh)
+        params = nnx.to_pure_dict(nnx.state(model))
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": setup.optimizer.init(params)}
+
+    return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+def loss_sums(graphdef, params, batch) -> tuple[jax.Array, jax.Array]:
+    """(sum of weighted token cross-entropy, sum of weights) over a batch."""
+    model = nnx.merge(graphdef, params)
+    logits_BSV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    log_z = jax.nn.logsumexp(logits_BSV, axis=-1)
+    target_logit = jnp.take_along_axis(logits_BSV, batch["targets"][..., None], axis=-1)[..., 0]
+    weights = batch["weights"].astype(jnp.float32)
+    return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights)
+
+
+def train_step_fn(setup: TrainSetup):
+    """The pure step `(state, batch) -> (state, metrics)` (unjitted)."""
+    graphdef, optimizer = setup.graphdef, setup.optimizer
+    accum = setup.config.gradient_accumulation_steps
+    schedule = learning_rate_schedule(setup.config)
+    grad_fn = jax.value_and_grad(lambda p, b: loss_sums(graphdef, p, b), has_aux=True)
+
+    def step(state, batch):
+        params = state["params"]
+        if accum == 1:
+            (loss_sum, weight_sum), grad_sum = grad_fn(params, batch)
+        else:
+            # Micro-batch a takes rows a, a + A, a + 2A, ... so every data shard feeds every micro-batch.
+            micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, accum, *x.shape[1:]), 0, 1), batch)
+
+            def body(carry, mb):
+                (loss, weight), g = grad_fn(params, mb)
+                return jax.tree.map(jnp.add, carry, (loss, weight, g)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                     jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+            (loss_sum, weight_sum, grad_sum), _ = jax.lax.scan(body, zeros, micro)
+        denom = jnp.maximum(weight_sum, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
+                   "param_norm": optax.global_norm(new_params), "learning_rate": schedule(state["step"]),
+                   "tokens": weight_sum}
+        return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
+
+    return step
+
+
+def jit_train_step(setup: TrainSetup):
+    replicated = NamedSharding(setup.mesh, P())
+    return jax.jit(train_step_fn(setup), in_shardings=(setup.state_shardings, setup.batch_shardings),
+                   out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
+
+
+def compile_train_step(setup: TrainSetup):
+    """AOT-compiles the step for the abstract state and batch; returns the `Compiled` (callable like the step)."""
+    return jit_train_step(setup).lower(setup.abstract_state, setup.abstract_batch()).compile()
+
+
+def compiled_stats(compiled) -> dict[str, float]:
+    """Per-device memory (bytes) and FLOPs of a compiled program, as far as the backend reports them."""
+    stats: dict[str, float] = {}
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                      "alias_size_in_bytes", "generated_code_size_in_bytes"):
+            if hasattr(memory, field):
+                stats[field] = int(getattr(memory, field))
+        stats["total_bytes_per_device"] = (stats.get("argument_size_in_bytes", 0)
+                                           + stats.get("output_size_in_bytes", 0)
+                                           + stats.get("temp_size_in_bytes", 0)
+                                           - stats.get("alias_size_in_bytes", 0))
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if cost and "flops" in cost:
+        stats["xla_flops_per_device"] = float(cost["flops"])
+    return stats

@@ -1,0 +1,19 @@
+"""maxctx: long-context LLM pretraining in JAX with context parallelism."""
+
+import os
+
+from setuptools import find_packages, setup
+
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "requirements.txt")) as f:
+    requirements = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+setup(
+    name="maxctx",
+    version="0.1.0",
+    description="Config-driven JAX pretraining for long context: all-gather, A2A, ring and USP context parallelism",
+    packages=find_packages(include=["maxctx", "maxctx.*"]),
+    python_requires=">=3.11",
+    install_requires=requirements,
+    extras_require={"tpu": ["jax[tpu]"], "test": ["pytest>=8,<10", "ruff>=0.6"]},
+)
