@@ -18,8 +18,9 @@ def compile_report(config: Config) -> dict:
     import jax
 
     from maxctx.mesh import create_mesh
+    from maxctx.metrics import compile_record, training_flops_per_device
     from maxctx.model.decoder import count_params
-    from maxctx.train_step import compile_train_step, compiled_stats, make_setup
+    from maxctx.train_step import compile_train_step, make_setup
 
     mesh = create_mesh(config)
     setup = make_setup(config, mesh)
@@ -28,7 +29,8 @@ def compile_report(config: Config) -> dict:
     report = {"model_name": config.model_name, "num_params": count_params(setup.abstract_state["params"]),
               "mesh": dict(mesh.shape), "platform": jax.devices()[0].platform, "global_batch": setup.global_batch,
               "seq_len": config.max_target_length, "compile_time_s": round(time.perf_counter() - start, 2),
-              **compiled_stats(compiled)}
+              **compile_record(compiled, analytic_flops_per_device=training_flops_per_device(
+                  config, setup.global_batch, config.max_target_length, mesh.devices.size))}
     return report
 
 
@@ -45,7 +47,7 @@ def main(argv: list[str]) -> int:
     gib = 1024 ** 3
     print(f"{report['model_name']}: {report['num_params'] / 1e9:.3f}B parameters, mesh {report['mesh']}, "
           f"batch {report['global_batch']} x {report['seq_len']}")
-    print(f"per device: {report.get('total_bytes_per_device', 0) / gib:.3f} GiB "
+    print(f"per device: {report.get('total_size_in_bytes', 0) / gib:.3f} GiB "
           f"(arguments {report.get('argument_size_in_bytes', 0) / gib:.3f}, temp "
           f"{report.get('temp_size_in_bytes', 0) / gib:.3f}); "
           f"{report.get('xla_flops_per_device', 0) / 1e12:.4f} TFLOP per step (XLA)")

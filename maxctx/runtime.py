@@ -34,8 +34,9 @@ def distributed_settings(config: Config) -> dict | None:
     address = config.jax_coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
     num = config.jax_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
     pid = config.jax_process_id if config.jax_process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "-1") or -1)
-    if os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") and not address:
-        return {}  # a TPU pod: JAX finds the coordinator and ids by itself
+    workers = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if config.cpu_devices == 0 and not address and "," in workers and not any(c.isspace() for c in workers):
+        return {}  # a multi-host TPU slice: JAX finds the coordinator and ids by itself
     if not address and num <= 1:
         return None
     if not address or num <= 1 or pid < 0:

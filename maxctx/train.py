@@ -1,124 +1,145 @@
 """The training loop: `python train.py configs/base.yml key=value ...`.
 
 config (validated before JAX starts) -> devices / jax.distributed -> mesh -> abstract state and shardings ->
-AOT-compiled step (memory and FLOPs logged before step 0) -> init -> for each step: next batch, step, log the
-previous step's metrics (one step late, so the host never blocks the device).
+AOT-compiled step (memory and FLOPs logged before step 0) -> init or resume -> for each step: next batch,
+dispatch the step, log the previous step's metrics (one step late, so the host never blocks the device),
+evaluate and checkpoint on their periods.
+
+Exit status: 0 done, 2 configuration error, 3 non-finite loss (the last good checkpoint is kept).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
 from maxctx.config import Config, ConfigError, load_config, save_config
 
+EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+
 
 def main(argv: list[str]) -> int:
-    """Entry point; returns the process exit status (2 for a configuration error)."""
+    """Entry point; returns the process exit status."""
     try:
         config = load_config(argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     from maxctx import runtime  # imports JAX; device settings must come before its first use
+    from maxctx.metrics import NonFiniteLossError
 
     try:
         runtime.initialize(config)
         return train(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
-
-
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-class JsonlLog:
-    """Appends one JSON object per record to <run_dir>/metrics.jsonl (process 0 only)."""
-
-    def __init__(self, path: str, enabled: bool):
-        self.path, self.enabled = path, enabled
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        return EXIT_CONFIG
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
 
 
 def train(config: Config) -> int:
     import jax
 
+    from maxctx import metrics as M
     from maxctx.data.pipeline import create_data_iterator
     from maxctx.mesh import create_mesh
     from maxctx.model.decoder import count_params
     from maxctx.runtime import is_primary
-    from maxctx.train_step import compile_train_step, compiled_stats, init_state, make_setup
+    from maxctx.train_step import compile_train_step, init_state, jit_eval_step, make_setup
 
     mesh = create_mesh(config)
     primary = is_primary()
+    setup = make_setup(config, mesh)
+    num_devices = mesh.devices.size
+    seq_len = config.max_target_length
+    tokens_per_step = setup.global_batch * seq_len
+    flops_per_step = M.training_flops_per_step(config, setup.global_batch, seq_len)
+    data = create_data_iterator(config, mesh, "train")  # data errors surface before anything is written
+    eval_data = create_data_iterator(config, mesh, "eval") if config.eval_interval > 0 else None
+
     if primary:
         os.makedirs(config.run_dir, exist_ok=True)
         save_config(config, os.path.join(config.run_dir, "config.yml"))
-    log = JsonlLog(os.path.join(config.run_dir, "metrics.jsonl"), primary)
+    writer = M.MetricsWriter(config.run_dir, config.enable_tensorboard, primary)
+    peak, peak_source = M.peak_flops_per_device(jax.devices()[0], config)
 
-    setup = make_setup(config, mesh)
-    tokens_per_step = setup.global_batch * config.max_target_length
     start = time.perf_counter()
     compiled = compile_train_step(setup)
-    stats = compiled_stats(compiled)
-    n_params = count_params(setup.abstract_state["params"])
+    record = M.compile_record(compiled, analytic_flops_per_device=flops_per_step / num_devices)
+    record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(mesh.shape),
+                  compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch, seq_len=seq_len,
+                  peak_flops_per_device=peak, peak_source=peak_source)
+    writer.write_compile(record)
     if primary:
-        print(f"maxctx: {config.model_name} ({n_params / 1e6:.2f}M parameters) on mesh {dict(mesh.shape)}, "
-              f"{jax.device_count()} {jax.devices()[0].platform} devices; global batch {setup.global_batch} x "
-              f"{config.max_target_length} tokens")
-        print(f"compiled train step in {time.perf_counter() - start:.1f}s: per device "
-              f"{_format_bytes(stats.get('total_bytes_per_device', 0))} (temp "
-              f"{_format_bytes(stats.get('temp_size_in_bytes', 0))}), "
-              f"{stats.get('xla_flops_per_device', 0) / 1e9:.3f} GFLOP per step (XLA cost analysis)")
-    log.write({"event": "compile", "num_params": n_params, "compile_time_s": time.perf_counter() - start,
-               "mesh": dict(mesh.shape), "tokens_per_step": tokens_per_step, **stats})
+        _print_header(config, record, jax.devices()[0].platform, num_devices)
 
     state = init_state(setup)
-    data = create_data_iterator(config, mesh, "train")
-    pending = None  # (step, metrics on device, dispatch time) of the previous step
-    last_time = time.perf_counter()
-    first_loss = last_loss = None
-    for step in range(int(jax.device_get(state["step"])), config.steps):
+    start_step = int(jax.device_get(state["step"]))
+    eval_step = jit_eval_step(setup) if eval_data is not None else None
+    pending = M.PendingMetrics()
+    profiler = M.Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
+    losses: list[float] = []
+
+    def log(done: M.StepMetrics | None, force: bool = False) -> None:
+        if done is None:
+            return
+        M.check_finite(done.step, done.metrics)
+        losses.append(done.metrics["loss"])
+        completed = done.step + 1
+        if done.seconds is None or not (completed % config.log_period == 0 or force or done.step == start_step):
+            return
+        perf = M.throughput(done.seconds, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
+                            num_devices=num_devices, peak_flops_per_device=peak)
+        values = {**done.metrics, **perf, **M.device_memory()}
+        values["step_time_s"], values["tokens_per_s"] = perf["step_time_seconds"], perf["tokens_per_sec"]
+        writer.write_step(completed, values)
+        if primary:
+            print(M.format_progress(completed, config.steps, values, done.seconds), flush=True)
+
+    for step in range(start_step, config.steps):
+        profiler.step(step, block_on=state)
         batch = next(data)
-        state, metrics = compiled(state, batch)
-        if pending is not None:
-            last_time, record = _finish(pending, last_time, tokens_per_step, config, log, primary)
-            first_loss = record["loss"] if first_loss is None else first_loss
-            last_loss = record["loss"]
-        pending = (step, metrics)
-    if pending is not None:
-        _, record = _finish(pending, last_time, tokens_per_step, config, log, primary, force=True)
-        first_loss = record["loss"] if first_loss is None else first_loss
-        last_loss = record["loss"]
-    if primary and first_loss is not None:
-        print(f"done: {config.steps} steps, loss {first_loss:.4f} -> {last_loss:.4f}; outputs in {config.run_dir}")
+        state, step_metrics = compiled(state, batch)
+        log(pending.push(step, step_metrics))
+        completed = step + 1
+        if eval_step is not None and completed % config.eval_interval == 0:
+            log(pending.flush())
+            _evaluate(eval_step, state, eval_data, config, writer, completed, primary)
+            pending.reset_clock()
+    log(pending.flush(), force=True)
+    profiler.stop(block_on=state)
+    writer.close()
+    if primary and losses:
+        print(f"done: step {config.steps}, loss {losses[0]:.4f} (first) -> {losses[-1]:.4f} (last); "
+              f"outputs in {config.run_dir}")
     return 0
 
 
-def _finish(pending, last_time, tokens_per_step, config, log, primary, force=False):
-    """Fetches a finished step's metrics (the next step is already dispatched) and logs them on its period."""
+def _evaluate(eval_step, state, eval_data, config: Config, writer, step: int, primary: bool) -> None:
+    import math
+
     import jax
 
-    step, metrics = pending
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    now = time.perf_counter()
-    step_time = now - last_time
-    record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
-    if step % config.log_period == 0 or force:
-        log.write(record)
-        if primary:
-            print(f"step {step + 1}/{config.steps} | loss {values['loss']:.4f} | lr {values['learning_rate']:.2e} | "
-                  f"grad norm {values['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tokens/s", flush=True)
-    return now, record
+    loss_sum = weight_sum = 0.0
+    for _ in range(config.eval_steps):
+        sums = jax.device_get(eval_step(state["params"], next(eval_data)))
+        loss_sum, weight_sum = loss_sum + float(sums[0]), weight_sum + float(sums[1])
+    loss = loss_sum / max(weight_sum, 1.0)
+    values = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": weight_sum}
+    writer.write_eval(step, values)
+    if primary:
+        print(f"eval at step {step}: loss {loss:.4f}, perplexity {values['perplexity']:.2f}", flush=True)
+
+
+def _print_header(config: Config, record: dict, platform: str, num_devices: int) -> None:
+    mib = 1024 ** 2
+    print(f"maxctx: {config.model_name} ({record['num_params'] / 1e6:.2f}M parameters) on mesh {record['mesh']}, "
+          f"{num_devices} {platform} devices; global batch {record['global_batch']} x {record['seq_len']} tokens")
+    print(f"compiled train step in {record['compile_time_s']:.1f}s: per device "
+          f"{record.get('total_size_in_bytes', 0) / mib:.1f} MiB (temp {record.get('temp_size_in_bytes', 0) / mib:.1f}"
+          f" MiB); {record['analytic_flops_per_device'] / 1e9:.3f} model GFLOP per device per step; "
+          f"peak {record['peak_flops_per_device'] / 1e12:.3f} TFLOP/s per device ({record['peak_source']})",
+          flush=True)

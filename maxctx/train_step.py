@@ -136,27 +136,14 @@ def jit_train_step(setup: TrainSetup):
                    out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
 
 
+def jit_eval_step(setup: TrainSetup):
+    """`(params, batch) -> (sum of weighted loss, sum of weights)`, jitted; the caller divides once at the end."""
+    replicated = NamedSharding(setup.mesh, P())
+    return jax.jit(lambda params, batch: loss_sums(setup.graphdef, params, batch),
+                   in_shardings=(setup.state_shardings["params"], setup.batch_shardings),
+                   out_shardings=(replicated, replicated))
+
+
 def compile_train_step(setup: TrainSetup):
     """AOT-compiles the step for the abstract state and batch; returns the `Compiled` (callable like the step)."""
     return jit_train_step(setup).lower(setup.abstract_state, setup.abstract_batch()).compile()
-
-
-def compiled_stats(compiled) -> dict[str, float]:
-    """Per-device memory (bytes) and FLOPs of a compiled program, as far as the backend reports them."""
-    stats: dict[str, float] = {}
-    memory = compiled.memory_analysis()
-    if memory is not None:
-        for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                      "alias_size_in_bytes", "generated_code_size_in_bytes"):
-            if hasattr(memory, field):
-                stats[field] = int(getattr(memory, field))
-        stats["total_bytes_per_device"] = (stats.get("argument_size_in_bytes", 0)
-                                           + stats.get("output_size_in_bytes", 0)
-                                           + stats.get("temp_size_in_bytes", 0)
-                                           - stats.get("alias_size_in_bytes", 0))
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    if cost and "flops" in cost:
-        stats["xla_flops_per_device"] = float(cost["flops"])
-    return stats

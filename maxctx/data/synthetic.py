@@ -61,12 +61,13 @@ def pack_row(documents: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]
 
 
 class SyntheticSource:
-    """Generates global batches [global_batch, seq_len] as a pure function of the step."""
+    """Generates global batches [global_batch, seq_len] as a pure function of the step. Streams (0 train,
+    1 eval) draw different documents from the same chain."""
 
-    def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int):
+    def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int, stream: int = 0):
         if vocab_size <= FIRST_CONTENT + 1:
             raise ValueError(f"vocab_size={vocab_size} is too small for synthetic data; use at least 8")
-        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self.seq_len, self.global_batch, self.seed, self.stream = seq_len, global_batch, seed, stream
         self.table = transition_table(vocab_size, seed)
 
     def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
@@ -76,7 +77,7 @@ class SyntheticSource:
         return {key: np.stack([row[key] for row in out]) for key in out[0]}
 
     def _row(self, step: int, row: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, step, row])
+        rng = np.random.default_rng([self.seed, self.stream, step, row])
         documents, total = [], 0
         while total < self.seq_len:
             length = int(rng.integers(max(4, self.seq_len // 8), self.seq_len + 2))
