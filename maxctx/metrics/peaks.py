@@ -12,12 +12,15 @@ figure with a footnote that dense is half.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxctx.config import Config
 
@@ -71,24 +74,25 @@ def measure_matmul_flops(devices: list[jax.Device], dtypes: tuple[str, ...] = ("
                          chain: int = 4, repeats: int = 3) -> float:
     """Best matmul FLOP/s per device, with every device in `devices` multiplying at once.
 
-    Runs `chain` dependent [size, size] matmuls per device, best of `repeats` timings, for each dtype; returns
-    the best rate. About 0.1-0.3 s on a laptop CPU.
+    One [size, size] matmul per device per call (a batch sharded over the devices), `chain` dependent calls
+    timed together, best of `repeats`, for each dtype; returns the best rate. About 0.2-1 s on a laptop CPU.
     """
+    sharding = NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d"))
+    # y <- tanh(y @ x): dependent calls, values kept bounded so bf16 stays finite.
+    step = jax.jit(lambda x, y: jnp.tanh(y @ x), out_shardings=sharding)
+    shape = (len(devices), size, size)
     best = 0.0
     for dtype in dtypes:
-        # Dependent matmuls: y <- y @ x, renormalised so bf16 values stay finite.
-        step = jax.jit(lambda x, y: jnp.tanh(y @ x))
-        xs = [jax.device_put(jnp.full((size, size), 1.0 / size, dtype), d) for d in devices]
-        ys = [jax.device_put(jnp.ones((size, size), dtype), d) for d in devices]
-        jax.block_until_ready([step(x, y) for x, y in zip(xs, ys)])  # compile on each device
+        x = jax.device_put(jnp.full(shape, 1.0 / size, dtype), sharding)
+        y = jax.device_put(jnp.ones(shape, dtype), sharding)
+        jax.block_until_ready(step(x, y))  # compile
         for _ in range(repeats):
             start = time.perf_counter()
-            outs = ys
+            out = y
             for _ in range(chain):
-                outs = [step(x, y) for x, y in zip(xs, outs)]
-            jax.block_until_ready(outs)
-            seconds = time.perf_counter() - start
-            best = max(best, 2.0 * size**3 * chain / seconds)
+                out = step(x, out)
+            jax.block_until_ready(out)
+            best = max(best, 2.0 * size**3 * chain / (time.perf_counter() - start))
     return best
 
 
@@ -96,7 +100,7 @@ def peak_flops_per_device(device: jax.Device, config: Config) -> tuple[float, st
     """Peak FLOP/s of one device and where the number comes from (see the module doc for the order).
 
     Call once at start: on CPU and unknown kinds it runs a short benchmark on all local devices of the
-    platform (pass any one of them).
+    platform (pass any one of them). NaN (MFU then reads NaN) only for an unknown kind with no local device.
     """
     if config.peak_tflops_per_device > 0:
         return config.peak_tflops_per_device * 1e12, f"config peak_tflops_per_device={config.peak_tflops_per_device}"
@@ -108,6 +112,8 @@ def peak_flops_per_device(device: jax.Device, config: Config) -> tuple[float, st
                       f"Set peak_tflops_per_device=<dense bf16 TFLOP/s of one device> for a trustworthy MFU.",
                       stacklevel=2)
     local = [d for d in jax.local_devices() if d.platform == device.platform]
+    if not local:  # e.g. an abstract device of a compile-only topology: nothing to run a benchmark on
+        return math.nan, f"unknown: no local {device.platform} device to measure; set peak_tflops_per_device"
     dtypes = tuple(dict.fromkeys(("float32", config.dtype)))
     flops = measure_matmul_flops(local, dtypes)
     return flops, (f"measured: best of {'/'.join(dtypes)} 512x512 matmuls on {len(local)} {device.platform} "

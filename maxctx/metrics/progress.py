@@ -111,7 +111,7 @@ def format_progress(step: int, total_steps: int, metrics: dict[str, float], seco
         parts.append(f"loss {metrics['loss']:.4f}")
     if "tokens_per_sec" in metrics:
         parts.append(f"{_count(metrics['tokens_per_sec'])} tok/s")
-    if "mfu" in metrics:
+    if math.isfinite(metrics.get("mfu", math.nan)):
         parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
     parts.append(f"{seconds_per_step:.3f} s/step")
     parts.append(f"ETA {_duration(max(total_steps - step, 0) * seconds_per_step)}")

@@ -1,0 +1,86 @@
+"""MetricsWriter: TensorBoard events read back from disk with the MaxText tags, metrics.jsonl records, and
+nothing written by non-primary processes."""
+
+import glob
+import json
+import math
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import pytest
+from tensorboardX.proto import event_pb2
+
+from maxctx.metrics import TAGS, MetricsWriter, compile_record
+
+
+def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TFRecord event files under log_dir: tag -> [(step, value)].
+
+    A TFRecord is: uint64 length, uint32 masked CRC of the length, `length` bytes (an Event proto), uint32 CRC.
+    """
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    files = sorted(glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True))
+    assert files, f"no event files under {log_dir}"
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            payload = data[offset + 12:offset + 12 + length]
+            offset += 12 + length + 4
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+STEP = {"loss": 3.25, "grad_norm": 0.75, "param_norm": 12.5, "learning_rate": 0.003, "tokens": 1024.0,
+        "step_time_seconds": 0.5, "tokens_per_sec": 2048.0, "per_device_tokens_per_sec": 256.0,
+        "per_device_tflops_per_sec": 0.125, "mfu": 0.25}
+
+
+def test_tensorboard_tags_and_values(tmp_path):
+    with MetricsWriter(str(tmp_path), enable_tensorboard=True, is_primary=True) as writer:
+        writer.write_step(10, STEP)
+        writer.write_step(20, {**STEP, "loss": 3.0, "custom": 7.0})
+        writer.write_eval(20, {"loss": 3.5, "tokens": 512.0})
+    scalars = read_scalars(str(tmp_path / "tensorboard"))
+    for tag in ("learning/loss", "learning/grad_norm", "learning/param_norm", "learning/current_learning_rate",
+                "perf/step_time_seconds", "perf/per_device_tflops_per_sec", "perf/per_device_tokens_per_sec",
+                "perf/mfu"):
+        assert tag in scalars, f"{tag} missing; found {sorted(scalars)}"
+    for key, tag in TAGS.items():
+        if key in STEP:
+            assert scalars[tag][0] == (10, pytest.approx(STEP[key], rel=1e-6)), tag
+    assert scalars["learning/loss"] == [(10, 3.25), (20, 3.0)]
+    assert scalars["learning/custom"] == [(20, 7.0)]
+    assert scalars["eval/avg_loss"] == [(20, 3.5)]
+    assert scalars["eval/total_weights"] == [(20, 512.0)]
+
+
+def test_jsonl_records(tmp_path):
+    compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 32)), jnp.ones((32, 16))).compile()
+    record = compile_record(compiled, analytic_flops_per_device=2 * 64 * 32 * 16)
+    assert record["xla_flops_per_device"] == pytest.approx(2 * 64 * 32 * 16, rel=0.01)
+    assert record["argument_size_in_bytes"] == 4 * (64 * 32 + 32 * 16)
+    with MetricsWriter(str(tmp_path), enable_tensorboard=False, is_primary=True) as writer:
+        writer.write_compile(record)
+        writer.write_step(1, {**STEP, "loss": jnp.float32(2.5), "grad_norm": float("nan")})
+    assert not (tmp_path / "tensorboard").exists()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in lines] == ["compile", "train"]
+    assert lines[0]["analytic_flops_per_device"] == 2 * 64 * 32 * 16
+    assert lines[1]["step"] == 1 and lines[1]["loss"] == 2.5 and lines[1]["mfu"] == 0.25
+    assert math.isnan(float(lines[1]["grad_norm"]))  # written as the string "nan": JSON has no NaN
+
+
+def test_only_primary_writes(tmp_path):
+    with MetricsWriter(str(tmp_path / "run"), enable_tensorboard=True, is_primary=False) as writer:
+        writer.write_compile({"xla_flops_per_device": 1.0})
+        writer.write_step(1, STEP)
+        writer.write_eval(1, {"loss": 1.0})
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,45 @@
+"""scripts/plot_metrics.py on two fake runs writes readable PNGs."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_run(run_dir, loss_scale):
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"event": "compile", "xla_flops_per_device": 1e9}) + "\n")
+        for step in range(0, 100, 10):
+            f.write(json.dumps({"event": "train", "step": step, "loss": loss_scale * 5.0 / (1 + step),
+                                "tokens_per_sec": 1000.0 + step, "mfu": 0.3 + step / 1000}) + "\n")
+        f.write(json.dumps({"event": "train", "step": 100, "loss": "nan", "mfu": 0.4}) + "\n")  # skipped
+        f.write(json.dumps({"event": "eval", "step": 50, "loss": loss_scale * 0.2}) + "\n")
+
+
+def test_two_runs_give_valid_pngs(tmp_path):
+    runs = [str(tmp_path / "run_p2p"), str(tmp_path / "run_a2a")]
+    _fake_run(runs[0], 1.0)
+    _fake_run(runs[1], 1.2)
+    out = tmp_path / "plots"
+    result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot_metrics.py"), *runs,
+                             "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for name in ("loss.png", "tokens_per_sec.png", "mfu.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE, name
+        assert data[12:16] == b"IHDR"
+        width, height = struct.unpack(">II", data[16:24])
+        assert (width, height) == (800, 450), name
+        assert len(data) > 5000, name  # axes, two lines and a legend, not an empty canvas
+
+
+def test_missing_run_dir_is_an_error(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot_metrics.py"),
+                             str(tmp_path / "nope"), "--out", str(tmp_path / "plots")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "metrics.jsonl" in result.stderr
