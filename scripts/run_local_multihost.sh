@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'HELP'
-Usage: scripts/run_local_multihost.sh [--devices-per-process M] [--dry-run] N CONFIG [key=value ...]
+Usage: scripts/run_local_multihost.sh [--devices-per-process M] [--grace SECONDS] [--dry-run] N CONFIG [key=value ...]
 
 Starts N processes of  python3 train.py CONFIG key=value ... cpu_devices=M  with
 JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=0..N-1, so they train
@@ -15,6 +15,8 @@ others and exits with the failed process's status.
 
   --devices-per-process M   simulated CPU devices per process [default: 4]; a cpu_devices=K override
                             among the key=value words takes its place
+  --grace SECONDS           after one process fails, how long the others get to exit after SIGTERM before
+                            SIGKILL [default: 5]
   --dry-run                 print the N commands instead of running them
   -h, --help                this help
 
@@ -32,10 +34,12 @@ die() {
 }
 
 DEVICES=4
+GRACE=5
 DRY_RUN=0
 while (($#)); do
   case $1 in
     --devices-per-process) DEVICES=${2:?--devices-per-process needs a value}; shift 2 ;;
+    --grace) GRACE=${2:?--grace needs a value}; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h | --help) usage; exit 0 ;;
     --) shift; break ;;
@@ -48,6 +52,7 @@ NPROC=$1
 shift
 [[ $NPROC =~ ^[1-9][0-9]*$ ]] || die "N=$NPROC must be a positive whole number of processes"
 [[ $DEVICES =~ ^[1-9][0-9]*$ ]] || die "--devices-per-process=$DEVICES must be a positive whole number"
+[[ $GRACE =~ ^[0-9]+$ ]] || die "--grace=$GRACE must be a whole number of seconds"
 TRAIN_ARGS=("$@")
 has_devices=0
 for word in "${TRAIN_ARGS[@]}"; do
@@ -84,15 +89,15 @@ signal_running() {
 }
 stop_all() {
   signal_running -TERM
-  # A process stuck in a collective may ignore SIGTERM; give it a few seconds, then SIGKILL.
-  local i alive
-  for _ in 1 2 3 4 5 6 7 8 9 10; do
+  # A process stuck in a collective may ignore SIGTERM; give it --grace seconds, then SIGKILL.
+  local i alive tries
+  for ((tries = 0; tries < GRACE * 5; tries++)); do
     alive=0
     for i in "${!PIDS[@]}"; do
       [[ -n ${FINISHED[i]:-} ]] || ! kill -0 "${PIDS[i]}" 2>/dev/null || alive=1
     done
     ((alive)) || return 0
-    sleep 0.5
+    sleep 0.2
   done
   signal_running -KILL
 }

@@ -8,7 +8,9 @@ REMOTE_VENV=maxctx/.venv
 REMOTE_LOG=maxctx-logs/train.log
 REMOTE_PID=maxctx-logs/train.pid
 
-NAME=${MAXCTX_TPU_NAME:-maxctx-${USER:-tpu}}
+# TPU names allow lowercase letters, digits and dashes.
+default_name=$(printf 'maxctx-%s' "${USER:-tpu}" | tr 'A-Z_.' 'a-z--')
+NAME=${MAXCTX_TPU_NAME:-$default_name}
 ZONE=${MAXCTX_TPU_ZONE:-${CLOUDSDK_COMPUTE_ZONE:-}}
 PROJECT=${MAXCTX_TPU_PROJECT:-${CLOUDSDK_CORE_PROJECT:-}}
 QUEUED=${MAXCTX_TPU_QUEUED:-0}

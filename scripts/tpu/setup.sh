@@ -7,10 +7,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() {
   cat <<HELP
-Usage: scripts/tpu/setup.sh [--git-url URL [--git-ref REF]] [--jax SPEC] [--python PYTHON] [flags]
+Usage: scripts/tpu/setup.sh [--git-url URL [--git-ref REF]] [--jax SPEC] [--python VERSION] [flags]
 
 Puts maxctx in ~/$REMOTE_DIR on every worker and installs it (pip install -e . "jax[tpu]") into the
-virtualenv ~/$REMOTE_VENV. Safe to re-run after you change code: it ships the code again and reinstalls.
+virtualenv ~/$REMOTE_VENV (made once, by uv). Safe to re-run after you change code: it ships the code
+again and reinstalls.
 
 By default it ships this checkout as it is on disk: tracked files plus untracked ones git does not ignore,
 so local edits travel without a commit.
@@ -19,7 +20,7 @@ so local edits travel without a commit.
   --git-ref REF     with --git-url: branch, tag or commit to check out [default: the remote's HEAD]
   --jax SPEC        the JAX requirement to install [default: jax[tpu]]; pin it, e.g. "jax[tpu]==X.Y.Z",
                     when you need a particular libtpu
-  --python PYTHON   interpreter on the workers that makes the virtualenv [default: python3]
+  --python VERSION  Python version of the workers' virtualenv [default: 3.12; maxctx needs >= 3.11]
   --no-check        skip the last step, which runs JAX on every worker and prints its device counts
 
 $COMMON_FLAGS_HELP
@@ -29,7 +30,7 @@ HELP
 GIT_URL=""
 GIT_REF=""
 JAX_SPEC="jax[tpu]"
-PYTHON=python3
+PYTHON_VERSION=3.12
 CHECK=1
 while (($#)); do
   common_flag "$@"
@@ -38,7 +39,7 @@ while (($#)); do
     --git-url) GIT_URL=${2:?--git-url needs a value}; shift 2 ;;
     --git-ref) GIT_REF=${2:?--git-ref needs a value}; shift 2 ;;
     --jax) JAX_SPEC=${2:?--jax needs a value}; shift 2 ;;
-    --python) PYTHON=${2:?--python needs a value}; shift 2 ;;
+    --python) PYTHON_VERSION=${2:?--python needs a value}; shift 2 ;;
     --no-check) CHECK=0; shift ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -75,11 +76,12 @@ else
   on_all_workers "set -e; mkdir -p $REMOTE_DIR; tar -xzf $TARBALL_NAME -C $REMOTE_DIR; rm $TARBALL_NAME"
 fi
 
-# 2. A virtualenv (TPU VM images may lack python3-venv) with maxctx and jax[tpu] in one resolve, so the
-# JAX version pinned by maxctx picks the matching libtpu.
+# 2. A virtualenv with maxctx and jax[tpu], resolved together so the JAX version maxctx allows picks the
+# matching libtpu. maxctx needs Python >= 3.11 and TPU VM images ship older ones, so uv provides it.
 venv_python=$REMOTE_VENV/bin/python
-make_venv="$PYTHON -m venv $REMOTE_VENV"
-on_all_workers "set -e; [ -x $venv_python ] || $make_venv || { sudo apt-get update -qq && sudo apt-get install -y -qq python3-venv && $make_venv --clear; }; $venv_python -m pip install --quiet --upgrade pip; cd $REMOTE_DIR && .venv/bin/python -m pip install --quiet -e . $(shell_quote "$JAX_SPEC")"
+get_uv="python3 -m pip install --user --quiet uv || python3 -m pip install --user --quiet --break-system-packages uv"
+on_all_workers "set -e; [ -x $venv_python ] || { $get_uv; python3 -m uv venv --quiet --seed --python $(shell_quote "$PYTHON_VERSION") $REMOTE_VENV; }; \
+cd $REMOTE_DIR && .venv/bin/python -m pip install --quiet -e . $(shell_quote "$JAX_SPEC")"
 
 # 3. Every worker must start JAX together on a multi-host slice, which --worker=all does.
 if ((CHECK)); then

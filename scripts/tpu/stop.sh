@@ -32,6 +32,6 @@ resolve_location
 # shellcheck disable=SC2016  # $pid and $(...) are for the worker's shell
 on_all_workers "pid=\$(cat $REMOTE_PID 2>/dev/null) || { echo \"\$(hostname): no run\"; exit 0; }; \
 if kill \"\$pid\" 2>/dev/null; then \
-i=0; while kill -0 \"\$pid\" 2>/dev/null && [ \$i -lt $GRACE ]; do sleep 1; i=\$((i+1)); done; \
+i=0; while kill -0 \"\$pid\" 2>/dev/null && [ \$i -lt $((GRACE * 5)) ]; do sleep 0.2; i=\$((i+1)); done; \
 kill -0 \"\$pid\" 2>/dev/null && kill -9 \"\$pid\"; echo \"\$(hostname): stopped \$pid\"; \
 else echo \"\$(hostname): run \$pid had already ended\"; fi; rm -f $REMOTE_PID"
