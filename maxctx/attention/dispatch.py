@@ -1,43 +1,69 @@
 """The one attention entry point the model calls: picks the kernel and the context-parallel strategy.
 
 Layouts: q[B_(data,fsdp), S_(context,context_a2a), H_tensor, D], k/v[B, S, K_tensor, D], positions and segment ids
-[B, S]; out like q. With context parallelism C > 1 the call goes to a strategy module (one per strategy, same
-signature), which shard_maps over the mesh; with C = 1 the kernel runs on the global arrays under jit.
+[B, S]; out like q. With a mesh, the call goes to a strategy module (one per strategy, same signature), which
+shard_maps over the mesh (C = 1 runs the all_gather module, whose gathers are then no-ops); without a mesh the
+kernel runs on the arrays as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 
+from maxctx.attention import a2a, all_gather, p2p, usp
+from maxctx.attention.kernels import KERNELS, make_local
 
-from maxctx.attention.dot_product import dot_product_attention
+STRATEGIES = {"all_gather": all_gather.attend, "a2a": a2a.attend, "p2p": p2p.attend, "usp": usp.attend}
+ALIASES = {"ring": "p2p", "ulysses": "a2a"}
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     kernel: str = "dot_product"  # dot_product | flash | splash | cudnn | auto
-    strategy: str = "all_gather"  # all_gather | a2a | p2p | usp
+    strategy: str = "all_gather"  # all_gather | a2a | p2p | usp (aliases ring, ulysses)
     load_balance: bool = True
     block_q: int = 512
     block_kv: int = 512
 
 
-KERNELS = {"dot_product": dot_product_attention}
-
-
-def resolve_kernel(name: str) -> str:
-    """`auto` -> the best kernel the platform has."""
+def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
+    """`auto` -> the best kernel the platform has: splash on TPU, cuDNN on GPU for bf16/fp16, flash otherwise."""
     if name != "auto":
+        if name not in KERNELS:
+            raise ValueError(f"attention='{name}' is not one of auto, {', '.join(KERNELS)}")
         return name
-    return "dot_product"
+    platform = platform or jax.default_backend()
+    if platform == "tpu":
+        return "splash"
+    if platform == "gpu" and dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "flash"
+
+
+def resolve_strategy(name: str) -> str:
+    name = ALIASES.get(name, name)
+    if name not in STRATEGIES:
+        raise ValueError(f"context_parallel_strategy='{name}' is not one of {', '.join(STRATEGIES)}, ring, ulysses")
+    return name
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh=None):
     """Causal, document-masked attention; returns out[B, S, H, D]."""
-    kernel = KERNELS[resolve_kernel(spec.kernel)]
-    out, _ = kernel(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS, segment_ids_BS)
-    return out
+    kernel = resolve_kernel(spec.kernel, dtype=q_BSHD.dtype)
+    if mesh is None:
+        seq = q_BSHD.shape[1]
+        local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
+                           group=q_BSHD.shape[2] // k_BSKD.shape[2])
+        return local.attend(local.args, 0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
+                            segment_ids_BS)[0]
+    cp = mesh.shape["context"] * mesh.shape["context_a2a"]
+    strategy = STRATEGIES[resolve_strategy(spec.strategy) if cp > 1 else "all_gather"]
+    return strategy(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
+                    load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv)
 
 
-__all__ = ["AttentionSpec", "attend"]
+__all__ = ["AttentionSpec", "attend", "resolve_kernel", "resolve_strategy"]

@@ -31,3 +31,27 @@ def dot_product_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, q_seg_BS, kv_pos_BT,
     probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     out = jnp.einsum("BKGST,BTKD->BSKGD", probs.astype(v_BTKD.dtype), v_BTKD, preferred_element_type=jnp.float32)
     return out.reshape(b, s, h, d).astype(q_BSHD.dtype), lse.reshape(b, h, s)
+
+
+def dot_product_block_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSHD, lse_BHS, dout_BSHD):
+    """(dq, dk, dv) fp32 of one key/value block given the rows' final out and lse (a ring's merged result).
+
+    With lse held fixed, o(q, k, v) = sum_j exp(s_ij - lse_i) v_j and z(q, k) = sum_j exp(s_ij - lse_i); the true
+    gradient is the VJP of (o, z) with cotangents (dout, -rowsum(dout * out)), the second term standing for lse's
+    own dependence on the scores.
+    """
+    b, s, h, d = q_BSHD.shape
+    kh = k_BTKD.shape[2]
+    mask = mask_from_positions(q_pos, q_seg, kv_pos, kv_seg)[:, None, None]
+    lse = jnp.where(jnp.isfinite(lse_BHS), lse_BHS, jnp.inf).reshape(b, kh, h // kh, s)
+    delta = jnp.einsum("BSHD,BSHD->BHS", dout_BSHD.astype(jnp.float32), out_BSHD.astype(jnp.float32))
+
+    def partial_rows(q, k, v):
+        scores = jnp.einsum("BSKGD,BTKD->BKGST", q.reshape(b, s, kh, h // kh, d), k) * (d ** -0.5)
+        p = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
+        o = jnp.einsum("BKGST,BTKD->BSKGD", p, v).reshape(b, s, h, d)
+        return o, p.sum(-1).reshape(b, h, s)
+
+    f32 = [x.astype(jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD)]
+    _, vjp = jax.vjp(partial_rows, *f32)
+    return vjp((dout_BSHD.astype(jnp.float32), -delta))

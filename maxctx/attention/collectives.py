@@ -1,0 +1,60 @@
+"""shard_map across JAX versions, the partition specs of attention inputs, and the ring shift.
+
+Layouts (global): q[B_(data,fsdp), S_(context,context_a2a), H_tensor, D], k/v[B, S, K_tensor, D] (K replicated
+over tensor when it does not divide it), positions/segment ids[B_(data,fsdp), S_(context,context_a2a)].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+try:  # jax >= 0.6: jax.shard_map with check_vma
+    from jax import shard_map as _shard_map
+
+    _NO_CHECK = {"check_vma": False}
+except ImportError:  # older jax
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+    _NO_CHECK = {"check_rep": False}
+
+BATCH = ("data", "fsdp")
+CONTEXT = ("context", "context_a2a")
+
+
+def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+    # Replication checking is off: custom VJPs and Pallas calls inside carry no replication rules.
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **_NO_CHECK)
+
+
+def ring_shift(tree, axis, size: int):
+    """Sends every array of `tree` from ring rank i to rank i + 1 (mod size)."""
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
+
+
+def context_shard_map(body: Callable, mesh: Mesh, args, arg_specs, q_BSHD, k_BSKD, v_BSKD, positions_BS,
+                      segment_ids_BS):
+    """Runs body(args, q, k, v, positions, segment_ids) on each device's shards; returns out like q.
+
+    With fewer kv heads than the tensor axis (kv replicated over it), each device keeps the one kv head its
+    local query heads use, so GQA grouping is the same locally as globally.
+    """
+    tp = mesh.shape["tensor"]
+    h, kv_heads = q_BSHD.shape[2], k_BSKD.shape[2]
+    kv_sharded = kv_heads % tp == 0
+    q_spec = P(BATCH, CONTEXT, "tensor", None)
+    kv_spec = P(BATCH, CONTEXT, "tensor" if kv_sharded else None, None)
+    bs_spec = P(BATCH, CONTEXT)
+
+    def wrapped(args, q, k, v, pos, seg):
+        if not kv_sharded:
+            head = jax.lax.axis_index("tensor") * (h // tp) // (h // kv_heads)
+            k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=2)
+            v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=2)
+        return body(args, q, k, v, pos, seg)
+
+    fn = shard_map(wrapped, mesh, (arg_specs, q_spec, kv_spec, kv_spec, bs_spec, bs_spec), q_spec)
+    return fn(args, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)

@@ -1,0 +1,105 @@
+"""p2p (ring) context parallelism: K/V blocks travel around the ring while each device attends to the one it holds.
+
+Legend (per device): B batch per device, S the whole sequence, C the CP degree (ring size R = C for p2p), H and K
+heads per tensor shard, D head dim, b bytes per activation element; positions and segment ids are int32.
+
+Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mod R, sends it on with ppermute
+(issued before the hop's compute, so XLA can overlap them) and merges the hop's (out, lse) into fp32 accumulators
+with a stable log-add-exp. Backward (custom VJP): the same hops in the same order, each computing the hop's
+(dq, dk, dv) from the *merged* out and lse; dq stays home, dK/dV accumulators (fp32) travel with their block and
+reach its owner after the last hop, so nothing of size O(S) is saved or held.
+
+Skipping: a hop whose keys all start after the rows' last position is skipped whole (`lax.cond`); inside a hop the
+flash and splash kernels skip every (query block, key block) pair the mask hides. With zig-zag load balance each
+off-diagonal hop keeps exactly half of the block pairs (one query chunk against both key chunks, or both query
+chunks against one key chunk), so every hop does equal work.
+
+Collective bytes per layer (collective-permute operands on one device, s = S / C):
+    forward   (R - 1) x (2 B s K D b + 2 B s 4)                     K, V, positions, segment ids
+    backward  (R - 1) x (2 B s K D b + 2 B s 4) + R x 2 B s K D 4   re-sent K/V, then the fp32 dK/dV accumulators
+Attention activation memory per device: saved q, k, v, out (2 H + 2 K) B s D b and lse B H s 4; during a hop the
+fp32 out accumulator B s H D 4 and two K/V blocks in flight 4 B s K D b: all O(S/C).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from maxctx.attention.collectives import CONTEXT, context_shard_map, ring_shift
+from maxctx.attention.kernels import LocalKernel, make_local, stored_order
+
+
+def _merge(out_BSHD, lse_BHS, o_BSHD, l_BHS):
+    new = jnp.logaddexp(lse_BHS, l_BHS)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    w_old = jnp.exp(lse_BHS - safe).transpose(0, 2, 1)[..., None]
+    w_new = jnp.exp(l_BHS - safe).transpose(0, 2, 1)[..., None]
+    return out_BSHD * w_old + o_BSHD * w_new, new
+
+
+def _maybe(q_pos, kv_pos, skipped, compute, *operands):
+    """compute(*operands), or `skipped` for a hop whose keys all come after every query (causal; conservative
+    with packed documents, where the kernels' own block skipping does the rest)."""
+    return jax.lax.cond(kv_pos.min() <= q_pos.max(), compute, lambda *_: skipped, *operands)
+
+
+def ring_attention(local: LocalKernel, axis, size: int):
+    """Returns ring(args, q, k, v, q_pos, q_seg, kv_pos, kv_seg) -> out, to call inside shard_map over `axis`."""
+
+    def forward(args, q, k, v, qp, qs, kp, ks):
+        b, s, h, d = q.shape
+        out, lse = jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32)
+        block = (k, v, kp, ks)
+        for hop in range(size):
+            following = ring_shift(block, axis, size) if hop < size - 1 else None
+            empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
+            o_hop, lse_hop = _maybe(qp, block[2], empty, functools.partial(local.block_forward, args, hop),
+                                    q, block[0], block[1], qp, qs, block[2], block[3])
+            out, lse = _merge(out, lse, o_hop, lse_hop)
+            block = following
+        return out.astype(q.dtype), lse
+
+    @jax.custom_vjp
+    def ring(args, q, k, v, qp, qs, kp, ks):
+        return forward(args, q, k, v, qp, qs, kp, ks)[0]
+
+    def ring_fwd(args, q, k, v, qp, qs, kp, ks):
+        out, lse = forward(args, q, k, v, qp, qs, kp, ks)
+        return out, (args, q, k, v, qp, qs, kp, ks, out, lse)
+
+    def ring_bwd(res, dout):
+        args, q, k, v, qp, qs, kp, ks, out, lse = res
+        dq = jnp.zeros(q.shape, jnp.float32)
+        dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        block = (k, v, kp, ks)
+        for hop in range(size):
+            following = ring_shift(block, axis, size) if hop < size - 1 else None
+            zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
+            dq_h, dk_h, dv_h = _maybe(qp, block[2], zeros, functools.partial(local.block_backward, args, hop),
+                                      q, block[0], block[1], qp, qs, block[2], block[3], out, lse, dout)
+            dq = dq + dq_h
+            dkv = ring_shift((dkv[0] + dk_h, dkv[1] + dv_h), axis, size)  # after R shifts: back at the owner
+            block = following
+        return None, dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring
+
+
+def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh: Mesh, load_balance: bool,
+           block_q: int, block_kv: int):
+    cp = mesh.shape["context"] * mesh.shape["context_a2a"]
+    seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
+    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
+                       q_shards=cp, kv_blocks=cp, q_axes=CONTEXT, group=h // kv_heads, ring=True)
+    ring = ring_attention(local, CONTEXT, cp)
+
+    def body(args, q, k, v, pos, seg):
+        return ring(args, q, k, v, pos, seg, pos, seg)
+
+    return context_shard_map(body, mesh, local.args, local.arg_specs, q_BSHD, k_BSKD, v_BSKD, positions_BS,
+                             segment_ids_BS)
