@@ -20,7 +20,7 @@ others and exits with the failed process's status.
   --dry-run                 print the N commands instead of running them
   -h, --help                this help
 
-Environment: MAXCTX_PYTHON (interpreter, default python3); JAX_PLATFORMS defaults to cpu.
+Environment: MAXCTX_PYTHON, the interpreter [default: python3].
 
 Example (2 processes x 4 devices, the context axis spanning both):
   scripts/run_local_multihost.sh 2 configs/base.yml ici_fsdp_parallelism=2 ici_context_parallelism=4 \
@@ -64,14 +64,12 @@ PYTHON=${MAXCTX_PYTHON:-python3}
 TRAIN_PY=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/train.py
 # A port the OS calls free now; the coordinator (process 0) binds it a moment later.
 PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 export JAX_COORDINATOR_ADDRESS=127.0.0.1:$PORT
 export JAX_NUM_PROCESSES=$NPROC
 
 if ((DRY_RUN)); then
   for ((i = 0; i < NPROC; i++)); do
-    printf 'JAX_PLATFORMS=%q JAX_COORDINATOR_ADDRESS=%s JAX_NUM_PROCESSES=%s JAX_PROCESS_ID=%s' \
-      "$JAX_PLATFORMS" "$JAX_COORDINATOR_ADDRESS" "$NPROC" "$i"
+    printf 'JAX_COORDINATOR_ADDRESS=%s JAX_NUM_PROCESSES=%s JAX_PROCESS_ID=%s' "$JAX_COORDINATOR_ADDRESS" "$NPROC" "$i"
     printf ' %q' "$PYTHON" "$TRAIN_PY" "${TRAIN_ARGS[@]}"
     printf '\n'
   done
