@@ -1,5 +1,6 @@
 """FLOPs: the formula against a hand count, packed-document areas, XLA's cost analysis of a Llama-like train
-step written here (unrolled layers, no remat), and MFU on CPU against the measured peak."""
+step written here (unrolled layers, no remat; independent of maxctx.model, whose compiled step is checked in
+test_metrics_xla.py), and MFU on CPU against the measured peak."""
 
 import dataclasses
 import time
@@ -124,7 +125,7 @@ def _train_step(params, tokens, targets):
     return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), loss
 
 
-@pytest.mark.parametrize("cfg,batch,seq", [(TINY, 8, 128), (MID, 2, 512)], ids=["tiny", "mid"])
+@pytest.mark.parametrize("cfg,batch,seq", [(TINY, 8, 128), (MID, 2, 256)], ids=["tiny", "mid"])
 def test_formula_vs_xla_cost_analysis(cfg, batch, seq):
     params = jax.eval_shape(lambda: _init(cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
@@ -142,8 +143,9 @@ def test_formula_vs_xla_cost_analysis(cfg, batch, seq):
 
 def test_mfu_on_cpu_is_between_0_and_1():
     devices = jax.devices()
-    peak, source = peak_flops_per_device(devices[0], TINY)
-    assert peak > 0 and "measured" in source
+    # This model computes in float32, so the peak is measured for float32 matmuls, on all 8 devices at once.
+    peak, source = peak_flops_per_device(devices[0], dataclasses.replace(TINY, dtype="float32"))
+    assert 1e8 < peak < 1e13 and "measured" in source and f"{len(devices)} cpu" in source
     batch, seq = len(devices), 128
     mesh = Mesh(np.array(devices), ("data",))
     data = NamedSharding(mesh, P("data"))
