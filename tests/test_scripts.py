@@ -24,7 +24,8 @@ TPU_SCRIPTS = ["create", "setup", "run", "logs", "stop", "delete"]
 
 # Stands in for gcloud: appends its argv to FAKE_GCLOUD_LOG as JSON; answers `queued-resources describe` with
 # ACTIVE and `config get-value compute/zone` with FAKE_GCLOUD_ZONE; copies `tpu-vm scp` sources into FAKE_SCP_DIR;
-# runs `tpu-vm ssh --command=...` with sh in FAKE_WORKER_HOME (the worker's home) when that is set.
+# runs `tpu-vm ssh --command=...` with sh in FAKE_WORKER_HOME (the worker's home) when that is set, with
+# FAKE_WORKER_PATH (the worker's own programs) first on PATH.
 FAKE_GCLOUD = """#!{python}
 import json, os, shutil, subprocess, sys
 args = sys.argv[1:]
@@ -38,7 +39,8 @@ elif "scp" in args and os.environ.get("FAKE_SCP_DIR"):
     shutil.copy(args[args.index("scp") + 1], os.environ["FAKE_SCP_DIR"])
 elif "ssh" in args and os.environ.get("FAKE_WORKER_HOME"):
     command = next(a for a in args if a.startswith("--command="))[len("--command="):]
-    sys.exit(subprocess.run(["sh", "-c", command], cwd=os.environ["FAKE_WORKER_HOME"]).returncode)
+    env = dict(os.environ, PATH=os.environ.get("FAKE_WORKER_PATH", "") + os.pathsep + os.environ["PATH"])
+    sys.exit(subprocess.run(["sh", "-c", command], cwd=os.environ["FAKE_WORKER_HOME"], env=env).returncode)
 """
 
 
@@ -344,6 +346,36 @@ def test_dry_run_prints_exactly_what_a_real_run_executes(gcloud, tmp_path, scrip
 
 
 # ---- TPU scripts: the remote shell snippets, run on a fake worker ----------------------------------------------
+
+# The worker's python3 (and, copied into the virtualenv, its python): records each call with its directory;
+# `-m uv venv ... DIR` makes DIR/bin/python.
+WORKER_PYTHON = """#!/bin/sh
+echo "$(pwd): $*" >> "$FAKE_WORKER_HOME/python-calls"
+case "$*" in
+  "-m uv venv "*) for dir; do :; done; mkdir -p "$dir/bin"; cp "$0" "$dir/bin/python" ;;
+esac
+"""
+
+
+def test_setup_ships_the_checkout_and_installs_on_a_worker(gcloud, tmp_path):
+    home, worker_bin = tmp_path / "home", tmp_path / "worker-bin"
+    home.mkdir()
+    worker_bin.mkdir()
+    _executable(worker_bin / "python3", WORKER_PYTHON)
+    (home / "maxctx" / "outputs").mkdir(parents=True)
+    (home / "maxctx" / "outputs" / "checkpoint").write_text("kept")
+    (home / "maxctx" / "deleted_module.py").write_text("stale")
+    worker = dict(FAKE_WORKER_HOME=str(home), FAKE_WORKER_PATH=str(worker_bin), FAKE_SCP_DIR=str(home))
+    for _ in range(2):  # a second setup reuses the virtualenv
+        result = gcloud.run("setup", "--zone", "z", **worker)
+        assert result.returncode == 0, result.stderr
+    assert (home / "maxctx" / "train.py").read_text() == (ROOT / "train.py").read_text()
+    assert (home / "maxctx" / "outputs" / "checkpoint").read_text() == "kept"
+    assert not (home / "maxctx" / "deleted_module.py").exists() and not (home / "maxctx-src.tar.gz").exists()
+    calls = (home / "python-calls").read_text().splitlines()
+    assert sum(" -m uv venv --quiet --seed --python 3.12 maxctx/.venv" in c for c in calls) == 1
+    assert calls.count(f"{home / 'maxctx'}: -m pip install --quiet -e . jax[tpu]") == 2
+    assert sum("import jax" in c for c in calls) == 2
 
 
 def test_run_logs_and_stop_work_on_a_worker(gcloud, tmp_path):

@@ -14,7 +14,8 @@ virtualenv ~/$REMOTE_VENV (made once, by uv). Safe to re-run after you change co
 again and reinstalls.
 
 By default it ships this checkout as it is on disk: tracked files plus untracked ones git does not ignore,
-so local edits travel without a commit.
+so local edits travel without a commit. They replace everything in ~/$REMOTE_DIR except .venv and outputs,
+so files deleted here do not linger there.
 
   --git-url URL     clone URL on each worker instead of shipping this checkout
   --git-ref REF     with --git-url: branch, tag or commit to check out [default: the remote's HEAD]
@@ -73,7 +74,9 @@ else
     pack_checkout "$tarball"
   fi
   tpus tpu-vm scp "$tarball" "$NAME:$TARBALL_NAME" --worker=all
-  on_all_workers "set -e; mkdir -p $REMOTE_DIR; tar -xzf $TARBALL_NAME -C $REMOTE_DIR; rm $TARBALL_NAME"
+  on_all_workers "set -e; mkdir -p $REMOTE_DIR; \
+find $REMOTE_DIR -mindepth 1 -maxdepth 1 ! -name .venv ! -name outputs -exec rm -rf {} +; \
+tar -xzf $TARBALL_NAME -C $REMOTE_DIR; rm $TARBALL_NAME"
 fi
 
 # 2. A virtualenv with maxctx and jax[tpu], resolved together so the JAX version maxctx allows picks the
