@@ -44,11 +44,12 @@ def train(config: Config) -> int:
     import jax
 
     from maxctx import metrics as M
+    from maxctx.checkpoint import Checkpointer
     from maxctx.data.pipeline import create_data_iterator
     from maxctx.mesh import create_mesh
     from maxctx.model.decoder import count_params
     from maxctx.runtime import is_primary
-    from maxctx.train_step import compile_train_step, init_state, jit_eval_step, make_setup
+    from maxctx.train_step import compile_train_step, jit_eval_step, make_setup
 
     mesh = create_mesh(config)
     primary = is_primary()
@@ -59,6 +60,7 @@ def train(config: Config) -> int:
     flops_per_step = M.training_flops_per_step(config, setup.global_batch, seq_len)
     data = create_data_iterator(config, mesh, "train")  # data errors surface before anything is written
     eval_data = create_data_iterator(config, mesh, "eval") if config.eval_interval > 0 else None
+    checkpointer = Checkpointer(config, setup, primary)  # load paths and checkpoint shapes checked before writing
 
     if primary:
         os.makedirs(config.run_dir, exist_ok=True)
@@ -76,7 +78,7 @@ def train(config: Config) -> int:
     if primary:
         _print_header(config, record, jax.devices()[0].platform, num_devices)
 
-    state = init_state(setup)
+    state = checkpointer.restore_or_init(data)
     start_step = int(jax.device_get(state["step"]))
     eval_step = jit_eval_step(setup) if eval_data is not None else None
     pending = M.PendingMetrics()
@@ -109,10 +111,16 @@ def train(config: Config) -> int:
             log(pending.flush())
             _evaluate(eval_step, state, eval_data, config, writer, completed, primary)
             pending.reset_clock()
+        if checkpointer.should_save(completed):
+            log(pending.flush())  # a NaN step is never saved
+            checkpointer.save(completed, state, data)
+        if checkpointer.preempted:
+            break
     log(pending.flush(), force=True)
+    checkpointer.close()
     profiler.stop(block_on=state)
     writer.close()
-    if primary and losses:
+    if primary and losses and not checkpointer.preempted:
         print(f"done: step {config.steps}, loss {losses[0]:.4f} (first) -> {losses[-1]:.4f} (last); "
               f"outputs in {config.run_dir}")
     return 0
