@@ -71,11 +71,12 @@ def lookup_peak(device_kind: str) -> PeakEntry | None:
 
 
 def measure_matmul_flops(devices: list[jax.Device], dtypes: tuple[str, ...] = ("float32",), *, size: int = 512,
-                         chain: int = 4, repeats: int = 3) -> float:
+                         chain: int = 4, min_repeats: int = 3, min_seconds: float = 0.3) -> float:
     """Best matmul FLOP/s per device, with every device in `devices` multiplying at once.
 
     One [size, size] matmul per device per call (a batch sharded over the devices), `chain` dependent calls
-    timed together, best of `repeats`, for each dtype; returns the best rate. About 0.2-1 s on a laptop CPU.
+    timed together; the best of at least `min_repeats` timings and `min_seconds` of them, so a burst of load from
+    other processes does not set the peak; for each dtype, returning the best. About 1 s on a laptop CPU.
     """
     sharding = NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d"))
     # y <- tanh(y @ x): dependent calls, values kept bounded so bf16 stays finite.
@@ -86,13 +87,16 @@ def measure_matmul_flops(devices: list[jax.Device], dtypes: tuple[str, ...] = ("
         x = jax.device_put(jnp.full(shape, 1.0 / size, dtype), sharding)
         y = jax.device_put(jnp.ones(shape, dtype), sharding)
         jax.block_until_ready(step(x, y))  # compile
-        for _ in range(repeats):
+        repeats, spent = 0, 0.0
+        while repeats < min_repeats or spent < min_seconds:
             start = time.perf_counter()
             out = y
             for _ in range(chain):
                 out = step(x, out)
             jax.block_until_ready(out)
-            best = max(best, 2.0 * size**3 * chain / (time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            best = max(best, 2.0 * size**3 * chain / seconds)
+            repeats, spent = repeats + 1, spent + seconds
     return best
 
 
@@ -115,6 +119,7 @@ def peak_flops_per_device(device: jax.Device, config: Config) -> tuple[float, st
     if not local:  # e.g. an abstract device of a compile-only topology: nothing to run a benchmark on
         return math.nan, f"unknown: no local {device.platform} device to measure; set peak_tflops_per_device"
     dtypes = tuple(dict.fromkeys(("float32", config.dtype)))
-    flops = measure_matmul_flops(local, dtypes)
-    return flops, (f"measured: best of {'/'.join(dtypes)} 512x512 matmuls on {len(local)} {device.platform} "
+    size = 1024 if len(local) <= 2 else 512  # bigger matmuls run closer to peak; keep the total work small
+    flops = measure_matmul_flops(local, dtypes, size=size)
+    return flops, (f"measured: best of {'/'.join(dtypes)} {size}x{size} matmuls on {len(local)} {device.platform} "
                    f"device(s) at once, {flops / 1e9:.1f} GFLOP/s each")
