@@ -15,8 +15,9 @@ others and exits with the failed process's status.
 
   --devices-per-process M   simulated CPU devices per process [default: 4]; a cpu_devices=K override
                             among the key=value words takes its place
-  --grace SECONDS           after one process fails, how long the others get to exit after SIGTERM before
-                            SIGKILL [default: 5]
+  --grace SECONDS           when one process fails or on Ctrl-C, how long the others get after SIGTERM
+                            (maxctx saves a checkpoint of its current step on SIGTERM) before SIGKILL
+                            [default: 30]
   --dry-run                 print the N commands instead of running them
   -h, --help                this help
 
@@ -34,7 +35,7 @@ die() {
 }
 
 DEVICES=4
-GRACE=5
+GRACE=30
 DRY_RUN=0
 while (($#)); do
   case $1 in

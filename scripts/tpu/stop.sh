@@ -8,16 +8,17 @@ usage() {
   cat <<HELP
 Usage: scripts/tpu/stop.sh [--grace SECONDS] [flags]
 
-Sends SIGTERM to the train process on every worker, waits up to --grace seconds for it to exit (and free
-the TPU), then sends SIGKILL. The run resumes from its latest checkpoint when started again.
+Sends SIGTERM to the train process on every worker: maxctx finishes its current step, saves a checkpoint
+of it and exits. Whatever is still running after --grace seconds gets SIGKILL. Started again with the same
+run_name, the run resumes from its latest checkpoint.
 
-  --grace SECONDS   how long to wait after SIGTERM [default: 60]
+  --grace SECONDS   how long the final checkpoint may take [default: 300]
 
 $COMMON_FLAGS_HELP
 HELP
 }
 
-GRACE=60
+GRACE=300
 while (($#)); do
   common_flag "$@"
   if ((CONSUMED)); then shift "$CONSUMED"; continue; fi
