@@ -22,8 +22,6 @@ from maxctx.metrics import (
 )
 
 TINY = Config()  # the defaults are the tiny preset: D=128, H=4, K=2, Dh=32, F=384, L=2, V=256
-MID = dataclasses.replace(TINY, base_emb_dim=512, base_num_query_heads=8, base_num_kv_heads=4, head_dim=64,
-                          base_mlp_dim=1536, base_num_decoder_layers=4, vocab_size=4096)
 
 
 def test_matches_hand_count():
@@ -125,8 +123,8 @@ def _train_step(params, tokens, targets):
     return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), loss
 
 
-@pytest.mark.parametrize("cfg,batch,seq", [(TINY, 8, 128), (MID, 2, 256)], ids=["tiny", "mid"])
-def test_formula_vs_xla_cost_analysis(cfg, batch, seq):
+def test_formula_vs_xla_cost_analysis():
+    cfg, batch, seq = TINY, 8, 128
     params = jax.eval_shape(lambda: _init(cfg, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     compiled = jax.jit(_train_step).lower(params, tokens, tokens).compile()
@@ -135,7 +133,7 @@ def test_formula_vs_xla_cost_analysis(cfg, batch, seq):
     # This reference attention computes the masked upper triangle too; the model FLOPs (MFU) exclude it.
     computed = analytic + 12 * cfg.base_num_decoder_layers * cfg.base_num_query_heads * cfg.head_dim * (
         attention_pairs(batch, seq, causal=False) - attention_pairs(batch, seq))
-    print(f"{cfg.base_emb_dim=}: xla {xla:.4g}, analytic {analytic:.4g} ({analytic / xla:.3f}), "
+    print(f"xla {xla:.4g}, analytic {analytic:.4g} ({analytic / xla:.3f}), "
           f"with masked half {computed:.4g} ({computed / xla:.3f})")
     assert computed == pytest.approx(xla, rel=0.05)
     assert analytic == pytest.approx(xla, rel=0.10)
