@@ -74,8 +74,9 @@ def create_mesh(config: Config, devices: list | None = None) -> Mesh:
 
 def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
                     mesh: Mesh | None = None) -> P:
-    """PartitionSpec for logical axis names. With `shape` and `mesh`, mesh axes that do not divide a dimension
-    (or that an earlier dimension already uses) are dropped, so that dimension is replicated over them instead."""
+    """PartitionSpec for logical axis names. With `mesh`, size-1 mesh axes are left out; with `shape` too, mesh
+    axes that do not divide a dimension (or that an earlier dimension already uses) are dropped, so that dimension
+    is replicated over them instead."""
     used: set[str] = set()
     spec = []
     for i, name in enumerate(names):
@@ -83,6 +84,8 @@ def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None
         keep = []
         for axis in axes:
             if axis in used:
+                continue
+            if mesh is not None and mesh.shape[axis] == 1:
                 continue
             if mesh is not None and shape is not None:
                 size = mesh.shape[axis] * math.prod(mesh.shape[a] for a in keep)

@@ -122,8 +122,8 @@ def train_step_fn(setup: TrainSetup):
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
-                   "param_norm": optax.global_norm(new_params), "learning_rate": schedule(state["step"]),
+        metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads),
+                   "param_norm": optax.tree.norm(new_params), "learning_rate": schedule(state["step"]),
                    "tokens": weight_sum}
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 

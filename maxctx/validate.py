@@ -7,6 +7,7 @@ device count use `cpu_devices` when it is set; `check_devices` repeats them once
 from __future__ import annotations
 
 import math
+import os
 
 from maxctx.config import STRATEGY_ALIASES, Config, ConfigError
 
@@ -165,4 +166,5 @@ def validate(config: Config) -> None:
     if config.dataset_type == "tfds" and not config.dataset_name:
         raise ConfigError("dataset_type=tfds needs dataset_name, e.g. dataset_name=my_dataset:1.0.0")
     if config.cpu_devices:
-        check_devices(config, config.cpu_devices * max(1, config.jax_num_processes))
+        processes = config.jax_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1") or 1)
+        check_devices(config, config.cpu_devices * max(1, processes))

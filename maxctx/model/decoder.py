@@ -73,9 +73,9 @@ class Decoder(nnx.Module):
 def param_axes(model: nnx.Module) -> dict:
     """Nested dict (like the params) of each parameter's logical axis names, `layers` prepended when stacked."""
     axes: dict = {}
-    for path, variable in nnx.state(model, nnx.Param).flat_state():
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names = tuple(variable.get_metadata()["axes"])
-        if len(names) < variable.value.ndim:
+        if len(names) < len(variable.shape):
             names = ("layers",) + names
         node = axes
         for key in path[:-1]:

@@ -1,0 +1,116 @@
+"""Config loading, coercion and validation: every bad config exits 2 with one readable line, before JAX starts."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from maxctx.config import Config, ConfigError, available_models, load_config, parse_overrides
+from maxctx.train import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(REPO, "configs", "base.yml")
+
+
+def test_defaults_and_overrides_are_typed():
+    config = load_config([BASE, "steps=7", "learning_rate=1e-3", "scan_layers=false", "run_name=123",
+                          "per_device_batch_size=2"])
+    assert config.steps == 7 and isinstance(config.steps, int)
+    assert config.learning_rate == 1e-3 and isinstance(config.learning_rate, float)
+    assert config.scan_layers is False
+    assert config.run_name == "123"
+    assert config.per_device_batch_size == 2.0
+
+
+def test_model_preset_fills_shape_and_cli_wins():
+    config = load_config([BASE, "model_name=llama3-8b", "base_num_decoder_layers=2"])
+    assert (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads) == (4096, 32, 8)
+    assert config.vocab_size == 128256 and config.rope_max_timescale == 500000.0
+    assert config.base_num_decoder_layers == 2
+
+
+def test_base_yml_documents_every_key():
+    lines = [line for line in open(BASE) if line.strip() and not line.lstrip().startswith("#")]
+    keys = {line.split(":")[0].strip() for line in lines}
+    assert keys == set(Config.__dataclass_fields__)
+    assert all("#" in line for line in lines), "every key in base.yml needs a one-line comment"
+
+
+def test_presets_exist():
+    assert {"tiny", "llama2-7b", "llama3-8b", "llama3.1-70b", "mistral-7b"} <= set(available_models())
+
+
+def test_config_is_frozen():
+    config = load_config([BASE])
+    with pytest.raises(Exception):
+        config.steps = 3  # type: ignore[misc]
+
+
+def test_aliases_and_derived_values():
+    config = load_config([BASE, "context_parallel_strategy=ring", "ici_context_parallelism=2", "cpu_devices=2"])
+    assert config.cp_strategy == "p2p" and config.context_parallelism == 2
+    assert load_config([BASE, "context_parallel_strategy=ulysses"]).cp_strategy == "a2a"
+    assert load_config([BASE, "steps=30"]).schedule_steps == 30
+    assert load_config([BASE, "steps=30", "learning_rate_schedule_steps=50"]).schedule_steps == 50
+
+
+def test_overrides_parse_yaml_values():
+    assert parse_overrides(["a=1", "b=true", "c=0.5", "d=hello", "e="]) == {"a": 1, "b": True, "c": 0.5,
+                                                                           "d": "hello", "e": ""}
+
+
+BAD_CONFIGS = [
+    (["stpes=10"], "did you mean 'steps'"),
+    (["learning_rte=0.1"], "did you mean 'learning_rate'"),
+    (["steps=ten"], "steps='ten'"),
+    (["scan_layers=maybe"], "scan_layers='maybe'"),
+    (["learning_rate=fast"], "learning_rate='fast'"),
+    (["steps=-5"], "steps=-5 must be >= 0"),
+    (["steps=1.5"], "steps=1.5"),
+    (["model_name=llama9-1t"], "model_name='llama9-1t' has no preset"),
+    (["cpu_devices=8", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=4"], "there are 8 devices"),
+    (["cpu_devices=8", "ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], "at most one ici_* size may be -1"),
+    (["cpu_devices=8", "ici_fsdp_parallelism=-1", "ici_data_parallelism=3"], "does not divide 8"),
+    (["cpu_devices=8", "per_device_batch_size=0.1"], "not a whole number of sequences"),
+    (["cpu_devices=8", "per_device_batch_size=0.25"], "not divisible by data x fsdp = 8"),
+    (["base_num_query_heads=6", "base_num_kv_heads=4"], "base_num_query_heads=6 is not divisible"),
+    (["cpu_devices=2", "ici_context_parallelism=2", "max_target_length=6"], "max_target_length=6 is not divisible by 4"),
+    (["cpu_devices=8", "ici_tensor_parallelism=8"], "tensor parallelism 8"),
+    (["attention=magic"], "attention='magic' is not one of"),
+    (["context_parallel_strategy=spiral"], "context_parallel_strategy='spiral'"),
+    (["remat_policy=sometimes"], "remat_policy='sometimes'"),
+    (["max_target_length=0"], "max_target_length=0 must be > 0"),
+    (["warmup_steps_fraction=1.5"], "warmup_steps_fraction=1.5"),
+    (["load_parameters_path=/a", "load_full_state_path=/b"], "set only one"),
+    (["run_name=a/b"], "run_name='a/b'"),
+    (["dataset_type=text"], "needs grain_train_files"),
+    (["steps"], "is not key=value"),
+    (["cpu_devices=8", "ici_context_parallelism=8", "context_parallel_strategy=a2a", "base_num_query_heads=6",
+      "base_num_kv_heads=2"], "not divisible by the A2A degree 8"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD_CONFIGS, ids=[" ".join(o) for o, _ in BAD_CONFIGS])
+def test_bad_config_exits_2_with_one_line(overrides, expected, capsys):
+    assert main([BASE, *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("config error: ") and expected in err, err
+
+
+def test_missing_yaml_file(capsys):
+    assert main(["configs/does_not_exist.yml"]) == 2
+    assert "does_not_exist.yml' does not exist" in capsys.readouterr().err
+
+
+def test_bad_config_in_a_real_process_has_no_traceback():
+    result = subprocess.run([sys.executable, "train.py", "configs/base.yml", "ici_fsdp_paralelism=2"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "did you mean 'ici_fsdp_parallelism'" in result.stderr.strip().splitlines()[-1]
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
