@@ -1,5 +1,6 @@
 """Config loading, coercion and validation: every bad config exits 2 with one readable line, before JAX starts."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def test_presets_exist():
 
 def test_config_is_frozen():
     config = load_config([BASE])
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.steps = 3  # type: ignore[misc]
 
 
@@ -75,7 +76,8 @@ BAD_CONFIGS = [
     (["cpu_devices=8", "per_device_batch_size=0.1"], "not a whole number of sequences"),
     (["cpu_devices=8", "per_device_batch_size=0.25"], "not divisible by data x fsdp = 8"),
     (["base_num_query_heads=6", "base_num_kv_heads=4"], "base_num_query_heads=6 is not divisible"),
-    (["cpu_devices=2", "ici_context_parallelism=2", "max_target_length=6"], "max_target_length=6 is not divisible by 4"),
+    (["cpu_devices=2", "ici_context_parallelism=2", "max_target_length=6"],
+     "max_target_length=6 is not divisible by 4"),
     (["cpu_devices=8", "ici_tensor_parallelism=8"], "tensor parallelism 8"),
     (["attention=magic"], "attention='magic' is not one of"),
     (["context_parallel_strategy=spiral"], "context_parallel_strategy='spiral'"),
