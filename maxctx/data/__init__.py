@@ -11,3 +11,8 @@ context_parallel_load_balance is on and the context parallelism C > 1.
 """
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")
+
+
+class DataError(ValueError):
+    """Bad input data (a corrupt record, an empty dataset, a document of zero tokens, ...): the message names the
+    file or dataset and the record. Raised when the iterator is built or when a batch is drawn."""

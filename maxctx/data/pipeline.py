@@ -1,59 +1,182 @@
-"""Builds the training (and eval) iterator for a config: host numpy batches -> CP order -> global arrays.
+"""Builds the training (and eval) iterator for a config: per-host numpy rows -> CP order -> global arrays.
 
 `create_data_iterator(config, mesh, split)` returns an iterator of batch dicts (see maxctx.data) with
-`get_state()` / `set_state(state)` so a checkpoint can hold and restore the position in the data.
+`get_state()` / `set_state(state)`: the state is a JSON-serialisable dict, one per process, and restoring it
+makes the iterator yield exactly the batches it would have yielded next.
+
+The grain pipeline of a file or TFDS source, on each process:
+
+    documents[shard_index::shard_count]  (the disjoint part of this process's loading group, global_batch.py)
+    -> shuffle (train: data_shuffle_seed, reshuffled every epoch) -> repeat forever
+    -> read + tokenize + shift (tokenizer.EncodeDocument)
+    -> pack into rows (packing.py) -> batch of the process's rows -> zig-zag CP reorder
+    -> grain worker processes (grain_worker_count) or a prefetch thread (grain_prefetch_buffer_size)
+
+Eval uses the same steps without shuffling. Errors: ConfigError for bad keys, paths or tokenizers (raised here,
+when the iterator is built), maxctx.data.DataError for bad data (here, or from `next()` for a bad record).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+import grain
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from maxctx.attention.load_balance import reorder_batch
-from maxctx.config import Config
+from maxctx.config import Config, ConfigError
+from maxctx.data import DataError
+from maxctx.data.global_batch import HostLayout, host_layout, to_global_arrays
+from maxctx.data.packing import pack
+from maxctx.data.sources import make_source
 from maxctx.data.synthetic import SyntheticSource
-from maxctx.mesh import batch_sharding, context_degree
+from maxctx.data.tokenizer import EncodeDocument, load_tokenizer
+from maxctx.mesh import context_degree
+
+SPLITS = ("train", "eval")
+EVAL_SEED_OFFSET = 1_000_003
+MIN_PACKING_BINS = 16
 
 
-def to_global_arrays(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Global [B, S] arrays laid out x[B_(data,fsdp), S_(context,context_a2a)] from a batch every process holds
-    in full; each process materialises only its addressable shards."""
-    sharding = batch_sharding(mesh)
-    return {name: jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
-            for name, value in batch.items()}
+class CPReorder:
+    """Zig-zag order for CP degree `cp` on a [rows, S] batch (a grain map, so workers do it)."""
+
+    def __init__(self, cp: int):
+        self.cp = cp
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return reorder_batch(batch, self.cp)
+
+
+class DataIterator:
+    """Global-array batches from a per-host grain iterator; the state is the grain iterator's, per process."""
+
+    def __init__(self, iterator, mesh: Mesh, layout: HostLayout):
+        self.mesh, self.layout = mesh, layout
+        # The grain iterator lives in a list that `close` empties: closing it (prefetch threads, worker processes)
+        # when this iterator is dropped or at exit, while grain's modules still exist, keeps grain's own __del__
+        # from failing at interpreter teardown.
+        self._holder = [iterator]
+        self.close = weakref.finalize(self, _close, self._holder)
+
+    @property
+    def iterator(self):
+        if not self._holder:
+            raise ValueError("the data iterator is closed")
+        return self._holder[0]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        return to_global_arrays(next(self.iterator), self.mesh, self.layout)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"process_index": jax.process_index(), "process_count": jax.process_count(),
+                "grain": self.iterator.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        _check_processes(state)
+        self.iterator.set_state(state["grain"])
 
 
 class SyntheticIterator:
-    """Synthetic batches, a pure function of the step: the state is just the next step."""
+    """Synthetic batches, a pure function of (seed, step, row): the state is just the next step. Each process
+    generates only the rows its devices hold."""
 
-    def __init__(self, config: Config, mesh: Mesh, seed_offset: int = 0):
-        self.mesh = mesh
+    def __init__(self, config: Config, mesh: Mesh, layout: HostLayout, stream: int = 0):
+        self.mesh, self.layout = mesh, layout
         self.cp = context_degree(mesh) if config.context_parallel_load_balance else 1
-        global_batch = config.global_batch_size(mesh.devices.size) * config.gradient_accumulation_steps
-        self.source = SyntheticSource(config.vocab_size, config.max_target_length, global_batch,
-                                      config.seed + seed_offset)
+        self.source = SyntheticSource(config.vocab_size, config.max_target_length, layout.global_shape[0],
+                                      config.seed, stream)
         self.step = 0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        batch = reorder_batch(self.source.batch(self.step), self.cp)
+        parts = [self.source.batch(self.step, slice(start, stop)) for start, stop in self.layout.row_blocks]
+        local = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
         self.step += 1
-        return to_global_arrays(batch, self.mesh)
+        return to_global_arrays(reorder_batch(local, self.cp), self.mesh, self.layout)
 
     def get_state(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"process_index": jax.process_index(), "process_count": jax.process_count(), "step": self.step}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        _check_processes(state)
         self.step = int(state["step"])
 
 
+def _close(holder: list) -> None:
+    while holder:
+        iterator = holder.pop()
+        if hasattr(iterator, "close"):
+            iterator.close()
+
+
+def _check_processes(state: dict[str, Any]) -> None:
+    saved = (state.get("process_index"), state.get("process_count"))
+    if saved != (jax.process_index(), jax.process_count()):
+        raise DataError(f"the data iterator state was saved by process {saved[0]} of {saved[1]}, but this is "
+                        f"process {jax.process_index()} of {jax.process_count()}; resume with the same number of "
+                        f"processes (each process restores its own state)")
+
+
+def global_batch_rows(config: Config, mesh: Mesh) -> int:
+    """Rows per optimiser step: global_batch_size x gradient_accumulation_steps."""
+    return config.global_batch_size(mesh.devices.size) * config.gradient_accumulation_steps
+
+
+def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int) -> grain.IterDataset:
+    """The grain dataset yielding this process's [local_rows, S] numpy batches of `split`."""
+    source = make_source(config, split)
+    tokenizer = load_tokenizer(config)
+    if len(source) < layout.shard_count:
+        raise DataError(f"{source.name} has {len(source)} documents, fewer than the "
+                        f"{layout.shard_count} data-loading process groups that each need a disjoint part")
+    ds = grain.MapDataset.source(source)[layout.shard_index::layout.shard_count]
+    if split == "train":
+        ds = ds.shuffle(seed=config.data_shuffle_seed)
+    ds = ds.repeat().map(EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos))
+    rows = layout.local_rows
+    seq_len = config.max_target_length
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=max(64, 4 * rows)))
+    ds = pack(ds, config.packing, seq_len, num_bins=max(MIN_PACKING_BINS, rows))
+    return ds.batch(rows, drop_remainder=True).map(CPReorder(cp))
+
+
+def _start(ds: grain.IterDataset, config: Config, split: str):
+    if config.grain_worker_count > 0 and split == "train":
+        from absl import flags
+
+        # grain reads its absl flags when it spawns workers and fails if nothing parsed them; take the defaults.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        options = grain.MultiprocessingOptions(num_workers=config.grain_worker_count,
+                                               per_worker_buffer_size=max(1, config.grain_prefetch_buffer_size))
+        return iter(ds.mp_prefetch(options))
+    if config.grain_prefetch_buffer_size > 0:
+        ds = grain.experimental.ThreadPrefetchIterDataset(
+            ds, prefetch_buffer_size=config.grain_prefetch_buffer_size)
+    return iter(ds)
+
+
 def create_data_iterator(config: Config, mesh: Mesh, split: str = "train"):
-    """The iterator for `split` ('train' or 'eval')."""
+    """The iterator for `split` ('train' or 'eval'): an endless iterator of global-array batches.
+
+    Build it before writing anything to the run directory: bad paths, tokenizers and datasets raise here.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split='{split}' is not one of {', '.join(SPLITS)}")
+    if config.max_target_length <= 0:
+        raise ConfigError(f"max_target_length={config.max_target_length} must be > 0")
+    layout = host_layout(mesh, global_batch_rows(config, mesh), config.max_target_length)
+    cp = context_degree(mesh) if config.context_parallel_load_balance else 1
     if config.dataset_type == "synthetic":
-        return SyntheticIterator(config, mesh, seed_offset=0 if split == "train" else 1_000_003)
-    raise NotImplementedError(f"dataset_type={config.dataset_type} is not available yet")
+        return SyntheticIterator(config, mesh, layout, stream=SPLITS.index(split))
+    ds = build_host_dataset(config, split, layout, cp)
+    return DataIterator(_start(ds, config, split), mesh, layout)

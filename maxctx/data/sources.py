@@ -1,0 +1,249 @@
+"""Random-access document sources: ArrayRecord shards, TFDS (its ArrayRecord data source) and local text files.
+
+Every source has `len()`, `source[i] -> (value, i)` where value is a document's text (str) or its token ids
+(int32 array, BOS/EOS not included), and `describe(i)`, the file and record of document i for error messages.
+They are picklable (open file handles are reopened after unpickling), so grain worker processes can read them.
+
+ArrayRecord records hold either UTF-8 text or token ids written by `encode_tokens` (scripts/prepare_data.py):
+`TOKENS_MAGIC` followed by little-endian int32 ids. Text files: `.txt` holds one document per line, `.jsonl`
+one JSON object per line with the document in `text_field` (a string, or a list of token ids); blank lines are
+skipped in both.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from maxctx.config import Config, ConfigError
+from maxctx.data import DataError
+
+TOKENS_MAGIC = b"MXTK"
+TEXT_SUFFIXES = (".txt", ".jsonl")
+Document = tuple[Any, int]
+
+
+def encode_tokens(ids: Any) -> bytes:
+    """One ArrayRecord record holding token ids."""
+    return TOKENS_MAGIC + np.asarray(ids, dtype="<i4").tobytes()
+
+
+def decode_record(record: bytes, where: str) -> str | np.ndarray:
+    """A record's text or token ids; DataError (naming `where`) for a record that is neither."""
+    if record.startswith(TOKENS_MAGIC):
+        body = record[len(TOKENS_MAGIC):]
+        if len(body) % 4:
+            raise DataError(f"{where} is corrupt: a token-id record of {len(body)} bytes is not whole int32 ids")
+        return np.frombuffer(body, dtype="<i4").astype(np.int32)
+    try:
+        return record.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where} is corrupt: neither UTF-8 text nor token ids ({e})") from None
+
+
+def expand_files(pattern: str, key: str) -> list[str]:
+    """Files matching a glob (or a comma-separated list of globs), sorted; ConfigError naming `key` if none."""
+    if not pattern:
+        fix = ", or set eval_interval=0" if key == "grain_eval_files" else ""
+        raise ConfigError(f"{key} is empty; give a file glob, e.g. {key}=/data/shard-*.array_record{fix}")
+    files: set[str] = set()
+    for part in pattern.split(","):
+        matches = glob.glob(os.path.expanduser(part.strip()))
+        if not matches:
+            raise ConfigError(f"{key}='{pattern}': '{part.strip()}' matches no files; check the path")
+        files.update(m for m in matches if os.path.isfile(m))
+    if not files:
+        raise ConfigError(f"{key}='{pattern}' matches only directories; give a glob of files")
+    return sorted(files)
+
+
+class ArrayRecordSource:
+    """Documents in ArrayRecord shards (raw UTF-8 text or token ids), read through grain's ArrayRecordDataSource."""
+
+    def __init__(self, files: list[str], key: str):
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        self.files, self.key = files, key
+        self.name = f"{key} ({len(files)} ArrayRecord files: {files[0]}, ...)"
+        counts = []
+        for path in files:
+            try:
+                reader = ArrayRecordReader(path)
+                counts.append(reader.num_records())
+                reader.close()
+            except (RuntimeError, OSError, ValueError) as e:
+                raise DataError(f"{path} (from {key}) is not a readable ArrayRecord file: {e}") from None
+        self.ends = np.cumsum(counts)
+        if not len(self):
+            raise DataError(f"{key}: the {len(files)} file(s) it matches ({files[0]}, ...) hold no records; "
+                            f"are they ArrayRecord files written with scripts/prepare_data.py?")
+        self._source = None
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    def __getitem__(self, index: int) -> Document:
+        import grain
+
+        if self._source is None:
+            self._source = grain.sources.ArrayRecordDataSource(self.files)
+        try:
+            record = self._source[index]
+        except RuntimeError as e:
+            raise DataError(f"{self.describe(index)} is corrupt: {e}") from None
+        return decode_record(record, self.describe(index)), index
+
+    def describe(self, index: int) -> str:
+        file = int(np.searchsorted(self.ends, index, side="right"))
+        start = int(self.ends[file - 1]) if file else 0
+        return f"{self.files[file]} record {index - start}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_source": None}
+
+
+class TextSource:
+    """Documents in local .txt (one per line) and .jsonl (one JSON object per line) files.
+
+    The files are scanned once for line offsets; documents are then read on demand, so memory holds offsets only.
+    For large corpora, scripts/prepare_data.py turns them into tokenized ArrayRecord shards.
+    """
+
+    def __init__(self, files: list[str], key: str, text_field: str):
+        self.files, self.key, self.text_field = files, key, text_field
+        self.name = f"{key} ({len(files)} text files: {files[0]}, ...)"
+        for path in files:
+            if not path.endswith(TEXT_SUFFIXES):
+                raise ConfigError(f"{key}: '{path}' is not a .txt or .jsonl file; dataset_type=text reads those "
+                                  f"(use dataset_type=arrayrecord for ArrayRecord shards)")
+        file_ids, starts, lengths, lines = [], [], [], []
+        for file_id, path in enumerate(files):
+            with open(path, "rb") as f:
+                offset = 0
+                for line_no, line in enumerate(f, start=1):
+                    if line.strip():
+                        file_ids.append(file_id)
+                        starts.append(offset)
+                        lengths.append(len(line))
+                        lines.append(line_no)
+                    offset += len(line)
+        if not file_ids:
+            raise DataError(f"{key}: the {len(files)} file(s) it matches ({files[0]}, ...) hold no documents "
+                            f"(every line is blank)")
+        self.file_ids = np.asarray(file_ids, np.int32)
+        self.starts = np.asarray(starts, np.int64)
+        self.lengths = np.asarray(lengths, np.int64)
+        self.lines = np.asarray(lines, np.int64)
+        self._fds: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.file_ids)
+
+    def __getitem__(self, index: int) -> Document:
+        file_id = int(self.file_ids[index])
+        if file_id not in self._fds:
+            self._fds[file_id] = os.open(self.files[file_id], os.O_RDONLY)
+        raw = os.pread(self._fds[file_id], int(self.lengths[index]), int(self.starts[index]))
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{self.describe(index)} is not UTF-8 text ({e})") from None
+        if self.files[file_id].endswith(".txt"):
+            return line, index
+        return self._json_document(line, index), index
+
+    def _json_document(self, line: str, index: int) -> str | np.ndarray:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{self.describe(index)} is not valid JSON ({e})") from None
+        if not isinstance(record, dict) or self.text_field not in record:
+            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f"{self.describe(index)} has no field '{self.text_field}' (text_field); it has: {keys}")
+        value = record[self.text_field]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(v, int) for v in value):
+            return np.asarray(value, np.int32)
+        raise DataError(f"{self.describe(index)}: field '{self.text_field}' is a {type(value).__name__}, not text "
+                        f"or a list of token ids")
+
+    def describe(self, index: int) -> str:
+        return f"{self.files[int(self.file_ids[index])]} line {int(self.lines[index])}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fds": {}}
+
+    def __del__(self):
+        for fd in getattr(self, "_fds", {}).values():
+            os.close(fd)
+
+
+class TfdsSource:
+    """A prepared TFDS dataset read through `tfds.data_source` (ArrayRecord files; TensorFlow is not needed)."""
+
+    def __init__(self, name: str, split: str, data_dir: str, text_field: str, split_key: str):
+        import tensorflow_datasets as tfds
+
+        self.dataset, self.split, self.text_field = name, split, text_field
+        self.name = f"TFDS dataset '{name}' split '{split}'"
+        if data_dir and not os.path.isdir(data_dir):
+            raise ConfigError(f"tfds_data_dir='{data_dir}' does not exist; point it at the folder holding the "
+                              f"prepared dataset '{name}'")
+        where = f"tfds_data_dir='{data_dir}'" if data_dir else "the default TFDS data directory"
+        try:
+            self._source = tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
+        except tfds.core.registered.DatasetNotFoundError:
+            raise ConfigError(f"dataset_name='{name}' is not prepared under {where}; prepare it there "
+                              f"(builder.download_and_prepare(file_format='array_record')) or fix the name") from None
+        except (ValueError, AssertionError, FileNotFoundError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"dataset_name='{name}' {split_key}='{split}' under {where} cannot be read: "
+                              f"{first}") from None
+        if not len(self._source):
+            raise DataError(f"TFDS dataset '{name}' split '{split}' under {where} holds no examples")
+        features = self._source.dataset_info.features
+        if text_field not in features:
+            raise ConfigError(f"text_field='{text_field}' is not a feature of TFDS dataset '{name}'; it has: "
+                              f"{', '.join(features)}")
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> Document:
+        try:
+            value = self._source[index][self.text_field]
+        except RuntimeError as e:
+            raise DataError(f"{self.describe(index)} is corrupt: {e}") from None
+        if isinstance(value, bytes):
+            try:
+                return value.decode("utf-8"), index
+            except UnicodeDecodeError as e:
+                raise DataError(f"{self.describe(index)}: field '{self.text_field}' is not UTF-8 ({e})") from None
+        if isinstance(value, str):
+            return value, index
+        return np.asarray(value, np.int32).reshape(-1), index
+
+    def describe(self, index: int) -> str:
+        return f"{self.name} example {index}"
+
+
+def make_source(config: Config, split: str):
+    """The document source of `split` ('train' or 'eval') for a non-synthetic config."""
+    if config.dataset_type == "tfds":
+        key = "dataset_split" if split == "train" else "eval_split"
+        if not getattr(config, key):
+            raise ConfigError(f"{key} is empty; name a split of dataset_name='{config.dataset_name}'"
+                              + (", or set eval_interval=0" if split == "eval" else ""))
+        return TfdsSource(config.dataset_name, getattr(config, key), config.tfds_data_dir, config.text_field, key)
+    key = "grain_train_files" if split == "train" else "grain_eval_files"
+    files = expand_files(getattr(config, key), key)
+    if config.dataset_type == "arrayrecord":
+        return ArrayRecordSource(files, key)
+    if config.dataset_type == "text":
+        return TextSource(files, key, config.text_field)
+    raise ConfigError(f"dataset_type={config.dataset_type} has no file source")

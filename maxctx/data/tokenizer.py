@@ -1,0 +1,90 @@
+"""sentencepiece tokenizer and the step that turns a source's document into (input, target) pairs.
+
+Special ids: a tokenizer's own BOS/EOS ids; without a tokenizer (sources of token ids) BOS=1 and EOS=2, the ids
+of the synthetic data and of models trained by scripts/train_tokenizer.py (PAD=0, BOS=1, EOS=2, UNK=3).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from maxctx.config import Config, ConfigError
+from maxctx.data import DataError
+from maxctx.data.synthetic import BOS, EOS
+
+
+class Tokenizer:
+    """A sentencepiece model; ConfigError naming tokenizer_path when it is missing, invalid or too large."""
+
+    def __init__(self, path: str, vocab_size: int):
+        import sentencepiece as spm
+
+        if not os.path.isfile(path):
+            raise ConfigError(f"tokenizer_path='{path}' does not exist; give a sentencepiece .model file "
+                              f"(scripts/train_tokenizer.py trains one)")
+        try:
+            self.processor = spm.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as e:
+            raise ConfigError(f"tokenizer_path='{path}' is not a valid sentencepiece model ({e})") from None
+        self.path = path
+        self.vocab_size = self.processor.vocab_size()
+        if self.vocab_size > vocab_size:
+            raise ConfigError(f"tokenizer_path='{path}' has {self.vocab_size} tokens, more than the model's "
+                              f"vocab_size={vocab_size}; set vocab_size={self.vocab_size} or more, or use a "
+                              f"smaller tokenizer")
+        self.bos_id, self.eos_id = self.processor.bos_id(), self.processor.eos_id()
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.processor.encode(text), np.int32)
+
+    def decode(self, ids) -> str:
+        return self.processor.decode([int(i) for i in ids])
+
+
+def load_tokenizer(config: Config) -> Tokenizer | None:
+    """The config's tokenizer (None when tokenizer_path is empty), with its BOS/EOS checked against add_*."""
+    if not config.tokenizer_path:
+        return None
+    tokenizer = Tokenizer(config.tokenizer_path, config.vocab_size)
+    for key, token_id in (("add_bos", tokenizer.bos_id), ("add_eos", tokenizer.eos_id)):
+        if getattr(config, key) and token_id < 0:
+            raise ConfigError(f"{key}=true but tokenizer_path='{config.tokenizer_path}' has no "
+                              f"{key[4:].upper()} token; set {key}=false or train the tokenizer with one")
+    return tokenizer
+
+
+class EncodeDocument:
+    """A grain map: (document, index) from a source -> {'inputs': doc[:-1], 'targets': doc[1:]} token ids.
+
+    The shift happens here, on the whole document with its BOS/EOS, so a document's last input predicts its own
+    EOS and no target ever belongs to another document, however rows are later packed, split or reordered.
+    """
+
+    def __init__(self, source, tokenizer: Tokenizer | None, vocab_size: int, add_bos: bool, add_eos: bool):
+        self.source, self.tokenizer, self.vocab_size = source, tokenizer, vocab_size
+        bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer else (BOS, EOS)
+        self.prefix = np.asarray([bos] if add_bos else [], np.int32)
+        self.suffix = np.asarray([eos] if add_eos else [], np.int32)
+
+    def __call__(self, document) -> dict[str, np.ndarray]:
+        value, index = document
+        if isinstance(value, str):
+            if self.tokenizer is None:
+                raise DataError(f"{self.source.describe(index)} holds text but tokenizer_path is empty; set "
+                                f"tokenizer_path to a sentencepiece model, or store token ids "
+                                f"(scripts/prepare_data.py)")
+            ids = self.tokenizer.encode(value)
+        else:
+            ids = value
+            if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
+                raise DataError(f"{self.source.describe(index)} holds token id {int(ids.max())} or "
+                                f"{int(ids.min())}, outside [0, vocab_size={self.vocab_size})")
+        if not len(ids):
+            raise DataError(f"{self.source.describe(index)} is a document of zero tokens; remove it from the data")
+        tokens = np.concatenate([self.prefix, ids, self.suffix])
+        if len(tokens) < 2:
+            raise DataError(f"{self.source.describe(index)} has one token and add_bos=add_eos=false, so it has no "
+                            f"target; set add_bos or add_eos, or remove it")
+        return {"inputs": tokens[:-1], "targets": tokens[1:]}
