@@ -147,7 +147,7 @@ def test_mfu_on_cpu_is_between_0_and_1():
     batch, seq = len(devices), 128
     mesh = Mesh(np.array(devices), ("data",))
     data = NamedSharding(mesh, P("data"))
-    params = jax.device_put(_init(TINY, jax.random.key(0)), NamedSharding(mesh, P()))
+    params = jax.jit(_init, static_argnums=0, out_shardings=NamedSharding(mesh, P()))(TINY, jax.random.key(0))
     tokens = jax.device_put(jax.random.randint(jax.random.key(1), (batch, seq), 0, TINY.vocab_size), data)
     step = jax.jit(_train_step, donate_argnums=0)
     params, loss = step(params, tokens, tokens)  # compile + warm up
@@ -158,6 +158,9 @@ def test_mfu_on_cpu_is_between_0_and_1():
         params, loss = step(params, tokens, tokens)
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - start)
+    # Other processes share this host's cores: measure the peak again after the steps and keep the better one,
+    # so a burst of load during the first measurement cannot push MFU past 1.
+    peak = max(peak, peak_flops_per_device(devices[0], dataclasses.replace(TINY, dtype="float32"))[0])
     out = throughput(float(np.median(times)), tokens_per_step=batch * seq,
                      flops_per_step=training_flops_per_step(TINY, batch, seq), num_devices=len(devices),
                      peak_flops_per_device=peak)
