@@ -106,6 +106,20 @@ def check_devices(config: Config, num_devices: int) -> None:
                               f"use a head count divisible by {u}, or context_parallel_strategy=p2p or all_gather")
 
 
+def _check_data(config: Config) -> None:
+    """Data keys that need no file access (paths, tokenizers and records are checked by maxctx.data)."""
+    _positive(config, "grain_worker_count", "grain_prefetch_buffer_size", allow_zero=True)
+    if config.dataset_type == "text" and not config.tokenizer_path:
+        raise ConfigError("dataset_type=text needs tokenizer_path (a sentencepiece model; scripts/train_tokenizer.py "
+                          "trains one)")
+    if config.eval_interval > 0 and config.dataset_type in ("arrayrecord", "text") and not config.grain_eval_files:
+        raise ConfigError(f"eval_interval={config.eval_interval} with dataset_type={config.dataset_type} needs "
+                          f"grain_eval_files (a file glob); set it, or eval_interval=0")
+    if config.eval_interval > 0 and config.dataset_type == "tfds" and not config.eval_split:
+        raise ConfigError(f"eval_interval={config.eval_interval} with dataset_type=tfds needs eval_split (e.g. "
+                          f"eval_split=validation); set it, or eval_interval=0")
+
+
 def a2a_degree(config: Config) -> int:
     """A2A degree U of the a2a and usp strategies (ring degree R = C / U).
 
@@ -165,6 +179,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"dataset_type={config.dataset_type} needs grain_train_files (a file glob)")
     if config.dataset_type == "tfds" and not config.dataset_name:
         raise ConfigError("dataset_type=tfds needs dataset_name, e.g. dataset_name=my_dataset:1.0.0")
+    _check_data(config)
     if config.cpu_devices:
         processes = config.jax_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1") or 1)
         check_devices(config, config.cpu_devices * max(1, processes))
