@@ -56,6 +56,10 @@ def test_packed_documents_use_their_true_area():
     assert attention_pairs(2, 8) == 2 * 64 / 2
     # Token order does not matter (zig-zag load balancing reorders tokens).
     assert attention_pairs(2, 8, segment_ids=seg[:, ::-1]) == attention_pairs(2, 8, segment_ids=seg)
+    rng = np.random.default_rng(0)
+    many = np.sort(rng.integers(0, 6, size=(16, 64)), axis=1)
+    naive = sum(n * (n + 1) / 2 for row in many for d in set(row) - {0} for n in [int(np.sum(row == d))])
+    assert attention_pairs(16, 64, segment_ids=many) == naive
     packed = training_flops_per_step(TINY, 2, 8, segment_ids=seg)
     plain = training_flops_per_step(TINY, 2, 8)
     assert packed < plain
