@@ -14,7 +14,9 @@ Counted: the Q/K/V/O projections, the SwiGLU MLP, the unembedding (also when it 
 not counted: the embedding lookup (a gather), norms, RoPE, softmax, the loss and the optimiser, which are small
 next to the matmuls. Rematerialisation is not counted either: MFU counts the FLOPs the model needs, not the
 recompute a remat policy adds, so changing `remat_policy` changes the step time and not the FLOP count (XLA's
-`cost_analysis()` does count recompute; compare against it with `remat_policy=none`).
+`cost_analysis()` does count recompute; compare against it with `remat_policy=none`). Likewise a kernel that
+computes the masked upper triangle (the dense `dot_product` reference) does up to 2x the attention FLOPs counted
+here; only the causal half is model work.
 """
 
 from __future__ import annotations
