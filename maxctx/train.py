@@ -91,16 +91,19 @@ def train(config: Config) -> int:
         M.check_finite(done.step, done.metrics)
         losses.append(done.metrics["loss"])
         completed = done.step + 1
-        if done.seconds is None or not (completed % config.log_period == 0 or force or done.step == start_step):
+        if not (completed % config.log_period == 0 or force or done.step == start_step):
             return
-        perf = M.throughput(done.seconds, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
+        # The first fetched step has no previous fetch to time against: it is timed from the loop's start.
+        seconds = done.seconds if done.seconds is not None else time.perf_counter() - loop_start
+        perf = M.throughput(seconds, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
                             num_devices=num_devices, peak_flops_per_device=peak)
         values = {**done.metrics, **perf, **M.device_memory()}
         values["step_time_s"], values["tokens_per_s"] = perf["step_time_seconds"], perf["tokens_per_sec"]
         writer.write_step(completed, values)
         if primary:
-            print(M.format_progress(completed, config.steps, values, done.seconds), flush=True)
+            print(M.format_progress(completed, config.steps, values, seconds), flush=True)
 
+    loop_start = time.perf_counter()
     for step in range(start_step, config.steps):
         profiler.step(step, block_on=state)
         batch = next(data)

@@ -1,0 +1,65 @@
+"""Whole runs of train.py: outputs, the loss falls, and sharded meshes train exactly like one device."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 20
+
+
+def run_train(tmp_path, run_name, *overrides, timeout=600):
+    """Runs train.py in a subprocess (its own device count) and returns (records of metrics.jsonl, stdout)."""
+    args = [sys.executable, "train.py", "configs/base.yml", f"base_output_directory={tmp_path}",
+            f"run_name={run_name}", *overrides]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(tmp_path, run_name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f], result.stdout
+
+
+def losses(records):
+    return np.array([r["loss"] for r in records if r.get("event") == "train"])
+
+
+EXACT = ("dtype=float32", "attention=dot_product", f"steps={STEPS}", "log_period=1", "max_target_length=64",
+         "enable_checkpointing=false", "enable_tensorboard=false")
+
+
+@pytest.fixture(scope="module")
+def single_device(tmp_path_factory):
+    return run_train(tmp_path_factory.mktemp("single"), "one", "cpu_devices=1", "per_device_batch_size=8", *EXACT)
+
+
+def test_outputs_and_falling_loss(single_device, tmp_path_factory):
+    records, stdout = single_device
+    assert records[0]["event"] == "compile"
+    assert records[0]["temp_size_in_bytes"] > 0 and records[0]["analytic_flops_per_device"] > 0
+    train = [r for r in records if r.get("event") == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for key in ("loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", "mfu"):
+        assert all(key in r for r in train), key
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    assert f"step {STEPS}/{STEPS}" in stdout and "done:" in stdout
+
+
+@pytest.mark.parametrize("mesh", [("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
+                                  ("ici_data_parallelism=8", "ici_fsdp_parallelism=1")],
+                         ids=["fsdp4_tensor2", "data8"])
+def test_sharded_run_matches_one_device(single_device, tmp_path, mesh):
+    records, _ = run_train(tmp_path, "sharded", "cpu_devices=8", "per_device_batch_size=1", *mesh, *EXACT)
+    np.testing.assert_allclose(losses(records), losses(single_device[0]), rtol=1e-5)
+
+
+def test_resolved_config_is_written(single_device, tmp_path):
+    import yaml
+
+    run_train(tmp_path, "cfg", "cpu_devices=1", "steps=2", "log_period=1", "enable_checkpointing=false")
+    saved = yaml.safe_load(open(os.path.join(tmp_path, "cfg", "config.yml")))
+    assert saved["steps"] == 2 and saved["base_emb_dim"] == 128 and saved["run_name"] == "cfg"
