@@ -10,7 +10,6 @@ Exit status: 0 done, 2 configuration error, 3 non-finite loss (the last good che
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -63,8 +62,7 @@ def train(config: Config) -> int:
     checkpointer = Checkpointer(config, setup, primary)  # load paths and checkpoint shapes checked before writing
 
     if primary:
-        os.makedirs(config.run_dir, exist_ok=True)
-        save_config(config, os.path.join(config.run_dir, "config.yml"))
+        save_config(config, config.run_dir)
     writer = M.MetricsWriter(config.run_dir, config.enable_tensorboard, primary)
     peak, peak_source = M.peak_flops_per_device(jax.devices()[0], config)
 
@@ -85,20 +83,25 @@ def train(config: Config) -> int:
     profiler = M.Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
     losses: list[float] = []
 
+    window = {"seconds": 0.0, "steps": 0}  # step time summed since the last logged step
+
     def log(done: M.StepMetrics | None, force: bool = False) -> None:
         if done is None:
             return
-        M.check_finite(done.step, done.metrics)
-        losses.append(done.metrics["loss"])
         completed = done.step + 1
-        if not (completed % config.log_period == 0 or force or done.step == start_step):
+        M.check_finite(completed, done.metrics)
+        losses.append(done.metrics["loss"])
+        if done.seconds is not None or done.step == start_step:
+            # The first step has no previous fetch to time against: it is timed from the loop's start.
+            window["seconds"] += done.seconds if done.seconds is not None else time.perf_counter() - loop_start
+            window["steps"] += 1
+        if not (completed % config.log_period == 0 or force or done.step == start_step) or not window["steps"]:
             return
-        # The first fetched step has no previous fetch to time against: it is timed from the loop's start.
-        seconds = done.seconds if done.seconds is not None else time.perf_counter() - loop_start
+        seconds = window["seconds"] / window["steps"]  # mean over the log period: steadier than one step
+        window.update(seconds=0.0, steps=0)
         perf = M.throughput(seconds, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
                             num_devices=num_devices, peak_flops_per_device=peak)
         values = {**done.metrics, **perf, **M.device_memory()}
-        values["step_time_s"], values["tokens_per_s"] = perf["step_time_seconds"], perf["tokens_per_sec"]
         writer.write_step(completed, values)
         if primary:
             print(M.format_progress(completed, config.steps, values, seconds), flush=True)

@@ -17,7 +17,7 @@ import sys
 # (file name, record key, y label, scale applied to the values)
 PLOTS = (
     ("loss.png", "loss", "loss", 1.0),
-    ("tokens_per_sec.png", "tokens_per_sec", "tokens/s (global)", 1.0),
+    ("tokens_per_sec.png", "tokens_per_s", "tokens/s (global)", 1.0),
     ("mfu.png", "mfu", "MFU (%)", 100.0),
 )
 

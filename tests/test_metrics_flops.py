@@ -68,7 +68,7 @@ def test_packed_documents_use_their_true_area():
 
 def test_throughput_and_mfu_arithmetic():
     out = throughput(2.0, tokens_per_step=8000, flops_per_step=8e12, num_devices=4, peak_flops_per_device=1e12)
-    assert out["tokens_per_sec"] == 4000
+    assert out["tokens_per_s"] == 4000
     assert out["per_device_tokens_per_sec"] == 1000
     assert out["per_device_tflops_per_sec"] == 1.0
     assert out["mfu"] == 1.0
@@ -168,6 +168,6 @@ def test_mfu_on_cpu_is_between_0_and_1():
     out = throughput(float(np.median(times)), tokens_per_step=batch * seq,
                      flops_per_step=training_flops_per_step(TINY, batch, seq), num_devices=len(devices),
                      peak_flops_per_device=peak)
-    print(f"CPU peak {peak / 1e9:.1f} GFLOP/s/device ({source}); step {out['step_time_seconds'] * 1e3:.1f} ms, "
+    print(f"CPU peak {peak / 1e9:.1f} GFLOP/s/device ({source}); step {out['step_time_s'] * 1e3:.1f} ms, "
           f"{out['per_device_tflops_per_sec'] * 1e3:.2f} GFLOP/s/device, MFU {out['mfu']:.3f}")
     assert 0.0 < out["mfu"] < 1.0

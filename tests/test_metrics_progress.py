@@ -60,7 +60,7 @@ def test_nan_guard_names_the_step(bad):
 
 
 def test_progress_line():
-    line = format_progress(120, 1000, {"loss": 3.45123, "tokens_per_sec": 52100.0, "mfu": 0.4123}, 0.315)
+    line = format_progress(120, 1000, {"loss": 3.45123, "tokens_per_s": 52100.0, "mfu": 0.4123}, 0.315)
     assert line == "step 120/1000 | loss 3.4512 | 52.10k tok/s | MFU 41.2% | 0.315 s/step | ETA 4m37s"
     assert format_progress(10, 10, {}, 1.0).endswith("ETA 0m00s")
     assert "ETA 2h00m" in format_progress(0, 7200, {"loss": 1.0}, 1.0)

@@ -39,7 +39,7 @@ def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 STEP = {"loss": 3.25, "grad_norm": 0.75, "param_norm": 12.5, "learning_rate": 0.003, "tokens": 1024.0,
-        "step_time_seconds": 0.5, "tokens_per_sec": 2048.0, "per_device_tokens_per_sec": 256.0,
+        "step_time_s": 0.5, "tokens_per_s": 2048.0, "per_device_tokens_per_sec": 256.0,
         "per_device_tflops_per_sec": 0.125, "mfu": 0.25}
 
 

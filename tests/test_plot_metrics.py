@@ -16,7 +16,7 @@ def _fake_run(run_dir, loss_scale):
         f.write(json.dumps({"event": "compile", "xla_flops_per_device": 1e9}) + "\n")
         for step in range(0, 100, 10):
             f.write(json.dumps({"event": "train", "step": step, "loss": loss_scale * 5.0 / (1 + step),
-                                "tokens_per_sec": 1000.0 + step, "mfu": 0.3 + step / 1000}) + "\n")
+                                "tokens_per_s": 1000.0 + step, "mfu": 0.3 + step / 1000}) + "\n")
         f.write(json.dumps({"event": "train", "step": 100, "loss": "nan", "mfu": 0.4}) + "\n")  # skipped
         f.write(json.dumps({"event": "eval", "step": 50, "loss": loss_scale * 0.2}) + "\n")
 

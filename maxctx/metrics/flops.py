@@ -82,13 +82,13 @@ def throughput(step_time_s: float, *, tokens_per_step: int, flops_per_step: floa
     """Throughput numbers for one step (or a mean step) taking `step_time_s` seconds.
 
     tokens_per_step counts positions processed, B*S (MaxText's tokens/s; padding included), not loss weights.
-    Returns step_time_seconds, tokens_per_sec (global), per_device_tokens_per_sec, per_device_tflops_per_sec and
+    Returns step_time_s, tokens_per_s (global), per_device_tokens_per_sec, per_device_tflops_per_sec and
     mfu = (flops_per_step / num_devices / step_time) / peak_flops_per_device.
     """
     flops_per_s_device = flops_per_step / num_devices / step_time_s
     return {
-        "step_time_seconds": step_time_s,
-        "tokens_per_sec": tokens_per_step / step_time_s,
+        "step_time_s": step_time_s,
+        "tokens_per_s": tokens_per_step / step_time_s,
         "per_device_tokens_per_sec": tokens_per_step / num_devices / step_time_s,
         "per_device_tflops_per_sec": flops_per_s_device / 1e12,
         "mfu": flops_per_s_device / peak_flops_per_device,

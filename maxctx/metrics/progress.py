@@ -103,14 +103,14 @@ def _count(value: float) -> str:
 def format_progress(step: int, total_steps: int, metrics: dict[str, float], seconds_per_step: float) -> str:
     """One stdout line, e.g. 'step 120/1000 | loss 3.4512 | 52.10k tok/s | MFU 41.2% | 0.315 s/step | ETA 4m37s'.
 
-    step: steps completed so far; metrics: any of loss, tokens_per_sec, mfu; ETA = remaining steps x
+    step: steps completed so far; metrics: any of loss, tokens_per_s, mfu; ETA = remaining steps x
     seconds_per_step.
     """
     parts = [f"step {step}/{total_steps}"]
     if "loss" in metrics:
         parts.append(f"loss {metrics['loss']:.4f}")
-    if "tokens_per_sec" in metrics:
-        parts.append(f"{_count(metrics['tokens_per_sec'])} tok/s")
+    if "tokens_per_s" in metrics:
+        parts.append(f"{_count(metrics['tokens_per_s'])} tok/s")
     if math.isfinite(metrics.get("mfu", math.nan)):
         parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
     parts.append(f"{seconds_per_step:.3f} s/step")
