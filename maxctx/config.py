@@ -278,6 +278,10 @@ def load_config(argv: list[str]) -> Config:
     return config
 
 
-def save_config(config: Config, path: str) -> None:
-    with open(path, "w") as f:
-        yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+def save_config(config: Config, run_dir: str) -> None:
+    """Writes the resolved config to <run_dir>/config.yml (local paths or gs:// through etils.epath)."""
+    from etils import epath
+
+    path = epath.Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
