@@ -1,0 +1,135 @@
+"""Bad input gets an error naming the path or key: missing files, empty datasets, corrupt records, bad jsonl,
+documents of zero tokens, unknown TFDS datasets and splits, bad data keys."""
+
+import numpy as np
+import pytest
+
+from maxctx.config import ConfigError, load_config
+from maxctx.data import DataError, fixtures as F
+from maxctx.data.global_batch import HostLayout
+from maxctx.data.pipeline import build_host_dataset, create_data_iterator
+from maxctx.data.sources import ArrayRecordSource, TextSource, TfdsSource, encode_tokens, expand_files
+from maxctx.mesh import create_mesh
+
+
+def iterator(*overrides):
+    config = load_config(["per_device_batch_size=1", "max_target_length=32", *overrides])
+    return create_data_iterator(config, create_mesh(config), "train")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return F.tiny_tokenizer(str(tmp_path_factory.mktemp("tok") / "sp.model"), F.make_documents(200))
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tfds")
+    F.build_tfds(str(root), {"train": F.make_documents(20)})
+    return str(root)
+
+
+def test_missing_files_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"grain_train_files='.*/none-\*': .* matches no files"):
+        expand_files(str(tmp_path / "none-*"), "grain_train_files")
+    with pytest.raises(ConfigError, match="grain_eval_files is empty.*eval_interval=0"):
+        expand_files("", "grain_eval_files")
+    with pytest.raises(ConfigError, match="grain_train_files"):
+        iterator("dataset_type=arrayrecord", f"grain_train_files={tmp_path}/none-*")
+
+
+def test_empty_and_non_arrayrecord_files(tmp_path):
+    empty = F.write_arrayrecord(str(tmp_path / "empty.array_record"), [])
+    with pytest.raises(DataError, match="grain_train_files: the 1 file.*empty.array_record.*hold no records"):
+        ArrayRecordSource([empty], "grain_train_files")
+    garbage = tmp_path / "garbage.array_record"
+    garbage.write_bytes(b"garbage" * 100)
+    with pytest.raises(DataError, match="garbage.array_record .from grain_train_files. is not a readable ArrayRecord"):
+        ArrayRecordSource([str(garbage)], "grain_train_files")
+
+
+def test_corrupt_record_names_file_and_record(tmp_path):
+    path = tmp_path / "shard.array_record"
+    F.write_arrayrecord(str(path), [encode_tokens(np.arange(3, 40)) for _ in range(40)])
+    data = bytearray(path.read_bytes())
+    for i in range(100, 4000):  # the chunks of records 0-28
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    it = iterator("dataset_type=arrayrecord", f"grain_train_files={path}", "grain_prefetch_buffer_size=2")
+    with pytest.raises(DataError, match=r"shard.array_record record \d+ is corrupt"):
+        next(it)
+    it.close()
+
+
+def test_records_that_are_neither_text_nor_ids(tmp_path):
+    path = F.write_arrayrecord(str(tmp_path / "s.array_record"), [b"fine", b"\xff\xfe\xfa", b"MXTK\x01\x02"])
+    source = ArrayRecordSource([path], "grain_train_files")
+    assert source[0] == ("fine", 0)
+    with pytest.raises(DataError, match="s.array_record record 1 is corrupt: neither UTF-8"):
+        source[1]
+    with pytest.raises(DataError, match="s.array_record record 2 is corrupt: a token-id record of 2 bytes"):
+        source[2]
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": \n{"body": "x"}\n{"text": 3}\n')
+    source = TextSource([str(path)], "grain_train_files", "text")
+    assert len(source) == 4 and source[0] == ("ok", 0)
+    with pytest.raises(DataError, match="c.jsonl line 3 is not valid JSON"):
+        source[1]
+    with pytest.raises(DataError, match="c.jsonl line 4 has no field 'text' \\(text_field\\); it has: body"):
+        source[2]
+    with pytest.raises(DataError, match="c.jsonl line 5: field 'text' is a int"):
+        source[3]
+
+
+def test_blank_text_files_and_wrong_suffix(tmp_path):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n  \n")
+    with pytest.raises(DataError, match="hold no documents"):
+        TextSource([str(blank)], "grain_train_files", "text")
+    other = tmp_path / "x.csv"
+    other.write_text("a,b\n")
+    with pytest.raises(ConfigError, match="x.csv' is not a .txt or .jsonl file"):
+        TextSource([str(other)], "grain_train_files", "text")
+
+
+def test_zero_token_document_through_the_pipeline(tmp_path, tok):
+    path = F.write_jsonl(str(tmp_path / "docs.jsonl"), ["some words", ""])
+    it = iterator("dataset_type=text", f"grain_train_files={path}", f"tokenizer_path={tok}", "packing=none")
+    with pytest.raises(DataError, match="docs.jsonl line 2 is a document of zero tokens"):
+        next(it)
+    it.close()
+
+
+def test_fewer_documents_than_loading_groups(tmp_path, tok):
+    path = F.write_jsonl(str(tmp_path / "two.jsonl"), ["a b", "c d"])
+    config = load_config(["dataset_type=text", f"grain_train_files={path}", f"tokenizer_path={tok}"])
+    with pytest.raises(DataError, match="has 2 documents, fewer than the 3 data-loading process groups"):
+        build_host_dataset(config, "train", HostLayout((3, 128), ((0, 1),), 0, 3), cp=1)
+
+
+def test_tfds_errors_name_dataset_split_and_dir(tfds_dir, tmp_path):
+    source = TfdsSource(F.TFDS_NAME, "train", tfds_dir, "text", "dataset_split")
+    assert len(source) == 20 and isinstance(source[0][0], str)
+    with pytest.raises(ConfigError, match=f"dataset_name='nope' is not prepared under tfds_data_dir='{tfds_dir}'"):
+        TfdsSource("nope", "train", tfds_dir, "text", "dataset_split")
+    with pytest.raises(ConfigError, match=f"dataset_name='{F.TFDS_NAME}' eval_split='test' .*cannot be read"):
+        TfdsSource(F.TFDS_NAME, "test", tfds_dir, "text", "eval_split")
+    with pytest.raises(ConfigError, match="tfds_data_dir='.*missing' does not exist"):
+        TfdsSource(F.TFDS_NAME, "train", str(tmp_path / "missing"), "text", "dataset_split")
+    with pytest.raises(ConfigError, match="text_field='body' is not a feature .* it has: text"):
+        TfdsSource(F.TFDS_NAME, "train", tfds_dir, "body", "dataset_split")
+
+
+@pytest.mark.parametrize("args,match", [
+    (["max_target_length=0"], "max_target_length=0 must be > 0"),
+    (["dataset_type=text", "grain_train_files=x.txt"], "dataset_type=text needs tokenizer_path"),
+    (["dataset_type=arrayrecord", "grain_train_files=x", "eval_interval=5"], "needs grain_eval_files"),
+    (["dataset_type=tfds", "dataset_name=x", "eval_interval=5"], "needs eval_split"),
+    (["grain_worker_count=-1"], "grain_worker_count=-1 must be >= 0"),
+])
+def test_config_level_data_errors(args, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(args)
