@@ -51,12 +51,12 @@ def repeat_kv(x_BSKD, degree: int):
     return jnp.repeat(x_BSKD, reps, axis=2) if reps > 1 else x_BSKD
 
 
-def a2a_attention(local, args, q, k, v, pos, seg, degree: int, inner):
-    """Sequence-to-heads over A2A_AXIS, then inner(args, q, k, v, pos, seg) on [B, S_block, heads/U, D]."""
+def a2a_attention(q, k, v, pos, seg, degree: int, inner):
+    """Sequence-to-heads over A2A_AXIS, then inner(q, k, v, pos, seg) on [B, S_block, heads/U, D]."""
     k, v = repeat_kv(k, degree), repeat_kv(v, degree)
     q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
     pos, seg = (jax.lax.all_gather(x, A2A_AXIS, axis=1, tiled=True) for x in (pos, seg))
-    return heads_to_seq(inner(args, q, k, v, pos, seg))
+    return heads_to_seq(inner(q, k, v, pos, seg))
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh: Mesh, load_balance: bool,
@@ -68,14 +68,14 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     u = mesh.shape[A2A_AXIS]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     group = h // replicated_kv_heads(kv_heads, u)
-    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u, load_balance),
+    local = make_local(kernel, block_q, block_kv, order=stored_order(seq, u, load_balance),
                        group=group)
 
-    def inner(args, q, k, v, pos, seg):
-        return local.attend(args, 0, q, k, v, pos, seg, pos, seg)[0]
+    def inner(q, k, v, pos, seg):
+        return local.attend(0, q, k, v, pos, seg, pos, seg)[0]
 
-    def body(args, q, k, v, pos, seg):
-        return a2a_attention(local, args, q, k, v, pos, seg, u, inner)
+    def body(q, k, v, pos, seg):
+        return a2a_attention(q, k, v, pos, seg, u, inner)
 
-    return context_shard_map(body, mesh, local.args, local.arg_specs, q_BSHD, k_BSKD, v_BSKD, positions_BS,
+    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS,
                              segment_ids_BS)

@@ -28,14 +28,14 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
            block_q: int, block_kv: int):
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
-    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
+    local = make_local(kernel, block_q, block_kv, order=stored_order(seq, cp, load_balance),
                        q_shards=cp, q_axes=CONTEXT, group=h // kv_heads)
 
-    def body(args, q, k, v, pos, seg):
+    def body(q, k, v, pos, seg):
         k_all, v_all, pos_all, seg_all = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
                                           for x in (k, v, pos, seg))
-        out, _ = local.attend(args, 0, q, k_all, v_all, pos, seg, pos_all, seg_all)
+        out, _ = local.attend(0, q, k_all, v_all, pos, seg, pos_all, seg_all)
         return out
 
-    return context_shard_map(body, mesh, local.args, local.arg_specs, q_BSHD, k_BSKD, v_BSKD, positions_BS,
+    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS,
                              segment_ids_BS)

@@ -35,9 +35,9 @@ def ring_shift(tree, axis, size: int):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
 
 
-def context_shard_map(body: Callable, mesh: Mesh, args, arg_specs, q_BSHD, k_BSKD, v_BSKD, positions_BS,
+def context_shard_map(body: Callable, mesh: Mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS,
                       segment_ids_BS):
-    """Runs body(args, q, k, v, positions, segment_ids) on each device's shards; returns out like q.
+    """Runs body(q, k, v, positions, segment_ids) on each device's shards; returns out like q.
 
     With fewer kv heads than the tensor axis (kv replicated over it), each device keeps the one kv head its
     local query heads use, so GQA grouping is the same locally as globally.
@@ -49,12 +49,12 @@ def context_shard_map(body: Callable, mesh: Mesh, args, arg_specs, q_BSHD, k_BSK
     kv_spec = P(BATCH, CONTEXT, "tensor" if kv_sharded else None, None)
     bs_spec = P(BATCH, CONTEXT)
 
-    def wrapped(args, q, k, v, pos, seg):
+    def wrapped(q, k, v, pos, seg):
         if not kv_sharded:
             head = jax.lax.axis_index("tensor") * (h // tp) // (h // kv_heads)
             k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=2)
             v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=2)
-        return body(args, q, k, v, pos, seg)
+        return body(q, k, v, pos, seg)
 
-    fn = shard_map(wrapped, mesh, (arg_specs, q_spec, kv_spec, kv_spec, bs_spec, bs_spec), q_spec)
-    return fn(args, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+    fn = shard_map(wrapped, mesh, (q_spec, kv_spec, kv_spec, bs_spec, bs_spec), q_spec)
+    return fn(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)

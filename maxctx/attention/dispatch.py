@@ -58,7 +58,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
                            group=q_BSHD.shape[2] // k_BSKD.shape[2])
-        return local.attend(local.args, 0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
+        return local.attend(0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
                             segment_ids_BS)[0]
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     strategy = STRATEGIES[resolve_strategy(spec.strategy) if cp > 1 else "all_gather"]

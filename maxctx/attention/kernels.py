@@ -3,19 +3,21 @@
 Legend: B batch, S query length, T key/value length, H query heads, K kv heads, D head dim.
 
 A `LocalKernel` is built outside shard_map for one strategy's token layout and used inside it:
-  attend(args, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg)         -> (out, lse|None), differentiable in out
-  block_forward(args, hop, ...)                                      -> (out fp32, lse fp32), for ring hops
-  block_backward(args, hop, ..., out, lse, dout)                     -> (dq, dk, dv) fp32 given the merged out/lse
-`args` are the kernel's device arrays (splash mask info), passed through shard_map with `arg_specs`; `hop` picks
-the ring hop's kernel. Only splash needs either (its masks are index-based, see splash.py); the others mask from
-positions. cuDNN and splash rings run their backward hops with the flash backward (exact, pure JAX): neither
-exposes a backward that takes the ring's merged lse.
+  attend(hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg)           -> (out, lse|None), differentiable in out
+  block_forward(hop, ...)                                      -> (out fp32, lse fp32), for ring hops
+  block_backward(hop, ..., out, lse, dout)                     -> (dq, dk, dv) fp32 given the merged out/lse
+`hop` picks the ring hop's splash kernels; only splash needs it (its masks are index-based, see splash.py), the
+others mask from positions. cuDNN and splash rings run their backward hops with the flash backward (exact, pure
+JAX): neither exposes a backward that takes the ring's merged lse.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,19 +38,29 @@ class LocalKernel:
     name: str
     block_q: int = 512
     block_kv: int = 512
-    args: tuple = ()
-    arg_specs: tuple = ()
+    q_axes: Any = None
+    # splash only: per hop, the distinct kernels and, per query shard, which of them it runs.
+    splash_kernels: tuple = ()
+    splash_table: tuple = ()
 
-    def attend(self, args, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
+    def _splash(self, hop, save_residuals, q, k, v, q_seg, kv_seg):
+        kernels, table = self.splash_kernels[hop], self.splash_table[hop]
+        branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals) for kern in kernels]
+        if len(branches) == 1:
+            return branches[0](q, k, v, q_seg, kv_seg)
+        which = jnp.asarray(table, jnp.int32)[jax.lax.axis_index(self.q_axes)]
+        return jax.lax.switch(which, branches, q, k, v, q_seg, kv_seg)
+
+    def attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
             return dot_product_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
         if self.name == "flash":
             return flash.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv)
         if self.name == "cudnn":
             return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
-        return splash.splash_call(args[hop], q, k, v, q_seg, kv_seg, save_residuals=False)
+        return self._splash(hop, False, q, k, v, q_seg, kv_seg)
 
-    def block_forward(self, args, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
+    def block_forward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
             f32 = [x.astype(jnp.float32) for x in (q, k, v)]
             return dot_product_attention(*f32, q_pos, q_seg, kv_pos, kv_seg)
@@ -56,31 +68,46 @@ class LocalKernel:
             return flash.flash_forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv)
         if self.name == "cudnn":
             out, lse = cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, return_lse=True)
-            return out.astype(jnp.float32), lse
-        out, lse = splash.splash_call(args[hop], q, k, v, q_seg, kv_seg, save_residuals=True)
+        else:
+            out, lse = self._splash(hop, True, q, k, v, q_seg, kv_seg)
         return out.astype(jnp.float32), lse
 
-    def block_backward(self, args, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
+    def block_backward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
         if self.name == "dot_product":
             return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout)
         return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
                                     self.block_q, self.block_kv)
 
 
-def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,
-               q_shards: int = 1, kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False
-               ) -> LocalKernel:
+def _dense_ranks(q_orig: np.ndarray, kv_orig: np.ndarray) -> bytes:
+    """A key that is equal for two (q, kv) index sets iff their causal masks are equal: the masks only compare
+    indices, so replacing them by their ranks in the union keeps the mask."""
+    union = np.unique(np.concatenate([q_orig, kv_orig]))
+    return np.searchsorted(union, q_orig).tobytes() + b"|" + np.searchsorted(union, kv_orig).tobytes()
+
+
+def make_local(name: str, block_q: int, block_kv: int, *, order: np.ndarray | None = None, q_shards: int = 1,
+               kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False) -> LocalKernel:
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
-    `q_shards` query shards (over mesh axes `q_axes`); the keys a call sees are either the whole sequence
-    (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads per kv
-    head; `ring` builds one lse-returning kernel per hop."""
+    `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
+    sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
+    per kv head; `ring` builds lse-returning kernels, one set per hop. Shards whose masks are equal share a
+    kernel (under zig-zag a hop has at most 2 distinct masks), and a device picks its own with `lax.switch`."""
     if name != "splash":
         return LocalKernel(name, block_q, block_kv)
-    n = len(order) // kv_blocks
-    kernels = []
+    n, rows = len(order) // kv_blocks, len(order) // q_shards
+    hop_kernels, hop_tables = [], []
     for hop in range(kv_blocks if ring else 1):
-        blocks = [((r * kv_blocks // q_shards) - hop) % kv_blocks for r in range(q_shards)]
-        kv_rows = np.stack([order[b * n:(b + 1) * n] for b in blocks])
-        kernels.append(splash.make_kernel(order, kv_rows, group, block_q, block_kv, save_residuals=ring))
-    specs = tuple(splash.kernel_spec(kern, mesh, q_axes) for kern in kernels) if mesh is not None else ()
-    return LocalKernel(name, block_q, block_kv, tuple(kernels), specs)
+        kernels, table, seen = [], [], {}
+        for r in range(q_shards):
+            q_orig = order[r * rows:(r + 1) * rows]
+            b = (r * kv_blocks // q_shards - hop) % kv_blocks
+            kv_orig = order[b * n:(b + 1) * n]
+            key = _dense_ranks(q_orig, kv_orig)
+            if key not in seen:
+                seen[key] = len(kernels)
+                kernels.append(splash.make_kernel(q_orig, kv_orig, group, block_q, block_kv, save_residuals=ring))
+            table.append(seen[key])
+        hop_kernels.append(tuple(kernels))
+        hop_tables.append(tuple(table))
+    return LocalKernel(name, block_q, block_kv, q_axes, tuple(hop_kernels), tuple(hop_tables))

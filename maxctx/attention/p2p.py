@@ -47,59 +47,58 @@ def _maybe(q_pos, kv_pos, skipped, compute, *operands):
     return jax.lax.cond(kv_pos.min() <= q_pos.max(), compute, lambda *_: skipped, *operands)
 
 
-def ring_attention(local: LocalKernel, axis, size: int):
-    """Returns ring(args, q, k, v, q_pos, q_seg, kv_pos, kv_seg) -> out, to call inside shard_map over `axis`."""
+def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
+    b, s, h, d = q.shape
+    out, lse = jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32)
+    block = (k, v, kp, ks)
+    for hop in range(size):
+        following = ring_shift(block, axis, size) if hop < size - 1 else None
+        empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
+        o_hop, lse_hop = _maybe(qp, block[2], empty, functools.partial(local.block_forward, hop),
+                                q, block[0], block[1], qp, qs, block[2], block[3])
+        out, lse = _merge(out, lse, o_hop, lse_hop)
+        block = following
+    return out.astype(q.dtype), lse
 
-    def forward(args, q, k, v, qp, qs, kp, ks):
-        b, s, h, d = q.shape
-        out, lse = jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32)
-        block = (k, v, kp, ks)
-        for hop in range(size):
-            following = ring_shift(block, axis, size) if hop < size - 1 else None
-            empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
-            o_hop, lse_hop = _maybe(qp, block[2], empty, functools.partial(local.block_forward, args, hop),
-                                    q, block[0], block[1], qp, qs, block[2], block[3])
-            out, lse = _merge(out, lse, o_hop, lse_hop)
-            block = following
-        return out.astype(q.dtype), lse
 
-    @jax.custom_vjp
-    def ring(args, q, k, v, qp, qs, kp, ks):
-        return forward(args, q, k, v, qp, qs, kp, ks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def ring_attention(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
+    """Ring attention of local q against the K/V blocks of all `size` ranks of `axis`; call inside shard_map."""
+    return _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)[0]
 
-    def ring_fwd(args, q, k, v, qp, qs, kp, ks):
-        out, lse = forward(args, q, k, v, qp, qs, kp, ks)
-        return out, (args, q, k, v, qp, qs, kp, ks, out, lse)
 
-    def ring_bwd(res, dout):
-        args, q, k, v, qp, qs, kp, ks, out, lse = res
-        dq = jnp.zeros(q.shape, jnp.float32)
-        dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-        block = (k, v, kp, ks)
-        for hop in range(size):
-            following = ring_shift(block, axis, size) if hop < size - 1 else None
-            zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
-            dq_h, dk_h, dv_h = _maybe(qp, block[2], zeros, functools.partial(local.block_backward, args, hop),
-                                      q, block[0], block[1], qp, qs, block[2], block[3], out, lse, dout)
-            dq = dq + dq_h
-            dkv = ring_shift((dkv[0] + dk_h, dkv[1] + dv_h), axis, size)  # after R shifts: back at the owner
-            block = following
-        return None, dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None
+def _ring_fwd(local, axis, size, q, k, v, qp, qs, kp, ks):
+    out, lse = _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)
+    return out, (q, k, v, qp, qs, kp, ks, out, lse)
 
-    ring.defvjp(ring_fwd, ring_bwd)
-    return ring
+
+def _ring_bwd(local, axis, size, res, dout):
+    q, k, v, qp, qs, kp, ks, out, lse = res
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    block = (k, v, kp, ks)
+    for hop in range(size):
+        following = ring_shift(block, axis, size) if hop < size - 1 else None
+        zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
+        dq_h, dk_h, dv_h = _maybe(qp, block[2], zeros, functools.partial(local.block_backward, hop),
+                                  q, block[0], block[1], qp, qs, block[2], block[3], out, lse, dout)
+        dq = dq + dq_h
+        dkv = ring_shift((dkv[0] + dk_h, dkv[1] + dv_h), axis, size)  # after R shifts: back at the owner
+        block = following
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh: Mesh, load_balance: bool,
            block_q: int, block_kv: int):
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
-    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
+    local = make_local(kernel, block_q, block_kv, order=stored_order(seq, cp, load_balance),
                        q_shards=cp, kv_blocks=cp, q_axes=CONTEXT, group=h // kv_heads, ring=True)
-    ring = ring_attention(local, CONTEXT, cp)
+    def body(q, k, v, pos, seg):
+        return ring_attention(local, CONTEXT, cp, q, k, v, pos, seg, pos, seg)
 
-    def body(args, q, k, v, pos, seg):
-        return ring(args, q, k, v, pos, seg, pos, seg)
-
-    return context_shard_map(body, mesh, local.args, local.arg_specs, q_BSHD, k_BSKD, v_BSKD, positions_BS,
+    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS,
                              segment_ids_BS)

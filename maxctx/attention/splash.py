@@ -9,11 +9,12 @@ load balance), so each call gets a static mask over original indices:
 
     mask[i, j] = kv_orig[row_shard(i), j] <= q_orig[i]
 
-`q_orig` maps every global query row to its original index; `kv_orig[r]` gives the original indices of the
-key/value block that query shard r sees at this call (a ring hop, or the gathered sequence). The kernel is built
-for the global query axis with `q_seq_shards` shards, and its mask info is sharded over the strategy's query
-axes through `manual_sharding_spec`, so each device gets its own rows: no device index is traced into the mask.
-Blocks the mask hides are skipped by the kernel's block sparsity (ring hops under zig-zag do equal work).
+`q_orig` and `kv_orig` map a device's local query rows and the key/value block it sees at this call (a ring hop,
+or the gathered sequence) to original indices. Devices with equal masks share a kernel; kernels.make_local builds
+the distinct ones and a device picks its own by its mesh index (under zig-zag a hop has at most two distinct
+masks). Blocks the mask hides are skipped by the kernel's block sparsity (ring hops under zig-zag do equal work).
+(Sharding one kernel's mask info over devices with q_seq_shards fails in jax 0.10 for hops whose mask has no
+partial block, as zig-zag ring hops do.)
 
 Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
 over the G query heads of each kv head, vmapped over K and B.
@@ -24,7 +25,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention.flash import block_size
 
@@ -37,29 +37,23 @@ def _lib():
     return kernel_lib, mask_lib
 
 
-def ordered_causal_mask(q_orig: np.ndarray, kv_orig_rows: np.ndarray):
-    """A splash Mask: causal on original indices, for stored orders `q_orig[S]`, `kv_orig_rows[shards, T]`."""
+def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray):
+    """A splash Mask: mask[i, j] = kv_orig[j] <= q_orig[i] (causal on original indices)."""
     _, mask_lib = _lib()
 
     class OrderedCausalMask(mask_lib.Mask):
         def __init__(self):
-            self.q_orig = np.asarray(q_orig)
-            self.kv_rows = np.asarray(kv_orig_rows)
-            self.rows_per_shard = len(self.q_orig) // self.kv_rows.shape[0]
-            self._key = (self.q_orig.tobytes(), self.kv_rows.tobytes(), self.kv_rows.shape)
+            self.q_orig, self.kv_orig = np.asarray(q_orig), np.asarray(kv_orig)
+            self._key = (self.q_orig.tobytes(), self.kv_orig.tobytes())
 
         @property
         def shape(self) -> tuple[int, int]:
-            return len(self.q_orig), self.kv_rows.shape[1]
+            return len(self.q_orig), len(self.kv_orig)
 
         def __getitem__(self, idx) -> np.ndarray:
             qi, ki = idx
-            rows, cols = np.arange(self.shape[0])[qi], np.arange(self.shape[1])[ki]
-            r, c = np.atleast_1d(rows), np.atleast_1d(cols)
-            m = self.kv_rows[r // self.rows_per_shard][:, c] <= self.q_orig[r][:, None]
-            if np.ndim(cols) == 0:
-                m = m[:, 0]
-            return m[0] if np.ndim(rows) == 0 else m
+            return self.kv_orig[ki][None, :] <= self.q_orig[qi][:, None] if isinstance(qi, slice) else (
+                self.kv_orig[ki] <= self.q_orig[qi])
 
         def __eq__(self, other) -> bool:
             return isinstance(other, OrderedCausalMask) and self._key == other._key
@@ -70,23 +64,16 @@ def ordered_causal_mask(q_orig: np.ndarray, kv_orig_rows: np.ndarray):
     return OrderedCausalMask()
 
 
-def make_kernel(q_orig: np.ndarray, kv_orig_rows: np.ndarray, group: int, block_q: int, block_kv: int,
+def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: int, block_kv: int,
                 save_residuals: bool, interpret: bool = False):
-    """An MQA splash kernel over `group` query heads for the global query axis split into len(kv_orig_rows)."""
+    """An MQA splash kernel over `group` query heads for one device's query rows and key/value block."""
     kernel_lib, mask_lib = _lib()
-    shards = kv_orig_rows.shape[0]
-    mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig_rows)] * group)
-    bq = block_size(len(q_orig) // shards, block_q)
-    bkv = block_size(kv_orig_rows.shape[1], block_kv)
+    mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig)] * group)
+    bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
     sizes = kernel_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                                   block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    return kernel_lib.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=shards,
+    return kernel_lib.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                       save_residuals=save_residuals, interpret=interpret)
-
-
-def kernel_spec(kernel, mesh, q_axes):
-    """shard_map spec of a kernel's mask info: query blocks split over `q_axes` (None: replicated)."""
-    return kernel.manual_sharding_spec(NamedSharding(mesh, P(None, q_axes)))
 
 
 def splash_call(kernel, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool):
