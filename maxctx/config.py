@@ -111,6 +111,7 @@ class Config:
     jax_coordinator_address: str = ""
     jax_num_processes: int = 0
     jax_process_id: int = -1
+    jax_heartbeat_timeout_seconds: int = 60
     compile_topology: str = ""
     compile_topology_num_slices: int = 1
 

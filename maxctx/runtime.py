@@ -46,7 +46,8 @@ def distributed_settings(config: Config) -> dict | None:
                           f"JAX_PROCESS_ID)")
     if pid >= num:
         raise ConfigError(f"jax_process_id={pid} must be below jax_num_processes={num}")
-    kwargs = {"coordinator_address": address, "num_processes": num, "process_id": pid}
+    kwargs = {"coordinator_address": address, "num_processes": num, "process_id": pid,
+              "heartbeat_timeout_seconds": config.jax_heartbeat_timeout_seconds}
     if config.cpu_devices > 0:
         kwargs["local_device_ids"] = list(range(config.cpu_devices))
     return kwargs
