@@ -86,7 +86,7 @@ def check_shapes(saved_tree: Any, target_tree: Any, where: str, prefix: str = ""
     target = {k: v for k, v in _flat_shapes(target_tree).items() if k.startswith(prefix)}
     fix = ("check model_name and the model-shape keys (base_emb_dim, base_num_*, head_dim, vocab_size, ...), "
            "or start a new run_name")
-    for key, shape in target.items():
+    for key, shape in sorted(target.items(), key=lambda item: not item[0].startswith("params/")):
         if key not in saved:
             raise ConfigError(f"{where} was saved for another model or optimizer: it has no '{key}' (shape {shape} "
                               f"in this config); {fix}")
@@ -119,7 +119,7 @@ def resolve_step_dir(path: str, key: str) -> epath.Path:
 
 
 def _state_metadata(state_dir: epath.Path) -> Any:
-    return ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
+    return ocp.StandardCheckpointHandler().metadata(state_dir).tree
 
 
 class PreemptionWatch:

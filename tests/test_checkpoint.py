@@ -1,0 +1,262 @@
+"""Checkpointing: exact resume (synthetic with CP, and a text source), kill -9 mid async save, SIGTERM, resharding
+onto another mesh, params-only and full-state loads, and clear errors for bad load paths and model shapes.
+
+End-to-end runs use `python3 train.py` in subprocesses on 4 simulated CPU devices (fsdp=2 x context=2), tiny
+shapes, and one persistent compilation cache, so every run after the first reuses the compiled step."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=4",
+          "ici_context_parallelism=2", "learning_rate_schedule_steps=20", "checkpoint_period=5",
+          "peak_tflops_per_device=1", "enable_tensorboard=false", "grain_prefetch_buffer_size=0"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def command(out: Path, run: str, *overrides: str, script: Path | None = None) -> list[str]:
+    entry = [str(script)] if script else [str(ROOT / "train.py")]
+    keys = dict(kv.split("=", 1) for kv in [*COMMON, *overrides])  # overrides replace COMMON's values
+    return [sys.executable, *entry, str(ROOT / "configs/base.yml"), f"base_output_directory={out}",
+            f"run_name={run}", *(f"{k}={v}" for k, v in keys.items())]
+
+
+def train(env, out: Path, run: str, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(command(out, run, *overrides), env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def losses(out: Path, run: str) -> dict[int, float]:
+    """Step -> loss of every logged step."""
+    records = [json.loads(line) for line in (out / run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}
+
+
+def steps_on_disk(out: Path, run: str) -> list[str]:
+    return sorted(os.listdir(out / run / "checkpoints"))
+
+
+def assert_continues(reference: dict[int, float], resumed: dict[int, float], first: int) -> None:
+    """Bit-for-bit equal losses from step `first` to the end."""
+    steps = sorted(s for s in resumed if s >= first)
+    assert steps and steps[-1] == max(reference), (steps, sorted(reference))
+    assert [resumed[s] for s in steps] == [reference[s] for s in steps]
+
+
+@pytest.fixture(scope="module")
+def reference(env, tmp_path_factory):
+    """20 steps straight, saving every 5 and keeping 3."""
+    out = tmp_path_factory.mktemp("ref")
+    train(env, out, "straight", "steps=20")
+    return out
+
+
+def test_straight_run_keeps_last_checkpoints(reference):
+    assert steps_on_disk(reference, "straight") == ["10", "15", "20"]
+    meta = json.loads((reference / "straight/checkpoints/20/meta/metadata").read_text())
+    assert meta["step"] == 20 and meta["seed"] == 0 and len(meta["rng_key"]) == 2
+    data = json.loads((reference / "straight/checkpoints/20/data/process_0-of-1.json").read_text())
+    assert data["step"] == 20
+
+
+def test_exact_resume_with_context_parallelism(env, reference, tmp_path):
+    train(env, tmp_path, "split", "steps=10")
+    first_half = losses(tmp_path, "split")
+    proc = train(env, tmp_path, "split", "steps=20")
+    assert "resuming from checkpoint step 10" in proc.stdout
+    ref = losses(reference, "straight")
+    assert [first_half[s] for s in range(1, 11)] == [ref[s] for s in range(1, 11)]
+    assert_continues(ref, losses(tmp_path, "split"), first=11)
+
+
+# Runs train.py with test hooks: the JSON write of step SLOW_STEP's data item sleeps (so the async save is still
+# in flight when the test kills the process), and SIGTERM is sent to the process itself after step SIGTERM_STEP.
+HOOKED_TRAIN = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    sys.path.insert(0, {root!r})
+    import orbax.checkpoint as ocp
+    from maxctx import checkpoint, train
+
+    slow_step, sigterm_step = int(os.environ.get("SLOW_STEP", -1)), int(os.environ.get("SIGTERM_STEP", -1))
+    save_fn = ocp.JsonCheckpointHandler._save_fn
+
+    async def slow_save_fn(self, x, directory):
+        if os.path.basename(str(directory.parent)).startswith(f"{{slow_step}}."):
+            print(f"SAVING {{slow_step}}", flush=True)
+            await asyncio.sleep(120)
+        await save_fn(self, x, directory)
+
+    should_save = checkpoint.Checkpointer.should_save
+
+    def should_save_after_signal(self, step):
+        if step == sigterm_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return should_save(self, step)
+
+    ocp.JsonCheckpointHandler._save_fn = slow_save_fn
+    checkpoint.Checkpointer.should_save = should_save_after_signal
+    sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory) -> Path:
+    script = tmp_path_factory.mktemp("hooks") / "hooked_train.py"
+    script.write_text(HOOKED_TRAIN.format(root=str(ROOT)))
+    return script
+
+
+def test_kill_during_async_save_resumes_from_last_complete(env, reference, hooked, tmp_path):
+    proc = subprocess.Popen(command(tmp_path, "killed", "steps=20", script=hooked), env={**env, "SLOW_STEP": "15"},
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("SAVING 15"):
+                break
+        assert seen and seen[-1].startswith("SAVING 15"), "".join(seen[-30:])
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    on_disk = steps_on_disk(tmp_path, "killed")
+    assert "10" in on_disk and "15" not in on_disk and any(s.startswith("15.") for s in on_disk), on_disk
+    resumed = train(env, tmp_path, "killed", "steps=20")
+    assert "resuming from checkpoint step 10" in resumed.stdout
+    assert not any(s.startswith("15.") for s in steps_on_disk(tmp_path, "killed"))  # the cut-off save is removed
+    assert_continues(losses(reference, "straight"), losses(tmp_path, "killed"), first=11)
+
+
+def test_sigterm_finishes_step_saves_and_exits_0(env, reference, hooked, tmp_path):
+    args = command(tmp_path, "preempted", "steps=20", "checkpoint_period=100", script=hooked)
+    proc = subprocess.run(args, env={**env, "SIGTERM_STEP": "7"}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "preemption notice (SIGTERM): saved step 7" in proc.stdout
+    assert steps_on_disk(tmp_path, "preempted") == ["7"]
+    assert max(losses(tmp_path, "preempted")) == 7
+    resumed = train(env, tmp_path, "preempted", "steps=20", "checkpoint_period=100")
+    assert "resuming from checkpoint step 7" in resumed.stdout
+    assert steps_on_disk(tmp_path, "preempted") == ["20", "7"]
+    assert_continues(losses(reference, "straight"), losses(tmp_path, "preempted"), first=8)
+
+
+def test_missing_load_path_exits_2_with_one_line(env, tmp_path):
+    missing = tmp_path / "nowhere"
+    proc = train(env, tmp_path, "bad", "steps=2", f"load_parameters_path={missing}", expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert len(errors) == 1 and f"load_parameters_path='{missing}' does not exist" in errors[0], proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+# In-process tests (8 devices from conftest).
+
+def _setup(out: Path, run: str, *overrides: str):
+    from maxctx.config import load_config
+    from maxctx.mesh import create_mesh
+    from maxctx.train_step import make_setup
+
+    config = load_config([str(ROOT / "configs/base.yml"), f"base_output_directory={out}", f"run_name={run}",
+                          "dtype=float32", "per_device_batch_size=1", "max_target_length=64",
+                          "learning_rate_schedule_steps=20", "enable_tensorboard=false", *overrides])
+    return make_setup(config, create_mesh(config))
+
+
+def test_other_model_shape_is_refused_before_writing(reference, tmp_path):
+    from maxctx.checkpoint import Checkpointer
+    from maxctx.config import ConfigError
+
+    source = reference / "straight/checkpoints"
+    for key in ("load_parameters_path", "load_full_state_path"):
+        setup = _setup(tmp_path, "wide", "base_emb_dim=64", f"{key}={source}")
+        with pytest.raises(ConfigError, match=r"'params/embed' has shape \(256, 128\) in the checkpoint but "
+                                              r"\(256, 64\) in this config"):
+            Checkpointer(setup.config, setup)
+    # Resuming a run under a changed model shape is refused the same way.
+    setup = _setup(reference, "straight", "base_num_decoder_layers=3")
+    with pytest.raises(ConfigError, match=r"has shape \(2, .*\) in the checkpoint but \(3, .*\) in this config"):
+        Checkpointer(setup.config, setup)
+    assert not (tmp_path / "wide").exists()
+
+
+def test_load_parameters_and_full_state(reference, tmp_path):
+    import jax
+    import orbax.checkpoint as ocp
+
+    from maxctx.checkpoint import Checkpointer
+
+    saved = ocp.StandardCheckpointer().restore(reference / "straight/checkpoints/20/state")
+    setup = _setup(tmp_path, "params", f"load_parameters_path={reference / 'straight/checkpoints/15'}",
+                   "ici_fsdp_parallelism=8")
+    state = Checkpointer(setup.config, setup).restore_or_init(data=None)
+    assert int(state["step"]) == 0 and int(state["opt_state"][1][0].count) == 0
+    assert not np.array_equal(np.asarray(state["params"]["embed"]), saved["params"]["embed"])  # step 15, not 20
+
+    setup = _setup(tmp_path, "full", f"load_full_state_path={reference / 'straight/checkpoints'}")
+    state = Checkpointer(setup.config, setup).restore_or_init(data=None)
+    assert int(state["step"]) == 20
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state["params"], saved["params"])
+    assert int(state["opt_state"][1][0].count) == 20
+    assert state["params"]["embed"].sharding == setup.state_shardings["params"]["embed"]
+
+
+def test_resume_onto_another_mesh_and_device_count(env, reference, tmp_path):
+    """Step 10 saved on 4 devices as fsdp=2 x context=2 resumes on 8 devices as fsdp=2 x context=4 (same global
+    batch): the losses continue as in the uninterrupted run within fp32 tolerance."""
+    shutil.copytree(reference / "straight/checkpoints/10", tmp_path / "moved/checkpoints/10")
+    mesh_b = ["cpu_devices=8", "per_device_batch_size=0.5", "ici_fsdp_parallelism=2", "ici_context_parallelism=4"]
+    proc = train(env, tmp_path, "moved", "steps=20", *mesh_b)
+    assert "resuming from checkpoint step 10" in proc.stdout and "'context': 4" in proc.stdout
+    ref, moved = losses(reference, "straight"), losses(tmp_path, "moved")
+    steps = range(11, 21)
+    np.testing.assert_allclose([moved[s] for s in steps], [ref[s] for s in steps], rtol=1e-5)
+
+
+@pytest.mark.skipif(not (ROOT / "maxctx/data/sources.py").exists(), reason="file sources not in this tree yet")
+def test_exact_resume_text_source(env, tmp_path):
+    import random
+
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "theta", "kappa", "lambda", "sigma", "omega", "zeta"]
+    docs = tmp_path / "docs.txt"
+    docs.write_text("".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 40))) + "\n"
+                            for _ in range(400)))
+    spm.SentencePieceTrainer.train(input=str(docs), model_prefix=str(tmp_path / "tok"), vocab_size=64,
+                                   model_type="bpe", pad_id=0, bos_id=1, eos_id=2, unk_id=3, minloglevel=2)
+    source = ["dataset_type=text", f"grain_train_files={docs}", f"tokenizer_path={tmp_path / 'tok.model'}"]
+    train(env, tmp_path, "straight", "steps=20", *source)
+    train(env, tmp_path, "split", "steps=10", *source)
+    proc = train(env, tmp_path, "split", "steps=20", *source)
+    assert "resuming from checkpoint step 10" in proc.stdout
+    state = json.loads((tmp_path / "split/checkpoints/20/data/process_0-of-1.json").read_text())
+    assert "grain" in state
+    assert_continues(losses(tmp_path, "straight"), losses(tmp_path, "split"), first=11)
+
+
+def test_rng_key_is_a_function_of_seed_and_step():
+    import jax
+
+    from maxctx.checkpoint import rng_key
+
+    assert np.array_equal(jax.random.key_data(rng_key(0, 7)), jax.random.key_data(rng_key(0, 7)))
+    assert not np.array_equal(jax.random.key_data(rng_key(0, 7)), jax.random.key_data(rng_key(0, 8)))
