@@ -50,8 +50,16 @@ def _scores(q_BQKGD, k_BCKD, mask_BQC, scale):
     return jnp.where(mask_BQC[:, None, None], s, -jnp.inf)
 
 
+def _tie(*arrays):
+    """Ties positions and segment ids to q, k, v. When the kernel runs inside a differentiated lax.scan (the
+    model's layers), partial evaluation otherwise hoists everything computable from the ids alone, i.e. every
+    block's mask, out of the loops and saves it as a residual: O(S x T) memory."""
+    return jax.lax.optimization_barrier(arrays)
+
+
 def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512):
     """Returns (out[B, S, H, D] fp32, lse[B, H, S] fp32); rows with no visible key give out 0, lse -inf."""
+    q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg = _tie(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg)
     b, s, h, d = q_BSHD.shape
     t, k = k_BTKD.shape[1], k_BTKD.shape[2]
     g = h // k
@@ -105,6 +113,7 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
     dS = P * (dP - rowsum(dO * O) + dlse), P = exp(S - lse): with a ring's merged out/lse this is the exact
     gradient of one key/value block's contribution.
     """
+    q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg = _tie(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg)
     b, s, h, d = q_BSHD.shape
     t, k = k_BTKD.shape[1], k_BTKD.shape[2]
     g = h // k

@@ -50,14 +50,14 @@ def _maybe(q_pos, kv_pos, skipped, compute, *operands):
 def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
     b, s, h, d = q.shape
     out, lse = jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32)
-    block = (k, v, kp, ks)
+    kv, ids = jnp.stack([k, v]), jnp.stack([kp, ks])  # one permute each for K/V and for the ids
     for hop in range(size):
-        following = ring_shift(block, axis, size) if hop < size - 1 else None
+        following = ring_shift((kv, ids), axis, size) if hop < size - 1 else None
         empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
-        o_hop, lse_hop = _maybe(qp, block[2], empty, functools.partial(local.block_forward, hop),
-                                q, block[0], block[1], qp, qs, block[2], block[3])
+        o_hop, lse_hop = _maybe(qp, ids[0], empty, functools.partial(local.block_forward, hop),
+                                q, kv[0], kv[1], qp, qs, ids[0], ids[1])
         out, lse = _merge(out, lse, o_hop, lse_hop)
-        block = following
+        kv, ids = following if following is not None else (kv, ids)
     return out.astype(q.dtype), lse
 
 
@@ -74,17 +74,19 @@ def _ring_fwd(local, axis, size, q, k, v, qp, qs, kp, ks):
 
 def _ring_bwd(local, axis, size, res, dout):
     q, k, v, qp, qs, kp, ks, out, lse = res
+    # The blocks are stacked in the other order than in the forward: XLA would otherwise merge the backward's
+    # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.
+    vk, ids = jnp.stack([v, k]), jnp.stack([ks, kp])
     dq = jnp.zeros(q.shape, jnp.float32)
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    block = (k, v, kp, ks)
+    dkv = jnp.zeros((2, *k.shape), jnp.float32)
     for hop in range(size):
-        following = ring_shift(block, axis, size) if hop < size - 1 else None
+        following = ring_shift((vk, ids), axis, size) if hop < size - 1 else None
         zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
-        dq_h, dk_h, dv_h = _maybe(qp, block[2], zeros, functools.partial(local.block_backward, hop),
-                                  q, block[0], block[1], qp, qs, block[2], block[3], out, lse, dout)
+        dq_h, dk_h, dv_h = _maybe(qp, ids[1], zeros, functools.partial(local.block_backward, hop),
+                                  q, vk[1], vk[0], qp, qs, ids[1], ids[0], out, lse, dout)
         dq = dq + dq_h
-        dkv = ring_shift((dkv[0] + dk_h, dkv[1] + dv_h), axis, size)  # after R shifts: back at the owner
-        block = following
+        dkv = ring_shift(dkv + jnp.stack([dk_h, dv_h]), axis, size)  # after R shifts: back at the owner
+        vk, ids = following if following is not None else (vk, ids)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None
 
 

@@ -1,0 +1,99 @@
+"""Collective bytes of one attention layer's forward and backward, from the compiled HLO, against the formulas in
+each strategy's docstring (within 10%). Per device; B batch per device, S sequence, C CP degree, H/K heads, D head
+dim, b bytes per element, ids int32."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxctx.attention.dispatch import AttentionSpec, attend
+from tests.test_context_parallel import make_mesh
+
+B, S, H, K, D, b = 2, 64, 8, 2, 16, 4
+OPS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+_BYTES = {"f32": 4, "s32": 4, "bf16": 2, "pred": 1, "u32": 4}
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in re.findall(r"(f32|s32|bf16|pred|u32)\[([0-9,]*)\]", text))
+
+
+def collective_bytes(hlo: str) -> Counter:
+    """Bytes per collective kind: the result for all-gather/all-to-all/collective-permute, the operand for
+    reduce-scatter (what the docstrings count)."""
+    shapes = {}
+    totals = Counter()
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)", line)
+        if not m:
+            continue
+        name, result, op, rest = m.groups()
+        shapes[name] = result
+        kind = op.removesuffix("-start")
+        if kind in OPS and not op.endswith("-done"):
+            if kind == "reduce-scatter":
+                operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+                totals[kind] += sum(_shape_bytes(shapes.get(o, "")) for o in operands)
+            else:
+                totals[kind] += _shape_bytes(result.split("{")[0] if "(" not in result else result)
+    return totals
+
+
+def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool) -> Counter:
+    mesh = make_mesh(ring, a2a)
+    spec = AttentionSpec(kernel="flash", strategy=strategy, block_q=16, block_kv=16)
+    bs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    qs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
+    sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    args = [sd((B, S, H, D), sharding=qs), sd((B, S, K, D), sharding=qs), sd((B, S, K, D), sharding=qs),
+            jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs), jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs)]
+
+    def fwd(q, k, v, pos, seg):
+        return attend(q, k, v, pos, seg, spec, mesh)
+
+    def fwd_bwd(q, k, v, pos, seg):
+        out, pullback = jax.vjp(lambda q, k, v: fwd(q, k, v, pos, seg), q, k, v)
+        return pullback(out)
+
+    return collective_bytes(jax.jit(fwd_bwd if backward else fwd).lower(*args).compile().as_text())
+
+
+def expected(strategy: str, ring: int, a2a: int) -> tuple[dict, dict]:
+    """The docstring formulas: (forward, backward) bytes per collective kind."""
+    c = ring * a2a
+    if strategy == "all_gather":
+        return ({"all-gather": 2 * B * S * K * D * b + 2 * B * S * 4}, {"reduce-scatter": 2 * B * S * K * D * b})
+    if strategy == "p2p":
+        hop = 2 * B * (S // c) * K * D * b + 2 * B * (S // c) * 4
+        return ({"collective-permute": (c - 1) * hop},
+                {"collective-permute": (c - 1) * hop + c * 2 * B * (S // c) * K * D * 4})
+    kr = math.lcm(K, a2a)
+    a2a_bytes = (2 * H + 2 * kr) * B * (S // c) * D * b
+    if strategy == "a2a":
+        return ({"all-to-all": a2a_bytes, "all-gather": 2 * B * S * 4}, {"all-to-all": a2a_bytes})
+    blk = S // ring
+    hop = 2 * B * blk * (kr // a2a) * D * b + 2 * B * blk * 4
+    return ({"all-to-all": a2a_bytes, "all-gather": 2 * B * blk * 4, "collective-permute": (ring - 1) * hop},
+            {"all-to-all": a2a_bytes, "collective-permute": (ring - 1) * hop + ring * 2 * B * blk * (kr // a2a) * D * 4})
+
+
+@pytest.mark.parametrize("strategy,ring,a2a", [("all_gather", 4, 1), ("p2p", 4, 1), ("a2a", 1, 4), ("usp", 2, 4)])
+def test_collective_bytes_match_docstring(strategy, ring, a2a):
+    want_fwd, want_bwd = expected(strategy, ring, a2a)
+    got_fwd = compiled_bytes(strategy, ring, a2a, backward=False)
+    got_all = compiled_bytes(strategy, ring, a2a, backward=True)
+    for kind in OPS:
+        f, bw = want_fwd.get(kind, 0), want_bwd.get(kind, 0)
+        assert np.isclose(got_fwd[kind], f, rtol=0.1), f"{strategy} forward {kind}: HLO {got_fwd[kind]} vs {f}"
+        assert np.isclose(got_all[kind], f + bw, rtol=0.1), (
+            f"{strategy} forward+backward {kind}: HLO {got_all[kind]} vs {f + bw}")
