@@ -12,7 +12,9 @@ The grain pipeline of a file or TFDS source, on each process:
     -> pack into rows (packing.py) -> batch of the process's rows -> zig-zag CP reorder
     -> grain worker processes (grain_worker_count) or a prefetch thread (grain_prefetch_buffer_size)
 
-Eval uses the same steps without shuffling. Errors: ConfigError for bad keys, paths or tokenizers (raised here,
+Eval uses the same steps without shuffling (and one prefetch thread, never worker processes), cycling over the
+eval data forever; to score the same batches at every eval, keep its `get_state()` from creation and `set_state`
+it before each eval. Errors: ConfigError for bad keys, paths or tokenizers (raised here,
 when the iterator is built), maxctx.data.DataError for bad data (here, or from `next()` for a bad record).
 """
 
@@ -37,7 +39,6 @@ from maxctx.data.tokenizer import EncodeDocument, load_tokenizer
 from maxctx.mesh import context_degree
 
 SPLITS = ("train", "eval")
-EVAL_SEED_OFFSET = 1_000_003
 MIN_PACKING_BINS = 16
 
 
