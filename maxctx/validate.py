@@ -156,8 +156,8 @@ def validate(config: Config) -> None:
     if not config.run_name or "/" in config.run_name:
         raise ConfigError(f"run_name='{config.run_name}' must be a non-empty name without '/'")
     _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", allow_zero=True)
-    _positive(config, "jax_heartbeat_timeout_seconds", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
-              "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
+    _positive(config, "jax_heartbeat_timeout_seconds", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
+              "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
               "checkpoint_period", "gradient_accumulation_steps", "max_num_checkpoints_to_keep", "eval_steps",
               "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale")
     if config.learning_rate < 0:
