@@ -84,7 +84,8 @@ def expected(strategy: str, ring: int, a2a: int) -> tuple[dict, dict]:
     blk = S // ring
     hop = 2 * B * blk * (kr // a2a) * D * b + 2 * B * blk * 4
     return ({"all-to-all": a2a_bytes, "all-gather": 2 * B * blk * 4, "collective-permute": (ring - 1) * hop},
-            {"all-to-all": a2a_bytes, "collective-permute": (ring - 1) * hop + ring * 2 * B * blk * (kr // a2a) * D * 4})
+            {"all-to-all": a2a_bytes,
+             "collective-permute": (ring - 1) * hop + ring * 2 * B * blk * (kr // a2a) * D * 4})
 
 
 @pytest.mark.parametrize("strategy,ring,a2a", [("all_gather", 4, 1), ("p2p", 4, 1), ("a2a", 1, 4), ("usp", 2, 4)])
