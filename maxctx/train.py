@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     from maxctx import runtime  # imports JAX; device settings must come before its first use
+    from maxctx.data import DataError
     from maxctx.metrics import NonFiniteLossError
 
     try:
@@ -33,6 +34,9 @@ def main(argv: list[str]) -> int:
         return train(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -79,6 +83,7 @@ def train(config: Config) -> int:
     state = checkpointer.restore_or_init(data)
     start_step = int(jax.device_get(state["step"]))
     eval_step = jit_eval_step(setup) if eval_data is not None else None
+    eval_start = eval_data.get_state() if eval_data is not None else None
     pending = M.PendingMetrics()
     profiler = M.Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
     losses: list[float] = []
@@ -107,36 +112,40 @@ def train(config: Config) -> int:
             print(M.format_progress(completed, config.steps, values, seconds), flush=True)
 
     loop_start = time.perf_counter()
-    for step in range(start_step, config.steps):
-        profiler.step(step, block_on=state)
-        batch = next(data)
-        state, step_metrics = compiled(state, batch)
-        log(pending.push(step, step_metrics))
-        completed = step + 1
-        if eval_step is not None and completed % config.eval_interval == 0:
-            log(pending.flush())
-            _evaluate(eval_step, state, eval_data, config, writer, completed, primary)
-            pending.reset_clock()
-        if checkpointer.should_save(completed):
-            log(pending.flush())  # a NaN step is never saved
-            checkpointer.save(completed, state, data)
-        if checkpointer.preempted:
-            break
-    log(pending.flush(), force=True)
-    checkpointer.close()
-    profiler.stop(block_on=state)
-    writer.close()
+    try:
+        for step in range(start_step, config.steps):
+            profiler.step(step, block_on=state)
+            batch = next(data)
+            state, step_metrics = compiled(state, batch)
+            log(pending.push(step, step_metrics))
+            completed = step + 1
+            if eval_step is not None and completed % config.eval_interval == 0:
+                log(pending.flush())
+                _evaluate(eval_step, state, eval_data, eval_start, config, writer, completed, primary)
+                pending.reset_clock()
+            if checkpointer.should_save(completed):
+                log(pending.flush())  # a NaN step is never saved
+                checkpointer.save(completed, state, data)
+            if checkpointer.preempted:
+                break
+        log(pending.flush(), force=True)
+    finally:  # also on a NaN or data error: saves already started still commit, logs are flushed
+        checkpointer.close()
+        profiler.stop(block_on=state)
+        writer.close()
     if primary and losses and not checkpointer.preempted:
         print(f"done: step {config.steps}, loss {losses[0]:.4f} (first) -> {losses[-1]:.4f} (last); "
               f"outputs in {config.run_dir}")
     return 0
 
 
-def _evaluate(eval_step, state, eval_data, config: Config, writer, step: int, primary: bool) -> None:
+def _evaluate(eval_step, state, eval_data, eval_start: dict, config: Config, writer, step: int,
+              primary: bool) -> None:
     import math
 
     import jax
 
+    eval_data.set_state(eval_start)  # every eval scores the same batches, so evals are comparable
     loss_sum = weight_sum = 0.0
     for _ in range(config.eval_steps):
         sums = jax.device_get(eval_step(state["params"], next(eval_data)))
