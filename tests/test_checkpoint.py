@@ -87,7 +87,8 @@ def test_exact_resume_with_context_parallelism(env, reference, tmp_path):
 
 
 # Runs train.py with test hooks: the JSON write of step SLOW_STEP's data item sleeps (so the async save is still
-# in flight when the test kills the process), and SIGTERM is sent to the process itself after step SIGTERM_STEP.
+# in flight when the test kills the process), and SIGTERM is sent to the process itself after step SIGTERM_STEP
+# (only by process SIGTERM_PROCESS when that is set).
 HOOKED_TRAIN = textwrap.dedent("""
     import asyncio, os, signal, sys
     sys.path.insert(0, {root!r})
@@ -106,7 +107,8 @@ HOOKED_TRAIN = textwrap.dedent("""
     should_save = checkpoint.Checkpointer.should_save
 
     def should_save_after_signal(self, step):
-        if step == sigterm_step:
+        only = os.environ.get("SIGTERM_PROCESS")
+        if step == sigterm_step and (only is None or only == os.environ.get("JAX_PROCESS_ID")):
             os.kill(os.getpid(), signal.SIGTERM)
         return should_save(self, step)
 
