@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=4",
           "ici_context_parallelism=2", "learning_rate_schedule_steps=20", "checkpoint_period=5",
-          "peak_tflops_per_device=1", "enable_tensorboard=false", "grain_prefetch_buffer_size=0"]
+          "peak_tflops_per_device=1", "enable_tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
