@@ -1,0 +1,164 @@
+"""TPU topologies for ahead-of-time compilation: user-facing names -> abstract devices, and per-chip hardware.
+
+Names (Google's accelerator types): `v4-N`, `v5p-N` and `tpu7x-N` count TensorCores (two per chip, so N/2 chips;
+v4-8 and v5p-8 are 2x2x1 chips), `v5e-N` (alias `v5litepod-N`) and `v6e-N` count chips (one TensorCore each).
+Power-of-two sizes get Google's standard slice shapes; any other shape is spelled the way libtpu names it, e.g.
+`v5p:4x4x12` (chips, x by y by z). `jax.experimental.topologies.get_topology_desc` turns the shape into compile-only
+devices, so the real step compiles for a pod on a machine that has libtpu and no TPU.
+
+What one JAX device is: v4 and v5p run in megacore mode (one device per chip, both TensorCores); TPU7x exposes each
+TensorCore as a device (two per chip, each with half the chip's HBM); v5e and v6e chips have one TensorCore.
+Peak FLOP/s come from maxctx.metrics.peaks (not repeated here); HBM and ICI figures below cite Google's pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+
+from maxctx.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU generation. Bandwidths in bytes/s, capacity in bytes, all per chip."""
+
+    name: str
+    libtpu_prefix: str  # the generation in libtpu topology names, e.g. 'v5p' in 'v5p:4x4x4'
+    device_kind: str  # jax Device.device_kind of its devices
+    dims: int  # 2 (2D torus) or 3 (3D torus)
+    counts_cores: bool  # True: the N in '<gen>-N' counts TensorCores (2 per chip); False: chips
+    devices_per_chip: int
+    megacore: bool  # libtpu chip_config_name 'megacore' (one device for both TensorCores)
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    ici_bytes_per_s: float  # bidirectional, all ICI links of one chip together
+    source: str
+
+    @property
+    def hbm_bytes_per_device(self) -> int:
+        return self.hbm_bytes // self.devices_per_chip
+
+
+GIB = 1024 ** 3
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("TPU v4", "v4", "TPU v4", 3, True, 1, True, 32 * GIB, 1200e9, 540e9,
+               "https://cloud.google.com/tpu/docs/v4 (32 GiB, 1200 GBps HBM2); ICI: 6 links x 45 GB/s each way, "
+               "https://jax-ml.github.io/scaling-book/tpus/"),
+    "v5e": Chip("TPU v5e", "v5e", "TPU v5 lite", 2, False, 1, False, 16 * GIB, 819e9, 400e9,
+                "https://cloud.google.com/tpu/docs/v5e (16 GB, 819 GBps HBM2; 400 GBps bidirectional ICI)"),
+    "v5p": Chip("TPU v5p", "v5p", "TPU v5", 3, True, 1, True, 95 * GIB, 2765e9, 1200e9,
+                "https://cloud.google.com/tpu/docs/v5p (95 GiB, 2765 GBps HBM2e; 1200 GBps bidirectional ICI)"),
+    "v6e": Chip("TPU v6e", "v6e", "TPU v6 lite", 2, False, 1, False, 32 * GIB, 1640e9, 800e9,
+                "https://cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps HBM; 800 GBps bidirectional ICI)"),
+    "tpu7x": Chip("TPU7x (Ironwood)", "tpu7x", "TPU7x", 3, True, 2, False, 192 * GIB, 7380e9, 1200e9,
+                  "https://cloud.google.com/tpu/docs/tpu7x (192 GiB, 7380 GBps HBM; 1200 GBps bidirectional ICI)"),
+}
+ALIASES = {"v5litepod": "v5e", "v5": "v5p", "v7x": "tpu7x"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str  # as the user gave it
+    chip: Chip
+    shape: tuple[int, ...]  # chips per dimension
+
+    @property
+    def num_chips(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_chips * self.chip.devices_per_chip
+
+    @property
+    def libtpu_name(self) -> str:
+        return f"{self.chip.libtpu_prefix}:{'x'.join(map(str, self.shape))}"
+
+    @property
+    def wrap(self) -> tuple[bool, bool, bool]:
+        """Torus wrap-around links: 3D slices of whole 4x4x4 cubes, and full 16-chip rows of 2D pods."""
+        if self.chip.dims == 3:
+            return (all(d % 4 == 0 for d in self.shape),) * 3
+        return (*(d == 16 for d in self.shape), False)
+
+
+def standard_shape(num_chips: int, dims: int) -> tuple[int, ...] | None:
+    """Google's slice shape for a power-of-two chip count: 3D 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, ...
+    (doubling z, y, x in turn); 2D 2x2, 2x4, 4x4, 4x8, ..., 16x16 (doubling y, x in turn). None otherwise."""
+    if num_chips < 1 or num_chips & (num_chips - 1):
+        return None
+    if num_chips == 1:
+        return (1,) * dims
+    if num_chips == 2:
+        return (1, 2) if dims == 2 else (1, 2, 1)
+    if num_chips == 4:
+        return (2, 2) if dims == 2 else (2, 2, 1)
+    shape = [2, 2] if dims == 2 else [2, 2, 2]
+    axis = len(shape) - 1
+    while math.prod(shape) < num_chips:
+        shape[axis] *= 2
+        axis = axis - 1 if axis > 0 else len(shape) - 1
+    if dims == 2 and max(shape) > 16:
+        return None  # a v5e / v6e pod is 16x16
+    return tuple(shape)
+
+
+def parse(name: str) -> Topology:
+    """'v5p-128' (accelerator type) or 'v5p:4x4x4' (libtpu shape) -> Topology; ConfigError naming the fix."""
+    key = f"compile_topology='{name}'"
+    choices = ", ".join(f"{g}-N" for g in CHIPS)
+    if m := re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)+)", name.strip().lower()):
+        gen, shape = ALIASES.get(m[1], m[1]), tuple(int(d) for d in m[2].split("x"))
+        if gen not in CHIPS:
+            raise ConfigError(f"{key}: unknown TPU generation '{m[1]}'; use one of {', '.join(CHIPS)}")
+        chip = CHIPS[gen]
+        if len(shape) != chip.dims or min(shape) < 1:
+            raise ConfigError(f"{key}: {chip.name} slices have {chip.dims} dimensions, e.g. "
+                              f"{gen}:{'x'.join(['2'] * chip.dims)}")
+        return Topology(name, chip, shape)
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
+    if not m or ALIASES.get(m[1], m[1]) not in CHIPS:
+        raise ConfigError(f"{key} is not a TPU topology; use {choices} (e.g. v5p-128, v6e-256) or a libtpu shape "
+                          f"such as v5p:4x4x8")
+    chip = CHIPS[ALIASES.get(m[1], m[1])]
+    n = int(m[2])
+    if chip.counts_cores and n % 2:
+        raise ConfigError(f"{key}: the number in {m[1]}-N counts TensorCores (two per chip), so it must be even")
+    chips = n // 2 if chip.counts_cores else n
+    shape = standard_shape(chips, chip.dims)
+    if shape is None:
+        raise ConfigError(f"{key}: {chips} chips is not a standard {chip.name} slice; give the shape instead, e.g. "
+                          f"{chip.libtpu_prefix}:{'x'.join(['4'] * chip.dims)}")
+    return Topology(name, chip, shape)
+
+
+def require_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        import jax
+
+        raise ConfigError(f"compile_topology needs libtpu to compile for TPU without one; install it with "
+                          f"pip install 'jax[tpu]=={jax.__version__}'")
+
+
+def topology_devices(topology: Topology, num_slices: int = 1) -> list:
+    """Compile-only devices of `num_slices` slices of `topology` (no TPU needed, only libtpu)."""
+    require_libtpu()
+    # Compile-only use of libtpu: another process on this machine may hold libtpu's lock file (e.g. a JAX
+    # program that probed for a TPU); the lock only guards a real chip.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental.topologies import get_topology_desc
+
+    chip = topology.chip
+    host = tuple(min(b, d) for b, d in zip((2, 2, 1), (*topology.shape, 1, 1)))
+    devices = get_topology_desc(topology.libtpu_name, "tpu", chip_config_name="megacore" if chip.megacore else
+                                "default", chips_per_host_bounds=host, num_slices=num_slices,
+                                wrap=topology.wrap).devices
+    expected = topology.num_devices * num_slices
+    if len(devices) != expected:
+        raise RuntimeError(f"libtpu gave {len(devices)} devices for {topology.libtpu_name} x {num_slices} slices, "
+                           f"expected {expected}")
+    return list(devices)

@@ -1,0 +1,201 @@
+"""maxctx.compile and maxctx.topology: TPU topology names, the memory/FLOPs/roofline report, and the real train step
+compiled for abstract TPU devices (libtpu, no TPU) in subprocesses that do not force the CPU platform.
+
+Without libtpu the TPU tests skip, naming the reason, or fail when MAXCTX_REQUIRE_LIBTPU=1 (CI sets it).
+The llama3-8b compiles run concurrently (one process each): about 2-3 CPU-minutes apiece with XLA:TPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from maxctx.compile import _cp_bytes_per_layer, fit, roofline, xla_out_of_memory
+from maxctx.config import ConfigError, load_config
+from maxctx.metrics import training_flops_per_device
+from maxctx.topology import CHIPS, parse, standard_shape
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1024 ** 3
+STRATEGIES = ("all_gather", "a2a", "p2p", "usp")
+LLAMA_32K_V5P_64 = ("compile_topology=v5p-64", "model_name=llama3-8b", "max_target_length=32768",
+                    "ici_context_parallelism=8", "ici_fsdp_parallelism=-1", "per_device_batch_size=0.125")
+
+
+def needs_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is not None:
+        return
+    message = ("libtpu is not installed, so no TPU topology can be compiled for; install it with "
+               "pip install 'jax[tpu]==<the installed jax version>'")
+    if os.environ.get("MAXCTX_REQUIRE_LIBTPU") == "1":
+        pytest.fail(f"MAXCTX_REQUIRE_LIBTPU=1 but {message}")
+    pytest.skip(message)
+
+
+def tpu_env() -> dict[str, str]:
+    """The test process forces JAX onto simulated CPU devices (conftest); a TPU compile must not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def start_compile(*overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "maxctx.compile", "configs/base.yml", *overrides], cwd=ROOT,
+                            env=tpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, dict | None]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = out.strip().splitlines()
+    try:
+        report = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        report = None
+    return proc.returncode, out + err[-3000:], report
+
+
+# ---- names and the hardware table (no compile) -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name, libtpu_name, devices", [
+    ("v4-8", "v4:2x2x1", 4), ("v4-128", "v4:4x4x4", 64), ("v5p-8", "v5p:2x2x1", 4), ("v5p-64", "v5p:2x4x4", 32),
+    ("v5p-128", "v5p:4x4x4", 64), ("v5p-256", "v5p:4x4x8", 128), ("v5e-8", "v5e:2x4", 8),
+    ("v5litepod-16", "v5e:4x4", 16), ("v5e-256", "v5e:16x16", 256), ("v6e-1", "v6e:1x1", 1),
+    ("v6e-256", "v6e:16x16", 256), ("tpu7x-8", "tpu7x:2x2x1", 8), ("tpu7x-128", "tpu7x:4x4x4", 128),
+    ("v5p:4x4x12", "v5p:4x4x12", 192),
+])
+def test_topology_names(name, libtpu_name, devices):
+    topology = parse(name)
+    assert topology.libtpu_name == libtpu_name
+    assert topology.num_devices == devices
+
+
+@pytest.mark.parametrize("name", ["v5p-7", "v5p-96", "v5e-512", "v9-8", "h100-8", "v5e:2x2x2", ""])
+def test_bad_topology_names_say_what_to_write(name):
+    with pytest.raises(ConfigError, match="compile_topology"):
+        parse(name)
+
+
+def test_standard_shapes_double_one_axis_at_a_time():
+    assert [standard_shape(2 ** k, 3) for k in range(2, 8)] == [(2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4),
+                                                                  (4, 4, 4), (4, 4, 8)]
+    assert [standard_shape(2 ** k, 2) for k in range(2, 9)] == [(2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16),
+                                                                  (16, 16)]
+    assert standard_shape(48, 3) is None
+
+
+def test_every_chip_has_a_peak_and_a_source():
+    from maxctx.metrics import lookup_peak
+
+    for chip in CHIPS.values():
+        assert lookup_peak(chip.device_kind) is not None, chip.name
+        assert chip.source.startswith("https://") and chip.hbm_bytes > 0 and chip.ici_bytes_per_s > 0
+
+
+# ---- the report's arithmetic (no compile) ----------------------------------------------------------------------
+
+def test_xla_out_of_memory_message_is_parsed():
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (21.83G) "
+           "exceeds available HBM (15.75G).")
+    out = xla_out_of_memory(msg)
+    assert out["xla_required_bytes"] == int(21.83 * GIB) and out["xla_available_bytes"] == int(15.75 * GIB)
+    verdict = fit(out, CHIPS["v5e"])
+    assert not verdict["fits"]
+    assert verdict["headroom_bytes"] == pytest.approx(-(21.83 - 15.75) * GIB, rel=1e-6)
+
+
+def test_fit_compares_total_bytes_with_device_hbm():
+    chip = CHIPS["tpu7x"]  # two devices per chip: each has half the HBM
+    assert fit({"total_size_in_bytes": 90 * GIB}, chip) == {"fits": True, "hbm_bytes_per_device": 96 * GIB,
+                                                             "headroom_bytes": 6 * GIB}
+    assert not fit({"total_size_in_bytes": 97 * GIB}, chip)["fits"]
+
+
+def test_roofline_terms():
+    config = load_config(["configs/base.yml", "model_name=llama3-8b", "max_target_length=32768",
+                          "ici_context_parallelism=8", "context_parallel_strategy=p2p"])
+    mesh = {"data": 1, "fsdp": 4, "context": 8, "context_a2a": 1, "tensor": 1}
+    chip = CHIPS["v5p"]
+    est = roofline(config, mesh, 4, 8_030_261_248, chip)
+    flops = training_flops_per_device(config, 4, 32768, 32)
+    assert est["estimate_compute_s"] == pytest.approx(flops * 4 / 3 / 459e12)
+    assert est["estimate_step_time_s"] == max(est["estimate_compute_s"], est["estimate_hbm_s"], est["estimate_ici_s"])
+    assert est["estimate_mfu"] == pytest.approx(flops / 459e12 / est["estimate_step_time_s"])
+    assert 0 < est["estimate_mfu"] <= 0.75  # full remat alone caps it at 3/4
+    # p2p per layer: (C-1) hops of K/V (8 kv heads x 128, bf16) + ids forward; backward adds fp32 dK/dV.
+    t = 4096
+    fwd, bwd = _cp_bytes_per_layer(config, mesh, t, 2)
+    assert fwd == 7 * (2 * t * 8 * 128 * 2 + 8 * t)
+    assert bwd == fwd + 8 * 2 * t * 8 * 128 * 4
+
+
+def test_a2a_moves_all_heads_and_all_gather_only_kv():
+    base = ["configs/base.yml", "model_name=llama3-8b", "max_target_length=32768", "ici_context_parallelism=8"]
+    mesh = {"data": 1, "fsdp": 4, "context": 1, "context_a2a": 8, "tensor": 1}
+    a2a = _cp_bytes_per_layer(load_config([*base, "context_parallel_strategy=a2a"]), mesh, 4096, 2)
+    mesh = {**mesh, "context": 8, "context_a2a": 1}
+    gather = _cp_bytes_per_layer(load_config([*base, "context_parallel_strategy=all_gather"]), mesh, 4096, 2)
+    assert a2a[1] == pytest.approx(7 / 8 * (2 * 32 + 2 * 8) * 4096 * 128 * 2)
+    assert gather[1] == 7 * 2 * 4096 * 8 * 128 * 2
+
+
+# ---- compiles for abstract TPU devices (subprocesses, libtpu) ---------------------------------------------------
+
+def test_topology_devices_for_every_generation():
+    needs_libtpu()
+    code = ("from maxctx.topology import parse, topology_devices\n"
+            "for name in ['v4-8', 'v5e-8', 'v5p-8', 'v6e-8', 'tpu7x-8']:\n"
+            "    t = parse(name); d = topology_devices(t)\n"
+            "    print(name, len(d), d[0].device_kind, d[0].platform)\n"
+            "d = topology_devices(parse('v5e-8'), num_slices=2)\n"
+            "print('slices', len(d), sorted({x.slice_index for x in d}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=tpu_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.strip().splitlines()]
+    kinds = {line[0]: (int(line[1]), " ".join(line[2:-1]), line[-1]) for line in lines[:-1]}
+    for name, (count, kind, platform) in kinds.items():
+        topology = parse(name)
+        assert count == topology.num_devices and kind == topology.chip.device_kind and platform == "tpu", name
+    assert lines[-1] == ["slices", "16", "[0,", "1]"]
+
+
+@pytest.fixture(scope="module")
+def llama_32k_v5p_64():
+    """All four CP strategies' compiles, started together (one process each) so they overlap on many cores."""
+    needs_libtpu()
+    procs = {s: start_compile(*LLAMA_32K_V5P_64, f"context_parallel_strategy={s}") for s in STRATEGIES}
+    return {s: finish(p, timeout=1800) for s, p in procs.items()}
+
+
+def test_tiny_model_compiles_for_v5e_8():
+    needs_libtpu()
+    rc, out, report = finish(start_compile("compile_topology=v5e-8", "per_device_batch_size=1"), timeout=600)
+    assert rc == 0, out
+    assert report["platform"] == "tpu" and report["device_kind"] == "TPU v5 lite" and report["num_devices"] == 8
+    assert report["attention"] == "splash" and report["fits"]
+    assert 0 < report["total_size_in_bytes"] < report["hbm_bytes_per_device"]
+    assert report["headroom_bytes"] == report["hbm_bytes_per_device"] - report["total_size_in_bytes"]
+    assert "FITS in 16.00 GiB HBM per device" in out
+    assert math.isfinite(report["estimate_mfu"]) and "roofline estimate" in out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_llama3_8b_32k_compiles_for_v5p_64(llama_32k_v5p_64, strategy):
+    rc, out, report = llama_32k_v5p_64[strategy]
+    assert rc == 0, out
+    assert report["num_devices"] == 32 and report["mesh"]["fsdp"] == 4
+    assert report["context_parallel_strategy"] == strategy
+    assert report["mesh"]["context"] * report["mesh"]["context_a2a"] == 8
+    # Parameters + AdamW moments (fp32) of 8.03B weights, sharded over all 32 devices, are part of the arguments.
+    assert report["argument_size_in_bytes"] >= 12 * report["num_params"] / 32
+    assert report["fits"] and 0 < report["total_size_in_bytes"] < 95 * GIB
+    assert report["analytic_flops_per_device"] == pytest.approx(
+        training_flops_per_device(load_config(["configs/base.yml", "model_name=llama3-8b",
+                                               "max_target_length=32768"]), 4, 32768, 32))
+    assert f"{report['total_size_in_bytes'] / GIB:.2f} GiB" in out
