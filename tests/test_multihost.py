@@ -90,6 +90,7 @@ def test_a_dead_process_stops_the_other_with_an_error(job, tmp_path):
         status = procs[0].wait(timeout=180)
         assert status != 0
         assert time.time() - killed < 180
+        assert "stopped sending heartbeats" in (tmp_path / "out0.txt").read_text()
     finally:
         for p in procs:
             if p.poll() is None:
