@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections import Counter
 
 import jax
@@ -16,37 +15,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention.dispatch import AttentionSpec, attend
+from maxctx.attention.hlo import collective_bytes
 from tests.test_context_parallel import make_mesh
 
 B, S, H, K, D, b = 2, 64, 8, 2, 16, 4
 OPS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
-_BYTES = {"f32": 4, "s32": 4, "bf16": 2, "pred": 1, "u32": 4}
-
-
-def _shape_bytes(text: str) -> int:
-    return sum(_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d)
-               for t, dims in re.findall(r"(f32|s32|bf16|pred|u32)\[([0-9,]*)\]", text))
-
-
-def collective_bytes(hlo: str) -> Counter:
-    """Bytes per collective kind: the result for all-gather/all-to-all/collective-permute, the operand for
-    reduce-scatter (what the docstrings count)."""
-    shapes = {}
-    totals = Counter()
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)", line)
-        if not m:
-            continue
-        name, result, op, rest = m.groups()
-        shapes[name] = result
-        kind = op.removesuffix("-start")
-        if kind in OPS and not op.endswith("-done"):
-            if kind == "reduce-scatter":
-                operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
-                totals[kind] += sum(_shape_bytes(shapes.get(o, "")) for o in operands)
-            else:
-                totals[kind] += _shape_bytes(result.split("{")[0] if "(" not in result else result)
-    return totals
 
 
 def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool) -> Counter:

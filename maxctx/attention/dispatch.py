@@ -53,7 +53,8 @@ def resolve_strategy(name: str) -> str:
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh=None):
     """Causal, document-masked attention; returns out[B, S, H, D]."""
-    kernel = resolve_kernel(spec.kernel, dtype=q_BSHD.dtype)
+    platform = mesh.devices.flat[0].platform if mesh is not None else None  # abstract TPU devices say "tpu"
+    kernel = resolve_kernel(spec.kernel, platform=platform, dtype=q_BSHD.dtype)
     if mesh is None:
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
