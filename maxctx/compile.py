@@ -29,7 +29,6 @@ machine with libtpu installed and no TPU. For a topology the report adds:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -47,6 +46,7 @@ def compile_report(config: Config) -> dict:
     import jax
 
     from maxctx import topology as topo
+    from maxctx.attention.dispatch import resolve_kernel
     from maxctx.mesh import create_mesh
     from maxctx.metrics import compile_record, training_flops_per_device
     from maxctx.model.decoder import count_params
@@ -54,10 +54,6 @@ def compile_report(config: Config) -> dict:
 
     target = topo.parse(config.compile_topology) if config.compile_topology else None
     devices = topo.topology_devices(target, config.compile_topology_num_slices) if target else jax.devices()
-    if target is not None and config.attention == "auto":
-        # attention.dispatch resolves 'auto' from jax.default_backend(), which is the CPU here, not the TPU the
-        # step is compiled for; name the TPU kernel until dispatch reads the mesh's platform instead.
-        config = dataclasses.replace(config, attention="splash")
     mesh = create_mesh(config, devices)
     setup = make_setup(config, mesh)
     num_devices = mesh.devices.size
@@ -65,7 +61,8 @@ def compile_report(config: Config) -> dict:
     report = {"model_name": config.model_name, "num_params": count_params(setup.abstract_state["params"]),
               "mesh": dict(mesh.shape), "platform": devices[0].platform, "device_kind": devices[0].device_kind,
               "num_devices": num_devices, "global_batch": setup.global_batch, "seq_len": config.max_target_length,
-              "context_parallel_strategy": config.cp_strategy, "attention": config.attention}
+              "context_parallel_strategy": config.cp_strategy,
+              "attention": resolve_kernel(config.attention, platform=devices[0].platform, dtype=config.dtype)}
     start = time.perf_counter()
     try:
         compiled = compile_train_step(setup)
@@ -77,7 +74,8 @@ def compile_report(config: Config) -> dict:
     report["compile_time_s"] = round(time.perf_counter() - start, 2)
     if target is not None:
         report.update(topology=target.name, libtpu_topology=target.libtpu_name,
-                      num_slices=config.compile_topology_num_slices, **fit(report, target.chip),
+                      num_slices=config.compile_topology_num_slices, devices_per_chip=target.chip.devices_per_chip,
+                      **fit(report, target.chip),
                       **roofline(config, dict(mesh.shape), setup.global_batch, report["num_params"], target.chip))
     return report
 
@@ -181,13 +179,23 @@ def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params
             "estimate_tokens_per_s": global_batch * config.max_target_length / step}
 
 
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms"
+
+
 def format_report(report: dict) -> list[str]:
-    lines = [f"{report['model_name']}: {report['num_params'] / 1e9:.3f}B parameters, mesh {report['mesh']}, "
-             f"batch {report['global_batch']} x {report['seq_len']}, {report['context_parallel_strategy']} with "
-             f"{report['attention']} attention, {report['num_devices']} x {report['device_kind']}"
-             + (f" ({report['topology']} = {report['libtpu_topology']})" if "topology" in report else "")]
+    params = report["num_params"]
+    lines = [f"{report['model_name']}: {params / 1e9:.2f}B parameters" if params >= 1e8 else
+             f"{report['model_name']}: {params / 1e6:.2f}M parameters"]
+    lines[0] += (f", mesh {report['mesh']}, batch {report['global_batch']} x {report['seq_len']}, "
+                 f"{report['context_parallel_strategy']} with {report['attention']} attention, "
+                 f"{report['num_devices']} x {report['device_kind']}")
+    device = "device"
+    if "topology" in report:
+        lines[0] += f" ({report['topology']} = {report['libtpu_topology']} chips)"
+        device = "chip" if report["devices_per_chip"] == 1 else f"device (1/{report['devices_per_chip']} chip)"
     if "total_size_in_bytes" in report:
-        lines.append(f"per device: {report['total_size_in_bytes'] / GIB:.2f} GiB (arguments "
+        lines.append(f"per {device}: {report['total_size_in_bytes'] / GIB:.2f} GiB (arguments "
                      f"{report['argument_size_in_bytes'] / GIB:.2f}, temp {report['temp_size_in_bytes'] / GIB:.2f})")
     if "xla_error" in report:
         lines.append(f"XLA: {report['xla_error']}")
@@ -195,14 +203,14 @@ def format_report(report: dict) -> list[str]:
         hbm, room = report["hbm_bytes_per_device"] / GIB, report.get("headroom_bytes")
         verdict = "FITS" if report["fits"] else "DOES NOT FIT"
         by = "" if room is None else f", {abs(room) / GIB:.2f} GiB {'free' if room >= 0 else 'over'}"
-        lines.append(f"{verdict} in {hbm:.2f} GiB HBM per device{by}")
-    lines.append(f"FLOPs per device per step: {report['analytic_flops_per_device'] / 1e12:.2f} TFLOP (model, "
-                 f"analytic); XLA cost analysis {report.get('xla_flops_per_device', math.nan) / 1e12:.2f} TFLOP "
+        lines.append(f"{verdict} in {hbm:.2f} GiB HBM per {device}{by}")
+    lines.append(f"FLOPs per device per step: {report['analytic_flops_per_device'] / 1e12:.4g} TFLOP (model, "
+                 f"analytic); XLA cost analysis {report.get('xla_flops_per_device', math.nan) / 1e12:.4g} TFLOP "
                  f"(a scanned layer counted once, recompute included)")
     if "estimate_step_time_s" in report:
-        lines.append(f"roofline estimate (not a measurement): step {report['estimate_step_time_s']:.3f} s, "
-                     f"{report['estimate_bound']}-bound (compute {report['estimate_compute_s']:.3f} s, HBM "
-                     f"{report['estimate_hbm_s']:.3f} s, ICI {report['estimate_ici_s']:.3f} s), MFU "
+        lines.append(f"roofline estimate (not a measurement): step {_seconds(report['estimate_step_time_s'])}, "
+                     f"{report['estimate_bound']}-bound (compute {_seconds(report['estimate_compute_s'])}, HBM "
+                     f"{_seconds(report['estimate_hbm_s'])}, ICI {_seconds(report['estimate_ici_s'])}), MFU "
                      f"{report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s")
     lines.append(f"compiled in {report['compile_time_s']:.1f} s")
     return lines

@@ -181,7 +181,7 @@ def test_tiny_model_compiles_for_v5e_8():
     assert report["attention"] == "splash" and report["fits"]
     assert 0 < report["total_size_in_bytes"] < report["hbm_bytes_per_device"]
     assert report["headroom_bytes"] == report["hbm_bytes_per_device"] - report["total_size_in_bytes"]
-    assert "FITS in 16.00 GiB HBM per device" in out
+    assert "FITS in 16.00 GiB HBM per chip" in out
     assert math.isfinite(report["estimate_mfu"]) and "roofline estimate" in out
 
 
