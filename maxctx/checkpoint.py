@@ -79,13 +79,12 @@ def _flat_shapes(tree: Any) -> dict[str, tuple]:
     return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
 
 
-def check_shapes(saved_tree: Any, target_tree: Any, where: str, prefix: str = "") -> None:
+def check_shapes(saved_tree: Any, target_tree: Any, where: str, other: str, prefix: str = "") -> None:
     """ConfigError naming the first parameter whose shape differs (or that is missing) between a checkpoint and
-    this run's abstract state; only names under `prefix` are compared."""
+    this run's abstract state; only names under `prefix` are compared. `other`: the fix's alternative."""
     saved = {k: v for k, v in _flat_shapes(saved_tree).items() if k.startswith(prefix)}
     target = {k: v for k, v in _flat_shapes(target_tree).items() if k.startswith(prefix)}
-    fix = ("check model_name and the model-shape keys (base_emb_dim, base_num_*, head_dim, vocab_size, ...), "
-           "or start a new run_name")
+    fix = f"check model_name and the model-shape keys (base_emb_dim, base_num_*, head_dim, vocab_size, ...), or {other}"
     for key, shape in sorted(target.items(), key=lambda item: not item[0].startswith("params/")):
         if key not in saved:
             raise ConfigError(f"{where} was saved for another model or optimizer: it has no '{key}' (shape {shape} "
@@ -176,12 +175,14 @@ class Checkpointer:
             self.source = "full_state"
             self.source_dir = resolve_step_dir(config.load_full_state_path, "load_full_state_path")
             check_shapes(_state_metadata(self.source_dir / STATE), setup.abstract_state,
-                         f"load_full_state_path='{config.load_full_state_path}'")
+                         f"load_full_state_path='{config.load_full_state_path}'",
+                         "give a checkpoint of this model (load_parameters_path also takes another optimizer's)")
         elif config.load_parameters_path:
             self.source = "parameters"
             self.source_dir = resolve_step_dir(config.load_parameters_path, "load_parameters_path")
             check_shapes(_state_metadata(self.source_dir / STATE), setup.abstract_state,
-                         f"load_parameters_path='{config.load_parameters_path}'", prefix="params/")
+                         f"load_parameters_path='{config.load_parameters_path}'", "give a checkpoint of this model",
+                         prefix="params/")
         self.watch = None
         if config.enable_checkpointing:
             self.manager = self._make_manager(directory)
@@ -189,7 +190,8 @@ class Checkpointer:
             atexit.register(self.close)
 
     def _check_resume(self, step_dir: epath.Path) -> None:
-        check_shapes(_state_metadata(step_dir / STATE), self.setup.abstract_state, f"checkpoint {step_dir}")
+        check_shapes(_state_metadata(step_dir / STATE), self.setup.abstract_state, f"checkpoint {step_dir}",
+                     "use a new run_name for the new model")
         meta = ocp.JsonCheckpointHandler().restore(step_dir / META)
         if meta.get("seed") != self.config.seed:
             raise ConfigError(f"checkpoint {step_dir} was saved with seed={meta.get('seed')} but seed="
