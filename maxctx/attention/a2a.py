@@ -68,7 +68,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     u = mesh.shape[A2A_AXIS]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     group = h // replicated_kv_heads(kv_heads, u)
-    local = make_local(kernel, block_q, block_kv, order=stored_order(seq, u, load_balance),
+    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u, load_balance),
                        group=group)
 
     def inner(q, k, v, pos, seg):

@@ -28,7 +28,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
            block_q: int, block_kv: int):
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
-    local = make_local(kernel, block_q, block_kv, order=stored_order(seq, cp, load_balance),
+    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
                        q_shards=cp, q_axes=CONTEXT, group=h // kv_heads)
 
     def body(q, k, v, pos, seg):

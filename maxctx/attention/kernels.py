@@ -92,15 +92,17 @@ def _dense_ranks(q_orig: np.ndarray, kv_orig: np.ndarray) -> bytes:
     return np.searchsorted(union, q_orig).tobytes() + b"|" + np.searchsorted(union, kv_orig).tobytes()
 
 
-def make_local(name: str, block_q: int, block_kv: int, *, order: np.ndarray | None = None, q_shards: int = 1,
-               kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False) -> LocalKernel:
+def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,
+               q_shards: int = 1, kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False) -> LocalKernel:
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
     `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
     sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
     per kv head; `ring` builds lse-returning kernels, one set per hop. Shards whose masks are equal share a
-    kernel (under zig-zag a hop has at most 2 distinct masks), and a device picks its own with `lax.switch`."""
+    kernel (under zig-zag a hop has at most 2 distinct masks), and a device picks its own with `lax.switch`.
+    Off TPU (the mesh's devices, else the default backend) splash runs in Pallas interpret mode: slow, for tests."""
     if name != "splash":
         return LocalKernel(name, block_q, block_kv)
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     n, rows = len(order) // kv_blocks, len(order) // q_shards
     hop_kernels, hop_tables = [], []
     for hop in range(kv_blocks if ring else 1):
@@ -113,8 +115,8 @@ def make_local(name: str, block_q: int, block_kv: int, *, order: np.ndarray | No
             key = b"hidden" if hidden else _dense_ranks(q_orig, kv_orig)
             if key not in seen:
                 seen[key] = len(kernels)
-                kernels.append(None if hidden else splash.make_kernel(q_orig, kv_orig, group, block_q, block_kv,
-                                                                      save_residuals=ring))
+                kernels.append(None if hidden else splash.make_kernel(
+                    q_orig, kv_orig, group, block_q, block_kv, save_residuals=ring, interpret=platform != "tpu"))
             table.append(seen[key])
         hop_kernels.append(tuple(kernels))
         hop_tables.append(tuple(table))

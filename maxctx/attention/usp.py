@@ -33,7 +33,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
            block_q: int, block_kv: int):
     u, r = mesh.shape["context_a2a"], mesh.shape[RING_AXIS]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
-    local = make_local(kernel, block_q, block_kv, order=stored_order(seq, u * r, load_balance),
+    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u * r, load_balance),
                        q_shards=r, kv_blocks=r, q_axes=RING_AXIS, group=h // replicated_kv_heads(kv_heads, u),
                        ring=True)
     def inner(q, k, v, pos, seg):
