@@ -205,15 +205,21 @@ def test_load_parameters_and_full_state(reference, tmp_path):
 
     from maxctx.checkpoint import Checkpointer
 
+    def restore(setup):
+        checkpointer = Checkpointer(setup.config, setup)
+        state = checkpointer.restore_or_init(data=None)
+        checkpointer.close()
+        return state
+
     saved = ocp.StandardCheckpointer().restore(reference / "straight/checkpoints/20/state")
     setup = _setup(tmp_path, "params", f"load_parameters_path={reference / 'straight/checkpoints/15'}",
                    "ici_fsdp_parallelism=8")
-    state = Checkpointer(setup.config, setup).restore_or_init(data=None)
+    state = restore(setup)
     assert int(state["step"]) == 0 and int(state["opt_state"][1][0].count) == 0
     assert not np.array_equal(np.asarray(state["params"]["embed"]), saved["params"]["embed"])  # step 15, not 20
 
     setup = _setup(tmp_path, "full", f"load_full_state_path={reference / 'straight/checkpoints'}")
-    state = Checkpointer(setup.config, setup).restore_or_init(data=None)
+    state = restore(setup)
     assert int(state["step"]) == 20
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state["params"], saved["params"])
     assert int(state["opt_state"][1][0].count) == 20
