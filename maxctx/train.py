@@ -124,7 +124,7 @@ def train(config: Config) -> int:
                 _evaluate(eval_step, state, eval_data, eval_start, config, writer, completed, primary)
                 pending.reset_clock()
             if checkpointer.should_save(completed):
-                log(pending.flush())  # a NaN step is never saved
+                log(pending.flush(), force=checkpointer.preempted)  # a NaN step is never saved
                 checkpointer.save(completed, state, data)
             if checkpointer.preempted:
                 break
