@@ -1,15 +1,16 @@
-"""Splash's index-based masks under zig-zag ring hops, checked on CPU in Pallas interpret mode (slow: one case).
+"""Splash's index-based masks under zig-zag orders, checked on CPU in Pallas interpret mode (slow: few cases).
 
-p2p over C = 2 with load balance: each device runs the hop kernels it picks by mesh index (diagonal, and the
-off-diagonal mask of its zig-zag chunks), with a packed row whose segment ids cut documents across chunks. The
-forward output must equal the single-device reference (the ring's backward hops use the flash backward, covered
-by tests/test_context_parallel.py).
+Each device runs the kernels it picks by mesh index (ring hops: the diagonal, and the off-diagonal mask of its
+zig-zag chunks; all_gather: its chunks against the whole gathered order), with a packed row whose segment ids cut
+documents across chunks. Outputs must equal the single-device reference; all_gather also checks dQ/dK/dV through
+splash's own backward (the ring's backward hops use the flash backward, covered by test_context_parallel.py).
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention.dispatch import AttentionSpec, attend
@@ -20,20 +21,33 @@ from tests.test_context_parallel import make_mesh
 S, H, K, D = 512, 2, 1, 128
 
 
-def test_splash_p2p_zigzag_matches_reference():
+@pytest.mark.parametrize("strategy,ring,a2a", [("p2p", 2, 1), ("usp", 2, 2), ("all_gather", 2, 1)])
+def test_splash_zigzag_matches_reference(strategy, ring, a2a):
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, S, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(2, S, K, D)).astype(np.float32) for _ in range(2))
     lengths = [100, 250, 162]
     seg = np.stack([np.ones(S), np.repeat(np.arange(1, 4), lengths)]).astype(np.int32)
     pos = np.stack([np.arange(S), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
-    want = np.asarray(dot_product_attention(q, k, v, pos, seg, pos, seg)[0])
+    dout = rng.normal(size=q.shape).astype(np.float32)
+    grads = strategy == "all_gather"
 
-    mesh = make_mesh(2, 1)
-    spec = AttentionSpec(kernel="splash", strategy="p2p", load_balance=True, block_q=128, block_kv=128)
-    perm = zigzag_permutation(S, 2)
+    def run(fn, q, k, v, pos, seg, dout):
+        if not grads:
+            return [fn(q, k, v, pos, seg)]
+        out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, pos, seg), q, k, v)
+        return [out, *pullback(dout)]
+
+    want = run(lambda *a: dot_product_attention(*a, a[3], a[4])[0], q, k, v, pos, seg, dout)
+
+    mesh = make_mesh(ring, a2a)
+    cp = ring * a2a
+    spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=True, block_q=128, block_kv=128)
+    perm = zigzag_permutation(S, cp)
     sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
-    args = [jax.device_put(x[:, perm], sharding) for x in (q, k, v, pos, seg)]
-    got = restore_order(np.asarray(jax.jit(lambda *a: attend(*a, spec, mesh))(*args)), 2)
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err < 1e-5, f"splash p2p zig-zag: relative error {err:.2e}"
+    args = [jax.device_put(x[:, perm], sharding) for x in (q, k, v, pos, seg, dout)]
+    got = jax.jit(lambda *a: run(lambda *b: attend(*b, spec, mesh), *a))(*args)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        g = restore_order(np.asarray(g), cp)
+        err = np.abs(g - w).max() / np.abs(w).max()
+        assert err < 1e-5, f"splash {strategy} zig-zag {name}: relative error {err:.2e}"

@@ -93,5 +93,9 @@ def splash_call(kernel, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residu
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
     if lse is not None:
         lse = lse.reshape(b, h, s).astype(jnp.float32)
-        lse = jnp.where(lse > -1e30, lse, -jnp.inf)  # rows the kernel never visited
+        # Rows with no visible key (a ring hop's hidden chunk): splash leaves lse at -inf (or near its mask value)
+        # and out at 0/0; make them the empty result the merge expects.
+        seen = lse > -1e30
+        lse = jnp.where(seen, lse, -jnp.inf)
+        out = jnp.where(seen.transpose(0, 2, 1)[..., None], out, 0)
     return out, lse
