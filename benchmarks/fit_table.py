@@ -5,7 +5,10 @@
 Every probe is one `python -m maxctx.compile ...` subprocess (the command printed in the table, so each row is
 reproducible by copying it), compiled for the TPU topology on this machine with libtpu. Mesh: all devices split as
 fsdp x context with context parallelism C = 16 (the issue's example), one sequence per fsdp group
-(per_device_batch_size = 1/C), remat_policy=full, scan_layers=true, the default splash kernel.
+(per_device_batch_size = 1/C), remat_policy=full, scan_layers=true, attention=flash: the splash kernel's masks are
+built on the host block by block (maxctx/attention/splash.py), which takes tens of minutes per layer trace at
+S >= 512K (all_gather: C distinct [S/C, S] masks); flash (blockwise JAX, the same O(S/C) memory per device)
+traces in seconds.
 
 Search over S = powers of two: a probe that fits predicts the next one from its memory analysis (arguments fixed,
 the rest proportional to S), so most rows need two or three compiles: the largest S that fits and the next power of
@@ -43,7 +46,7 @@ def command(model: str, topology: str, strategy: str, seq: int) -> list[str]:
     return ["python", "-m", "maxctx.compile", "configs/base.yml", f"compile_topology={topology}",
             f"model_name={model}", f"max_target_length={seq}", f"ici_context_parallelism={CONTEXT}",
             "ici_fsdp_parallelism=-1", f"per_device_batch_size={1 / CONTEXT:g}",
-            f"context_parallel_strategy={strategy}", "remat_policy=full"]
+            f"context_parallel_strategy={strategy}", "remat_policy=full", "attention=flash"]
 
 
 def run_probe(model: str, topology: str, strategy: str, seq: int, time_limit_s: float) -> dict:
@@ -132,7 +135,7 @@ def search(model: str, topology: str, strategy: str, results: dict, args) -> Non
         with open(RESULTS, "a") as f:
             f.write(json.dumps(r) + "\n")
         results[(model, topology, strategy, seq)] = r
-        write_table(results)
+        write_table({**load_results(), **results})  # other runs of this script may append too
 
 
 def row(model: str, topology: str, strategy: str, results: dict) -> str:
@@ -171,7 +174,7 @@ def write_table(results: dict) -> None:
         "Written by `python3 benchmarks/fit_table.py` (see its docstring); every row's command compiles the real",
         "train step for the TPU topology with libtpu on a machine without a TPU (`maxctx.compile`), so the memory",
         "is XLA's own memory analysis. Mesh: fsdp x context, C = 16, one sequence per fsdp group, remat full,",
-        "splash attention. Max context: the largest power of two that compiles within HBM; the next column shows",
+        "flash attention. Max context: the largest power of two that compiles within HBM; the next column shows",
         "the next power of two failing. Memory: bytes per chip the program needs / chip HBM (GiB). Step time and",
         "MFU: maxctx.compile's roofline estimate (max of compute, HBM and ICI time at peak rates), not a",
         "measurement.",

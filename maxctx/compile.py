@@ -70,7 +70,8 @@ def compile_report(config: Config) -> dict:
     except jax.errors.JaxRuntimeError as e:
         if target is None or "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        report.update(analytic_flops_per_device=flops, **xla_out_of_memory(str(e)))
+        report.update(analytic_flops_per_device=flops, argument_bytes_from_shardings=_argument_bytes(setup),
+                      **xla_out_of_memory(str(e)))
     report["compile_time_s"] = round(time.perf_counter() - start, 2)
     if target is not None:
         report.update(topology=target.name, libtpu_topology=target.libtpu_name,
@@ -78,6 +79,14 @@ def compile_report(config: Config) -> dict:
                       **fit(report, target.chip),
                       **roofline(config, dict(mesh.shape), setup.global_batch, report["num_params"], target.chip))
     return report
+
+
+def _argument_bytes(setup) -> int:
+    """Bytes of one device's shards of the state and the batch (what memory_analysis calls arguments)."""
+    import jax
+
+    leaves = jax.tree.leaves((setup.abstract_state, setup.abstract_batch()))
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
 
 
 _SIZE = r"([\d.]+)\s*([KMGT]i?B?)?"
@@ -97,6 +106,7 @@ def xla_out_of_memory(message: str) -> dict:
     if m:
         out["xla_required_bytes"] = _bytes(m[1], m[2])
         out["xla_available_bytes"] = _bytes(m[3], m[4])
+        out["xla_required_is_temporaries_only"] = "exceeds available" in m[0]
     return out
 
 
@@ -107,6 +117,8 @@ def fit(report: dict, chip) -> dict:
         need = report["total_size_in_bytes"]
     elif "xla_required_bytes" in report:  # XLA's figure, against its own (slightly smaller) limit
         need = report["xla_required_bytes"] + hbm - report["xla_available_bytes"]
+        if report.get("xla_required_is_temporaries_only"):  # XLA stopped at the temporaries: add the arguments
+            need += report.get("argument_bytes_from_shardings", 0)
     else:
         return {"fits": False, "hbm_bytes_per_device": hbm}
     fits = "xla_error" not in report and need <= hbm

@@ -104,9 +104,14 @@ def test_xla_out_of_memory_message_is_parsed():
            "exceeds available HBM (15.75G).")
     out = xla_out_of_memory(msg)
     assert out["xla_required_bytes"] == int(21.83 * GIB) and out["xla_available_bytes"] == int(15.75 * GIB)
-    verdict = fit(out, CHIPS["v5e"])
+    # XLA stopped at the temporaries: the state's shards come on top; its limit is 0.25 GiB under the chip's 16.
+    verdict = fit({**out, "argument_bytes_from_shardings": 2 * GIB}, CHIPS["v5e"])
     assert not verdict["fits"]
-    assert verdict["headroom_bytes"] == pytest.approx(-(21.83 - 15.75) * GIB, rel=1e-6)
+    assert verdict["headroom_bytes"] == pytest.approx(-(21.83 + 2 - 15.75) * GIB, rel=1e-6)
+    out = xla_out_of_memory("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+                            "hbm. Used 99.5G of 95.74G hbm. Exceeded hbm capacity by 3.76G.")
+    assert not out["xla_required_is_temporaries_only"]
+    assert fit(out, CHIPS["v5p"])["headroom_bytes"] == pytest.approx(-(99.5 - 95.74) * GIB, rel=1e-6)
 
 
 def test_fit_compares_total_bytes_with_device_hbm():
