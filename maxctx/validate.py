@@ -104,6 +104,16 @@ def check_devices(config: Config, num_devices: int) -> None:
             raise ConfigError(f"base_num_query_heads={config.base_num_query_heads} / tensor {tp} is not divisible "
                               f"by the A2A degree {u} (context_parallel_strategy={config.context_parallel_strategy}); "
                               f"use a head count divisible by {u}, or context_parallel_strategy=p2p or all_gather")
+    if config.attention == "splash":
+        # Splash tiles each device's query rows in blocks of 128 (TPU lanes); the rows a device attends are S / C
+        # (all_gather, p2p), S (a2a, after the all-to-all) or S / ring degree (usp).
+        rows = config.max_target_length // (1 if config.cp_strategy == "a2a" else cp // a2a_degree(config)
+                                            if config.cp_strategy == "usp" else cp)
+        if rows % 128:
+            raise ConfigError(f"attention=splash with max_target_length={config.max_target_length} and "
+                              f"context_parallel_strategy={config.context_parallel_strategy} over {cp} devices gives "
+                              f"{rows} query rows per device, not a multiple of 128; choose max_target_length a "
+                              f"multiple of {128 * config.max_target_length // rows}, or attention=flash")
 
 
 def _check_data(config: Config) -> None:
@@ -172,6 +182,9 @@ def validate(config: Config) -> None:
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one "
                           "(parameters only, or a whole training state)")
+    if config.attention == "cudnn" and config.dtype == "float32":
+        raise ConfigError("attention=cudnn needs dtype=bfloat16 or float16 (cuDNN flash attention has no float32); "
+                          "set dtype=bfloat16, or attention=flash")
     if config.context_parallel_a2a_degree < 0:
         raise ConfigError(f"context_parallel_a2a_degree={config.context_parallel_a2a_degree} must be >= 0 "
                           f"(0 picks the default)")

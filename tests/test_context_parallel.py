@@ -25,8 +25,8 @@ SEQ, DIM, HEADS = 32, 8, 8
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def make_mesh(ring: int, a2a: int) -> Mesh:
-    devices = np.asarray(jax.devices()[: ring * a2a]).reshape(1, 1, ring, a2a, 1)
+def make_mesh(ring: int, a2a: int, tensor: int = 1) -> Mesh:
+    devices = np.asarray(jax.devices()[: ring * a2a * tensor]).reshape(1, 1, ring, a2a, tensor)
     return Mesh(devices, AXES)
 
 
@@ -61,8 +61,8 @@ def assert_close(got, want, what):
 
 
 def run_strategy(strategy: str, ring: int, a2a: int, kv_heads: int, kernel: str = "flash",
-                 orders: tuple[bool, ...] = (False, True)):
-    mesh = make_mesh(ring, a2a)
+                 orders: tuple[bool, ...] = (False, True), tensor: int = 1):
+    mesh = make_mesh(ring, a2a, tensor)
     cp = ring * a2a
     spec = AttentionSpec(kernel=kernel, strategy=strategy, block_q=8, block_kv=4)
     fn = jax.jit(functools.partial(vjp_of, functools.partial(attend, spec=spec, mesh=mesh)))
@@ -72,7 +72,7 @@ def run_strategy(strategy: str, ring: int, a2a: int, kv_heads: int, kernel: str 
     fn = fn.lower(*[jax.device_put(x, sharding) for x in (q, k, v, pos, seg, dout)]).compile(FAST_COMPILE)
     for load_balance in orders:
         perm = zigzag_permutation(SEQ, cp) if load_balance else np.arange(SEQ)
-        args = [jax.device_put(x[:, perm], sharding) for x in (q, k, v, pos, seg, dout)]
+        args = [jax.device_put(x[:, perm], sharding) for x in (q, k, v, pos, seg, dout)]  # heads: jit reshards
         got = fn(*args)
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
             g = np.asarray(g)
@@ -98,6 +98,12 @@ def test_strategy_matches_reference(strategy, ring, a2a, heads):
 def test_dot_product_kernel_under_cp(strategy):
     ring, a2a = (1, 4) if strategy == "a2a" else (4, 1)
     run_strategy(strategy, ring, a2a, kv_heads=2, kernel="dot_product", orders=(True,))
+
+
+@pytest.mark.parametrize("strategy,ring,a2a,kv_heads", [("p2p", 2, 1, 1), ("usp", 2, 2, 2), ("a2a", 1, 2, 1)])
+def test_with_tensor_parallel_heads(strategy, ring, a2a, kv_heads):
+    # Heads sharded over tensor = 2; with one kv head it is replicated and each device keeps the one it needs.
+    run_strategy(strategy, ring, a2a, kv_heads, orders=(True,), tensor=2)
 
 
 def test_aliases_and_single_device():
