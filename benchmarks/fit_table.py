@@ -105,7 +105,9 @@ def search(model: str, topology: str, strategy: str, results: dict, args) -> Non
     def probes():
         return {e: results.get((model, topology, strategy, 2 ** e)) for e in range(MIN_EXP, MAX_EXP + 1)}
 
-    exp = START[(model, topology)]
+    # Strategies of one model and topology need similar memory: start from another strategy's result.
+    done = [k[3] for k, r in results.items() if k[:2] == (model, topology) and r["status"] == "fits"]
+    exp = int(math.log2(max(done))) if done else START[(model, topology)]
     while True:
         known = {e: r for e, r in probes().items() if r is not None}
         if any(r["status"] in ("error", "timeout") for r in known.values()):
