@@ -100,7 +100,7 @@ def predict_exp(report: dict, seq: int) -> int | None:
     return int(math.floor(math.log2(budget / per_token)))
 
 
-def search(model: str, topology: str, strategy: str, results: dict, args) -> None:
+def search(model: str, topology: str, strategy: str, results: dict, args, max_probes: int = 99) -> None:
     """Probes powers of two until the largest fitting one and the next (not fitting) are both known."""
     def probes():
         return {e: results.get((model, topology, strategy, 2 ** e)) for e in range(MIN_EXP, MAX_EXP + 1)}
@@ -108,7 +108,7 @@ def search(model: str, topology: str, strategy: str, results: dict, args) -> Non
     # Strategies of one model and topology need similar memory: start from another strategy's result.
     done = [k[3] for k, r in results.items() if k[:2] == (model, topology) and r["status"] == "fits"]
     exp = int(math.log2(max(done))) if done else START[(model, topology)]
-    while True:
+    for _ in range(max_probes):
         known = {e: r for e, r in probes().items() if r is not None}
         if any(r["status"] in ("error", "timeout") for r in known.values()):
             return
@@ -198,13 +198,18 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--time-limit-s", type=float, default=1800.0, help="per compile")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results file")
+    parser.add_argument("--breadth-first", action="store_true", help="one probe per row before any second one")
     args = parser.parse_args()
     results = load_results()
     pairs = [tuple(p.split("/")) for p in args.only.split(",") if p] or [(m, t) for m in MODELS for t in TOPOLOGIES]
+    rows = [(m, t, s) for m, t in pairs for s in args.strategies.split(",")]
     if not args.table_only:
-        for model, topology in pairs:
-            for strategy in args.strategies.split(","):
-                search(model, topology, strategy, results, args)
+        if args.breadth_first:  # one probe per row first, so every row has a result early
+            for row_key in rows:
+                if not any(k[:3] == row_key for k in results):
+                    search(*row_key, results, args, max_probes=1)
+        for row_key in rows:
+            search(*row_key, results, args)
     write_table(results)
 
 
