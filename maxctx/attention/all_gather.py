@@ -37,5 +37,4 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
         out, _ = local.attend(0, q, k_all, v_all, pos, seg, pos_all, seg_all)
         return out
 
-    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS,
-                             segment_ids_BS)
+    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)

@@ -35,8 +35,7 @@ def ring_shift(tree, axis, size: int):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
 
 
-def context_shard_map(body: Callable, mesh: Mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS,
-                      segment_ids_BS):
+def context_shard_map(body: Callable, mesh: Mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS):
     """Runs body(q, k, v, positions, segment_ids) on each device's shards; returns out like q.
 
     With fewer kv heads than the tensor axis (kv replicated over it), each device keeps the one kv head its

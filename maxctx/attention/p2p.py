@@ -99,8 +99,8 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
                        q_shards=cp, kv_blocks=cp, q_axes=CONTEXT, group=h // kv_heads, ring=True)
+
     def body(q, k, v, pos, seg):
         return ring_attention(local, CONTEXT, cp, q, k, v, pos, seg, pos, seg)
 
-    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS,
-                             segment_ids_BS)
+    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)

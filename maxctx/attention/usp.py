@@ -42,5 +42,4 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     def body(q, k, v, pos, seg):
         return a2a_attention(q, k, v, pos, seg, u, inner)
 
-    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS,
-                             segment_ids_BS)
+    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
