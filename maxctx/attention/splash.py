@@ -7,7 +7,7 @@ document the original sequence index orders tokens exactly as positions do, so "
 AND same segment id" equals the position mask. The token *storage* order is static (natural, or zig-zag with
 load balance), so each call gets a static mask over original indices:
 
-    mask[i, j] = kv_orig[row_shard(i), j] <= q_orig[i]
+    mask[i, j] = kv_orig[j] <= q_orig[i]
 
 `q_orig` and `kv_orig` map a device's local query rows and the key/value block it sees at this call (a ring hop,
 or the gathered sequence) to original indices. Devices with equal masks share a kernel; kernels.make_local builds
@@ -51,12 +51,12 @@ def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray):
             return len(self.q_orig), len(self.kv_orig)
 
         def __getitem__(self, idx) -> np.ndarray:
-            qi, ki = idx
-            return self.kv_orig[ki][None, :] <= self.q_orig[qi][:, None] if isinstance(qi, slice) else (
-                self.kv_orig[ki] <= self.q_orig[qi])
+            rows, cols = self.q_orig[idx[0]], self.kv_orig[idx[1]]
+            mask = np.atleast_1d(cols)[None, :] <= np.atleast_1d(rows)[:, None]
+            return mask[0 if np.ndim(rows) == 0 else slice(None), 0 if np.ndim(cols) == 0 else slice(None)]
 
-        def __eq__(self, other) -> bool:
-            return isinstance(other, OrderedCausalMask) and self._key == other._key
+        def __eq__(self, other) -> bool:  # by content: each call defines the class anew (lazy Pallas import)
+            return isinstance(other, mask_lib.Mask) and getattr(other, "_key", None) == self._key
 
         def __hash__(self) -> int:
             return hash(self._key)
