@@ -38,8 +38,8 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, config) -> ModelConfig:
-        from maxctx.attention.dispatch import resolve_kernel
-
+        # `attention=auto` stays unresolved here: `attend` picks the kernel from the mesh's platform, so a step
+        # compiled for a TPU topology on a CPU host gets splash.
         return cls(
             emb_dim=config.base_emb_dim, num_heads=config.base_num_query_heads,
             num_kv_heads=config.base_num_kv_heads, head_dim=config.head_dim, mlp_dim=config.base_mlp_dim,
@@ -47,7 +47,7 @@ class ModelConfig:
             rope_theta=config.rope_max_timescale, norm_eps=config.normalization_layer_epsilon,
             tied_embedding=config.logits_via_embedding, dtype=config.dtype, weight_dtype=config.weight_dtype,
             remat_policy=config.remat_policy, scan_layers=config.scan_layers,
-            attention=AttentionSpec(kernel=resolve_kernel(config.attention), strategy=config.cp_strategy,
+            attention=AttentionSpec(kernel=config.attention, strategy=config.cp_strategy,
                                     load_balance=config.context_parallel_load_balance,
                                     block_q=config.flash_block_q, block_kv=config.flash_block_kv),
         )
