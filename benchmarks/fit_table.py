@@ -148,17 +148,19 @@ def row(model: str, topology: str, strategy: str, results: dict) -> str:
     best = fits[-1] if fits else None
     first_over = min((r["seq"] for r in over if not best or r["seq"] > best["seq"]), default=None)
     if best is None:
-        cmd = " ".join(command(model, topology, strategy, over[0]["seq"] if over else 0)) if mine else ""
+        seq = over[0]["seq"] if over else 2 ** START[(model, topology)]
+        cmd = " ".join(command(model, topology, strategy, seq))
         note = "; ".join(f"S={r['seq']} {r['status']}" + (f" ({r.get('error', '')[:120]})" if "error" in r else "")
-                         for r in mine) or "not run"
+                         for r in mine) or "not run yet (the command is the search's first probe)"
         return f"| {model} | {topology} | {strategy} | - | - | - | {note} | `{cmd}` |"
     rep = best["report"]
     gib = need_bytes(rep) / GIB
     if first_over:
         nxt = f"{first_over:,} does not fit"
         over_rep = next(r for r in over if r["seq"] == first_over)["report"]
-        if need_bytes(over_rep) is not None:
-            nxt += f" ({need_bytes(over_rep) / GIB:.1f} GiB)"
+        if need_bytes(over_rep) is not None:  # XLA may stop at its temporaries: then the need is larger still
+            more = ">" if over_rep.get("xla_required_is_temporaries_only") else ""
+            nxt += f" (needs {more}{need_bytes(over_rep) / GIB:.1f} GiB)"
     else:
         nxt = "next power of two not probed"
     if failed:
@@ -179,7 +181,8 @@ def write_table(results: dict) -> None:
         "flash attention. Max context: the largest power of two that compiles within HBM; the next column shows",
         "the next power of two failing. Memory: bytes per chip the program needs / chip HBM (GiB). Step time and",
         "MFU: maxctx.compile's roofline estimate (max of compute, HBM and ICI time at peak rates), not a",
-        "measurement.",
+        "measurement; at these lengths attention FLOPs dominate, so it is compute-bound and capped at 75% MFU by",
+        "full remat's second forward pass. Powers of two only (no refinement between them).",
         "",
         "| model | topology | strategy | max context | GiB per chip | estimate at max | next | command |",
         "|---|---|---|---|---|---|---|---|",
