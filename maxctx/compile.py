@@ -5,9 +5,13 @@ memory and FLOPs, as text and as JSON on stdout's last line. The step compiles f
 `compile_topology=v5p-128` (names in maxctx.topology), for that TPU slice (x compile_topology_num_slices) on any
 machine with libtpu installed and no TPU. For a topology the report adds:
 
-- memory per device against the device's HBM: fits or not, and by how much. XLA refuses to compile a program that
-  does not fit (its limit is a little under the chip's HBM, e.g. 15.75 of 16 GiB on v5e); that refusal is reported
-  with XLA's own figures. Exit status 0: compiled and fits; 3: does not fit; 2: bad config.
+- memory per device (memory_analysis: arguments + outputs + temporaries - aliased) against the device's HBM: fits
+  or not, and by how much (against Google's round capacity in maxctx.topology; XLA's own limit differs a little:
+  15.75 GiB on v5e, 95.74 GiB on v5p). XLA sometimes refuses to compile a program that does not fit, reported with
+  XLA's own figures
+  (when XLA stops at its temporaries the real need is larger still); sometimes it compiles one that needs more
+  than HBM (llama3.1-70b at 512K on v5p-128: 125 GiB), which the memory analysis catches.
+  Exit status 0: compiled and fits; 3: does not fit; 2: bad config.
 - FLOPs per step: analytic model FLOPs (maxctx.metrics, MaxText's convention) and XLA's cost analysis (which counts a
   scanned layer once and counts remat recompute, so it is far below the analytic figure with scan_layers=true).
 - a roofline ESTIMATE of step time and MFU, not a measurement: step time = max(compute, HBM, ICI), each term the
