@@ -132,7 +132,9 @@ class Config:
 
     @property
     def run_dir(self) -> str:
-        return os.path.join(self.base_output_directory, self.run_name)
+        """<base_output_directory>/<run_name>, absolute for local paths (Orbax needs absolute paths)."""
+        base = self.base_output_directory
+        return os.path.join(base if "://" in base else os.path.abspath(base), self.run_name)
 
     @property
     def checkpoint_dir(self) -> str:

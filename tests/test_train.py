@@ -57,9 +57,17 @@ def test_sharded_run_matches_one_device(single_device, tmp_path, mesh):
     np.testing.assert_allclose(losses(records), losses(single_device[0]), rtol=1e-5)
 
 
-def test_resolved_config_is_written(single_device, tmp_path):
+def test_relative_output_directory_checkpoints_and_writes_the_resolved_config(tmp_path):
+    """The Quickstart's default: base_output_directory=outputs, relative to where train.py runs."""
     import yaml
 
-    run_train(tmp_path, "cfg", "cpu_devices=1", "steps=2", "log_period=1", "enable_checkpointing=false")
-    saved = yaml.safe_load(open(os.path.join(tmp_path, "cfg", "config.yml")))
-    assert saved["steps"] == 2 and saved["base_emb_dim"] == 128 and saved["run_name"] == "cfg"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), os.path.join(REPO, "configs/base.yml"),
+                             "cpu_devices=1", "steps=3", "checkpoint_period=2", "log_period=1"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "outputs" / "default_run"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "3"]
+    saved = yaml.safe_load(open(run_dir / "config.yml"))
+    assert saved["steps"] == 3 and saved["base_emb_dim"] == 128 and saved["base_output_directory"] == "outputs"
