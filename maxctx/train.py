@@ -133,6 +133,9 @@ def train(config: Config) -> int:
         checkpointer.close()
         profiler.stop(block_on=state)
         writer.close()
+    if primary and start_step >= config.steps:
+        print(f"nothing to do: the run is already at step {start_step} of steps={config.steps}; raise steps to "
+              f"train on, or choose a new run_name")
     if primary and losses and not checkpointer.preempted:
         print(f"done: step {config.steps}, loss {losses[0]:.4f} (first) -> {losses[-1]:.4f} (last); "
               f"outputs in {config.run_dir}")
