@@ -18,7 +18,7 @@ MID = ["base_emb_dim=512", "base_num_query_heads=8", "base_num_kv_heads=4", "hea
        "base_num_decoder_layers=4", "vocab_size=4096", "max_target_length=512", "per_device_batch_size=2"]
 
 
-@pytest.mark.parametrize("overrides,devices", [([], 8), (MID, 1)], ids=["tiny-8dev", "mid-1dev"])
+@pytest.mark.parametrize("overrides,devices", [(["max_target_length=64"], 8), (MID, 1)], ids=["tiny-8dev", "mid-1dev"])
 def test_analytic_flops_vs_compiled_step(overrides, devices):
     config = load_config(["remat_policy=none", "scan_layers=false", "attention=dot_product", *overrides])
     mesh = create_mesh(config, jax.devices()[:devices])
@@ -35,6 +35,7 @@ def test_analytic_flops_vs_compiled_step(overrides, devices):
     # What the compiled step computes: model FLOPs + the dense kernel's masked half; the remaining few percent
     # are the elementwise ops (norms, softmax, masks, RoPE, loss, AdamW) that the convention leaves out.
     assert analytic + masked_half == pytest.approx(xla, rel=0.08)
-    # The model FLOPs alone (the MFU numerator) undercount this kernel by the masked half: under 15% here.
-    assert analytic == pytest.approx(xla, rel=0.15)
+    # The model FLOPs alone (the MFU numerator) undercount this kernel by the masked half: within 10% at these
+    # shapes (the masked half grows with S / D: the tiny model at S=128 sits at 10.3%).
+    assert analytic == pytest.approx(xla, rel=0.10)
     assert analytic < xla
