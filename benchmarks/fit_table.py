@@ -140,6 +140,10 @@ def search(model: str, topology: str, strategy: str, results: dict, args, max_pr
         write_table({**load_results(), **results})  # other runs of this script may append too
 
 
+def _last(error: str) -> str:
+    return error.split(" | ")[-1][:200].replace("|", "/")
+
+
 def row(model: str, topology: str, strategy: str, results: dict) -> str:
     mine = sorted((r for k, r in results.items() if k[:3] == (model, topology, strategy)), key=lambda r: r["seq"])
     fits = [r for r in mine if r["status"] == "fits"]
@@ -150,7 +154,7 @@ def row(model: str, topology: str, strategy: str, results: dict) -> str:
     if best is None:
         seq = over[0]["seq"] if over else 2 ** START[(model, topology)]
         cmd = " ".join(command(model, topology, strategy, seq))
-        note = "; ".join(f"S={r['seq']} {r['status']}" + (f" ({r.get('error', '')[:120]})" if "error" in r else "")
+        note = "; ".join(f"S={r['seq']} {r['status']}" + (f" ({_last(r['error'])})" if "error" in r else "")
                          for r in mine) or "not run yet (the command is the search's first probe)"
         return f"| {model} | {topology} | {strategy} | - | - | - | {note} | `{cmd}` |"
     rep = best["report"]
@@ -182,7 +186,9 @@ def write_table(results: dict) -> None:
         "the next power of two failing. Memory: bytes per chip the program needs / chip HBM (GiB). Step time and",
         "MFU: maxctx.compile's roofline estimate (max of compute, HBM and ICI time at peak rates), not a",
         "measurement; at these lengths attention FLOPs dominate, so it is compute-bound and capped at 75% MFU by",
-        "full remat's second forward pass. Powers of two only (no refinement between them).",
+        "full remat's second forward pass. Powers of two only (no refinement between them). usp on v6e-256 fails",
+        "in maxctx.mesh: mesh_utils.create_device_mesh cannot lay the 4 (ring) x 4 (a2a) context split on a 16x16",
+        "torus without allow_split_physical_axes.",
         "",
         "| model | topology | strategy | max context | GiB per chip | estimate at max | next | command |",
         "|---|---|---|---|---|---|---|---|",
