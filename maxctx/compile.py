@@ -208,7 +208,8 @@ def format_report(report: dict) -> list[str]:
                  f"{report['num_devices']} x {report['device_kind']}")
     device = "device"
     if "topology" in report:
-        lines[0] += f" ({report['topology']} = {report['libtpu_topology']} chips)"
+        slices = f" x {report['num_slices']} slices" if report["num_slices"] > 1 else ""
+        lines[0] += f" ({report['topology']} = {report['libtpu_topology']} chips{slices})"
         device = "chip" if report["devices_per_chip"] == 1 else f"device (1/{report['devices_per_chip']} chip)"
     if "total_size_in_bytes" in report:
         lines.append(f"per {device}: {report['total_size_in_bytes'] / GIB:.2f} GiB (arguments "
