@@ -68,7 +68,10 @@ def create_mesh(config: Config, devices: list | None = None) -> Mesh:
     elif devices[0].platform == "cpu":
         grid = np.asarray(devices).reshape(ici_shape)
     else:
-        grid = mesh_utils.create_device_mesh(ici_shape, devices)
+        # The physical mapping is chosen for context unsplit (its ring and A2A parts together); splitting it
+        # afterwards keeps each A2A group on adjacent devices of that axis.
+        merged = (ici["data"], ici["fsdp"], ici["context"], ici["tensor"])
+        grid = mesh_utils.create_device_mesh(merged, devices).reshape(ici_shape)
     return Mesh(grid, AXES)
 
 
