@@ -13,6 +13,7 @@ import os
 import jax
 
 from maxctx.config import Config, ConfigError
+from maxctx.validate import num_processes
 
 
 def configure_devices(config: Config) -> None:
@@ -32,7 +33,7 @@ def configure_devices(config: Config) -> None:
 def distributed_settings(config: Config) -> dict | None:
     """Arguments for jax.distributed.initialize, or None for a single-process run."""
     address = config.jax_coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
-    num = config.jax_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
+    num = num_processes(config)
     pid = config.jax_process_id if config.jax_process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "-1") or -1)
     workers = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     if config.cpu_devices == 0 and not address and "," in workers and not any(c.isspace() for c in workers):

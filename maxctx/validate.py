@@ -151,6 +151,11 @@ def a2a_degree(config: Config) -> int:
     return max(u for u in range(1, cp + 1) if cp % u == 0 and u * u <= cp and heads % u == 0)
 
 
+def num_processes(config: Config) -> int:
+    """Processes in the job as configured: `jax_num_processes`, else env JAX_NUM_PROCESSES, else 0 (unknown)."""
+    return config.jax_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
+
+
 def validate(config: Config) -> None:
     """All config checks that do not need JAX; raises ConfigError."""
     _choice(config, "attention", ATTENTION_KERNELS)
@@ -194,5 +199,4 @@ def validate(config: Config) -> None:
         raise ConfigError("dataset_type=tfds needs dataset_name, e.g. dataset_name=my_dataset:1.0.0")
     _check_data(config)
     if config.cpu_devices:
-        processes = config.jax_num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "1") or 1)
-        check_devices(config, config.cpu_devices * max(1, processes))
+        check_devices(config, config.cpu_devices * max(1, num_processes(config)))
