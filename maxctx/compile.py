@@ -159,7 +159,7 @@ def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params
     per_chip = chip.devices_per_chip
     entry = lookup_peak(chip.device_kind)
     peak = (config.peak_tflops_per_device * 1e12 if config.peak_tflops_per_device > 0
-            else entry.tflops * 1e12 / per_chip)
+            else entry.tflops_per_device * 1e12)
     hbm_bw, ici_bw = chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / per_chip
     b = 2 if config.dtype in ("bfloat16", "float16") else 4
     wb = 4 if config.weight_dtype == "float32" else 2

@@ -94,7 +94,8 @@ def test_every_chip_has_a_peak_and_a_source():
     from maxctx.metrics import lookup_peak
 
     for chip in CHIPS.values():
-        assert lookup_peak(chip.device_kind) is not None, chip.name
+        entry = lookup_peak(chip.device_kind)
+        assert entry is not None and entry.devices_per_chip == chip.devices_per_chip, chip.name
         assert chip.source.startswith("https://") and chip.hbm_bytes > 0 and chip.ici_bytes_per_s > 0
 
 

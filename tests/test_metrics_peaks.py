@@ -45,6 +45,13 @@ def test_config_value_wins_and_known_kinds_use_the_table():
     assert flops == 700e12 and "config" in source
 
 
+def test_half_chip_devices_get_half_the_chip_peak():
+    # TPU7x shows each TensorCore as a JAX device: MFU per device is against half the chip's 2307 TFLOP/s.
+    flops, source = peak_flops_per_device(FakeDevice("TPU7x", "tpu"), Config())
+    assert flops == 1153.5e12 and "1/2 of 2307" in source
+    assert lookup_peak("TPU v5p").tflops_per_device == 459.0  # megacore: one device per chip
+
+
 def test_unknown_kind_warns_and_uses_config():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -29,8 +29,14 @@ from maxctx.config import Config
 class PeakEntry:
     name: str
     kind_pattern: str  # regex, matched (search, case-insensitive) against device.device_kind
-    tflops: float  # dense bf16, per chip (TPU) or per GPU
+    tflops: float  # dense bf16, per chip (TPU) or per GPU, as the vendor prints it
     source: str
+    devices_per_chip: int = 1  # JAX devices one chip appears as (TPU7x: one per TensorCore, two per chip)
+
+    @property
+    def tflops_per_device(self) -> float:
+        """The peak of one JAX device: MFU is computed per device, so a half-chip device gets half the chip."""
+        return self.tflops / self.devices_per_chip
 
 
 # First match wins, so the specific variants come before their family.
@@ -42,7 +48,8 @@ PEAK_TABLE: tuple[PeakEntry, ...] = (
     PeakEntry("TPU v6e", r"^tpu v6( lite|e)$", 918.0,
               "https://cloud.google.com/tpu/docs/v6e (peak compute per chip, bf16)"),
     PeakEntry("TPU7x (Ironwood)", r"^tpu ?v?7x?$", 2307.0,
-              "https://cloud.google.com/tpu/docs/tpu7x (peak compute per chip, bf16)"),
+              "https://cloud.google.com/tpu/docs/tpu7x (peak compute per chip, bf16; each TensorCore is a JAX device)",
+              devices_per_chip=2),
     PeakEntry("NVIDIA A100", r"a100", 312.0,
               "https://www.nvidia.com/en-us/data-center/a100/ (BF16 tensor core 312 TFLOPS dense)"),
     PeakEntry("NVIDIA H100 PCIe", r"h100.*pcie", 756.5,
@@ -110,7 +117,9 @@ def peak_flops_per_device(device: jax.Device, config: Config) -> tuple[float, st
         return config.peak_tflops_per_device * 1e12, f"config peak_tflops_per_device={config.peak_tflops_per_device}"
     entry = lookup_peak(device.device_kind)
     if entry is not None:
-        return entry.tflops * 1e12, f"{entry.name}, {entry.tflops:g} TFLOP/s: {entry.source}"
+        per_device = entry.tflops_per_device
+        share = "" if entry.devices_per_chip == 1 else f" (1/{entry.devices_per_chip} of {entry.tflops:g} per chip)"
+        return per_device * 1e12, f"{entry.name}, {per_device:g} TFLOP/s per device{share}: {entry.source}"
     if device.platform != "cpu":
         warnings.warn(f"no peak FLOP/s known for device kind '{device.device_kind}'; measuring a matmul instead. "
                       f"Set peak_tflops_per_device=<dense bf16 TFLOP/s of one device> for a trustworthy MFU.",
