@@ -22,6 +22,8 @@ over the G query heads of each kv head, vmapped over K and B.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,12 +47,30 @@ def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray):
         def __init__(self):
             self.q_orig, self.kv_orig = np.asarray(q_orig), np.asarray(kv_orig)
             self._key = (self.q_orig.tobytes(), self.kv_orig.tobytes())
+            self._ranges = ({}, {})  # per axis: slice -> (min, max, length) of the original indices it selects
+
+        def _range(self, axis: int, where: slice) -> tuple[int, int, int]:
+            key = (where.start, where.stop, where.step)
+            found = self._ranges[axis].get(key)
+            if found is None:
+                picked = (self.q_orig, self.kv_orig)[axis][where]
+                found = (int(picked.min()), int(picked.max()), picked.size) if picked.size else (0, 0, 0)
+                self._ranges[axis][key] = found
+            return found
 
         @property
         def shape(self) -> tuple[int, int]:
             return len(self.q_orig), len(self.kv_orig)
 
         def __getitem__(self, idx) -> np.ndarray:
+            if isinstance(idx[0], slice) and isinstance(idx[1], slice):
+                # Splash asks block by block, and at long context nearly every block is all visible or all
+                # hidden: answer those from the blocks' (cached) index ranges and a shared constant block.
+                (r_lo, r_hi, n_rows), (c_lo, c_hi, n_cols) = self._range(0, idx[0]), self._range(1, idx[1])
+                if n_rows and n_cols and c_hi <= r_lo:
+                    return _constant_block(True, n_rows, n_cols)
+                if n_rows and n_cols and c_lo > r_hi:
+                    return _constant_block(False, n_rows, n_cols)
             rows, cols = self.q_orig[idx[0]], self.kv_orig[idx[1]]
             mask = np.atleast_1d(cols)[None, :] <= np.atleast_1d(rows)[:, None]
             return mask[0 if np.ndim(rows) == 0 else slice(None), 0 if np.ndim(cols) == 0 else slice(None)]
@@ -62,6 +82,13 @@ def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray):
             return hash(self._key)
 
     return OrderedCausalMask()
+
+
+@functools.lru_cache(maxsize=16)
+def _constant_block(value: bool, rows: int, cols: int) -> np.ndarray:
+    block = np.full((rows, cols), value)
+    block.setflags(write=False)  # shared by every caller
+    return block
 
 
 def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: int, block_kv: int,
