@@ -195,6 +195,10 @@ def validate(config: Config) -> None:
                           f"(0 picks the default)")
     if config.dataset_type != "synthetic" and config.dataset_type != "tfds" and not config.grain_train_files:
         raise ConfigError(f"dataset_type={config.dataset_type} needs grain_train_files (a file glob)")
+    for key in ("grain_train_files", "grain_eval_files", "tokenizer_path", "tfds_data_dir"):
+        if "://" in getattr(config, key):
+            raise ConfigError(f"{key}={getattr(config, key)}: data and tokenizer files are read from local paths; "
+                              f"mount the bucket (e.g. gcsfuse, docs/tpu.md) and point {key} at the mount")
     if config.dataset_type == "tfds" and not config.dataset_name:
         raise ConfigError("dataset_type=tfds needs dataset_name, e.g. dataset_name=my_dataset:1.0.0")
     _check_data(config)

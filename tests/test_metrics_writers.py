@@ -84,3 +84,52 @@ def test_only_primary_writes(tmp_path):
         writer.write_step(1, STEP)
         writer.write_eval(1, {"loss": 1.0})
     assert not (tmp_path / "run").exists()
+
+
+def test_remote_run_dir_is_staged_and_mirrored(tmp_path, monkeypatch):
+    # A gs:// run_dir: records go to a local staging folder and are copied through etils.epath (here mapped onto
+    # a local "bucket" folder), at once for the first record, then at most once per period, and at close. A
+    # second writer (a resumed run) continues the remote metrics.jsonl.
+    import pathlib
+
+    from etils import epath
+
+    bucket = tmp_path / "bucket"
+    monkeypatch.setattr(epath, "Path", lambda p: pathlib.Path(str(p).replace("gs://", f"{bucket}/")))
+    monkeypatch.chdir(tmp_path)
+    remote = bucket / "runs" / "r1"
+    with MetricsWriter("gs://runs/r1", enable_tensorboard=True, is_primary=True, sync_period_s=3600) as writer:
+        writer.write_compile({"xla_flops_per_device": 1.0})
+        assert [json.loads(x)["event"] for x in (remote / "metrics.jsonl").read_text().splitlines()] == ["compile"]
+        writer.write_step(10, STEP)  # within the period: not copied yet
+        assert len((remote / "metrics.jsonl").read_text().splitlines()) == 1
+        staged = writer._mirror.local_dir
+    assert not (tmp_path / "gs:").exists()
+    assert [json.loads(x)["step"] for x in (remote / "metrics.jsonl").read_text().splitlines()[1:]] == [10]
+    assert read_scalars(str(remote / "tensorboard"))["learning/loss"] == [(10, 3.25)]
+    assert json.loads(open(os.path.join(staged, "metrics.jsonl")).read().splitlines()[-1])["step"] == 10
+
+    with MetricsWriter("gs://runs/r1", enable_tensorboard=True, is_primary=True, sync_period_s=0) as writer:
+        writer.write_step(20, {**STEP, "loss": 3.0})
+        assert [json.loads(x).get("step") for x in (remote / "metrics.jsonl").read_text().splitlines()] == [
+            None, 10, 20]
+    # Two event files (one per run); within the same second their names sort by their random suffixes.
+    assert sorted(read_scalars(str(remote / "tensorboard"))["learning/loss"]) == [(10, 3.25), (20, 3.0)]
+    assert len(os.listdir(remote / "tensorboard")) == 2
+
+
+def test_remote_copy_failure_warns_and_keeps_training(tmp_path, monkeypatch):
+    import pathlib
+
+    from etils import epath
+
+    class ReadOnlyBucket(type(pathlib.Path())):
+        def write_bytes(self, data):
+            raise PermissionError("403 Forbidden")
+
+    monkeypatch.setattr(epath, "Path", lambda p: ReadOnlyBucket(str(p).replace("gs://", f"{tmp_path}/bucket/")))
+    with pytest.warns(UserWarning, match="metrics.jsonl.*403 Forbidden.*next sync retries"):
+        with MetricsWriter("gs://runs/r1", enable_tensorboard=False, is_primary=True, sync_period_s=0) as writer:
+            writer.write_step(1, STEP)
+            staged = writer._mirror.local_dir
+    assert json.loads(open(os.path.join(staged, "metrics.jsonl")).read())["step"] == 1

@@ -7,6 +7,12 @@ Record kinds in metrics.jsonl, told apart by the "event" field:
 
 TensorBoard tags follow MaxText (`learning/loss`, `perf/step_time_seconds`, ...) so existing dashboards work;
 maxctx adds `perf/mfu`. Only the primary process (jax.process_index() == 0) writes anything.
+
+A remote run_dir (`gs://...`, any path with "://"): both are written to a local staging folder and mirrored to
+run_dir through etils.epath every `sync_period_s` and at close, because object stores have no append and
+tensorboardX reaches GCS only with google-cloud-storage installed. A resumed run first copies the remote
+metrics.jsonl back, so the file keeps growing; the last period's records are in the staging folder (printed at
+start) if the process dies before the next mirror.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
+import uuid
+import warnings
 from typing import Any, Self
 
 TENSORBOARD_SUBDIR = "tensorboard"  # Config.tensorboard_dir is <run_dir>/tensorboard too.
@@ -79,19 +88,28 @@ class MetricsWriter:
     Use as a context manager, or call close(). Lines are flushed as written, so a crashed run keeps its log.
     """
 
-    def __init__(self, run_dir: str, enable_tensorboard: bool, is_primary: bool):
+    def __init__(self, run_dir: str, enable_tensorboard: bool, is_primary: bool, *, sync_period_s: float = 60.0):
         self.run_dir = run_dir
         self.is_primary = is_primary
         self._jsonl = None
         self._tb = None
+        self._mirror: RemoteMirror | None = None
         if not is_primary:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, METRICS_FILE), "a")  # noqa: SIM115 (open for the run)
+        local_dir = run_dir
+        if "://" in run_dir:
+            self._mirror = RemoteMirror(run_dir, sync_period_s)
+            local_dir = self._mirror.local_dir
+            print(f"metrics: staged in {local_dir}, mirrored to {run_dir} every {sync_period_s:g} s", flush=True)
+        os.makedirs(local_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(local_dir, METRICS_FILE), "a")  # noqa: SIM115 (open for the run)
         if enable_tensorboard:
             import tensorboardX  # only the primary process needs it
 
-            self._tb = tensorboardX.SummaryWriter(logdir=os.path.join(run_dir, TENSORBOARD_SUBDIR))
+            # A unique suffix: a resumed run within the same second must not reuse (and, mirrored, overwrite) the
+            # previous run's event file name (time in seconds + hostname).
+            self._tb = tensorboardX.SummaryWriter(logdir=os.path.join(local_dir, TENSORBOARD_SUBDIR),
+                                                  filename_suffix=f".{uuid.uuid4().hex[:8]}")
 
     def _write_line(self, record: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
@@ -112,6 +130,8 @@ class MetricsWriter:
         self._write_line({"event": "compile", "time": time.time(), **record})
         if self._tb is not None:
             self._tb.add_text("compile", json.dumps(record, indent=1), global_step=0)
+            self._tb.flush()
+        self._sync()
 
     def write_step(self, step: int, metrics: dict[str, Any]) -> None:
         """A logged training step: loss, learning rate, norms, throughput, MFU, memory (any subset)."""
@@ -119,6 +139,7 @@ class MetricsWriter:
             return
         self._write_line({"event": "train", "step": int(step), "time": time.time(), **metrics})
         self._scalars(step, metrics, TAGS, "learning")
+        self._sync()
 
     def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
         """An evaluation at `step`: 'loss' goes to eval/avg_loss (MaxText), other keys to eval/<key>."""
@@ -126,6 +147,11 @@ class MetricsWriter:
             return
         self._write_line({"event": "eval", "step": int(step), "time": time.time(), **metrics})
         self._scalars(step, metrics, EVAL_TAGS, "eval")
+        self._sync()
+
+    def _sync(self) -> None:
+        if self._mirror is not None:
+            self._mirror.sync()
 
     def close(self) -> None:
         if self._tb is not None:
@@ -134,9 +160,65 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._mirror is not None:
+            self._mirror.sync(force=True)
+            self._mirror = None
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RemoteMirror:
+    """A local staging folder copied to a remote folder (etils.epath: gs://, s3://, ...) file by file.
+
+    `sync()` copies the files that changed since the last copy, at most once per `period_s` unless forced. Each
+    copy rewrites the whole object, which is what object stores allow; metrics files stay small (a record is
+    ~0.5 KB per log period). On start, an existing remote metrics.jsonl is copied down, so a resumed run appends.
+    """
+
+    def __init__(self, remote_dir: str, period_s: float, local_dir: str | None = None):
+        from etils import epath
+
+        self.remote = epath.Path(remote_dir)
+        self.local_dir = local_dir or tempfile.mkdtemp(prefix="maxctx-metrics-")
+        self.period_s = period_s
+        self._copied: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) at its last copy
+        self._last = -math.inf  # the first sync copies at once: a wrong bucket shows up at the first record
+        previous = self.remote / METRICS_FILE
+        if previous.exists():
+            os.makedirs(self.local_dir, exist_ok=True)
+            with open(os.path.join(self.local_dir, METRICS_FILE), "wb") as f:
+                f.write(previous.read_bytes())
+            self._mark(METRICS_FILE)
+
+    def _mark(self, rel: str) -> None:
+        info = os.stat(os.path.join(self.local_dir, rel))
+        self._copied[rel] = (info.st_size, info.st_mtime_ns)
+
+    def sync(self, force: bool = False) -> int:
+        """Copies changed files; returns how many were copied."""
+        if not force and time.monotonic() - self._last < self.period_s:
+            return 0
+        self._last = time.monotonic()
+        copied = 0
+        for folder, _, files in os.walk(self.local_dir):
+            for name in files:
+                rel = os.path.relpath(os.path.join(folder, name), self.local_dir)
+                info = os.stat(os.path.join(self.local_dir, rel))
+                if self._copied.get(rel) == (info.st_size, info.st_mtime_ns):
+                    continue
+                target = self.remote / rel
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    with open(os.path.join(self.local_dir, rel), "rb") as f:
+                        target.write_bytes(f.read())
+                except Exception as e:  # noqa: BLE001 (a storage hiccup must not stop training; retried next time)
+                    warnings.warn(f"metrics: copying {rel} to {target} failed ({type(e).__name__}: {e}); the local "
+                                  f"copy is in {self.local_dir} and the next sync retries", stacklevel=2)
+                    continue
+                self._copied[rel] = (info.st_size, info.st_mtime_ns)
+                copied += 1
+        return copied
