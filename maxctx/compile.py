@@ -105,6 +105,11 @@ def xla_out_of_memory(message: str) -> dict:
     """XLA:TPU's refusal to compile a program larger than HBM: its required and available bytes when it says them
     ('... required for HLO temporaries (21.83G) exceeds available HBM (15.75G)' or 'Used 17.1G of 15.75G hbm')."""
     out = {"xla_error": message.strip().splitlines()[0][:500]}
+    space = re.search(r"out of memory in memory space (\w+)", message, re.IGNORECASE)
+    if space and space[1].lower() != "hbm":
+        # On-chip scalar (SMEM) or vector (VMEM) memory: a kernel's tables or blocks, not the program's HBM.
+        out["xla_memory_space"] = space[1].lower()
+        return out
     m = (re.search(rf"\({_SIZE}\) exceeds available HBM \({_SIZE}\)", message)
          or re.search(rf"Used {_SIZE} of {_SIZE} hbm", message, re.IGNORECASE))
     if m:
@@ -112,6 +117,11 @@ def xla_out_of_memory(message: str) -> dict:
         out["xla_available_bytes"] = _bytes(m[3], m[4])
         out["xla_required_is_temporaries_only"] = "exceeds available" in m[0]
     return out
+
+
+_ONCHIP_HINT = ("With attention=splash this is the kernel's block tables (one entry per query block x key block "
+                "of a device's call, in SMEM): raise flash_block_q and flash_block_kv (e.g. 1024 or 2048; they set "
+                "the splash blocks too) so there are fewer blocks.")
 
 
 def fit(report: dict, chip) -> dict:
@@ -220,7 +230,11 @@ def format_report(report: dict) -> list[str]:
         hbm, room = report["hbm_bytes_per_device"] / GIB, report.get("headroom_bytes")
         verdict = "FITS" if report["fits"] else "DOES NOT FIT"
         by = "" if room is None else f", {abs(room) / GIB:.2f} GiB {'free' if room >= 0 else 'over'}"
-        lines.append(f"{verdict} in {hbm:.2f} GiB HBM per {device}{by}")
+        if report.get("xla_memory_space"):
+            lines.append(f"DOES NOT COMPILE: on-chip {report['xla_memory_space'].upper()} overflowed, not HBM "
+                         f"({hbm:.2f} GiB per {device}, untested). {_ONCHIP_HINT}")
+        else:
+            lines.append(f"{verdict} in {hbm:.2f} GiB HBM per {device}{by}")
     lines.append(f"FLOPs per device per step: {report['analytic_flops_per_device'] / 1e12:.4g} TFLOP (model, "
                  f"analytic); XLA cost analysis {report.get('xla_flops_per_device', math.nan) / 1e12:.4g} TFLOP "
                  f"(a scanned layer counted once, recompute included)")

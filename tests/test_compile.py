@@ -114,6 +114,11 @@ def test_xla_out_of_memory_message_is_parsed():
                             "hbm. Used 99.5G of 95.74G hbm. Exceeded hbm capacity by 3.76G.")
     assert not out["xla_required_is_temporaries_only"]
     assert fit(out, CHIPS["v5p"])["headroom_bytes"] == pytest.approx(-(99.5 - 95.74) * GIB, rel=1e-6)
+    # On-chip scalar memory (splash's block tables at 1M tokens with 512-token blocks): not an HBM verdict.
+    out = xla_out_of_memory("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+                            "smem. Used 1.00M of 1.00M smem. Exceeded smem capacity by 1.2K.")
+    assert out["xla_memory_space"] == "smem" and "xla_required_bytes" not in out
+    assert fit(out, CHIPS["v5p"]) == {"fits": False, "hbm_bytes_per_device": 95 * GIB}
 
 
 def test_fit_compares_total_bytes_with_device_hbm():
