@@ -28,6 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "fit_table.jsonl")
+SPLASH_RESULTS = os.path.join(ROOT, "benchmarks", "fit_table_splash.jsonl")
 TABLE = os.path.join(ROOT, "benchmarks", "fit_table.md")
 GIB = 1024 ** 3
 
@@ -42,15 +43,32 @@ START = {("llama3-8b", "v5p-128"): 19, ("llama3-8b", "v6e-256"): 17, ("llama3.1-
 MIN_EXP, MAX_EXP = 12, 24
 
 
-def command(model: str, topology: str, strategy: str, seq: int) -> list[str]:
+def command(model: str, topology: str, strategy: str, seq: int, splash_block: int = 0) -> list[str]:
+    """The probe's command; splash_block > 0: the splash check at that block size instead of flash."""
+    kernel = ["attention=splash", f"flash_block_q={splash_block}", f"flash_block_kv={splash_block}"] \
+        if splash_block else ["attention=flash"]
     return ["python", "-m", "maxctx.compile", "configs/base.yml", f"compile_topology={topology}",
             f"model_name={model}", f"max_target_length={seq}", f"ici_context_parallelism={CONTEXT}",
             "ici_fsdp_parallelism=-1", f"per_device_batch_size={1 / CONTEXT:g}",
-            f"context_parallel_strategy={strategy}", "remat_policy=full", "attention=flash"]
+            f"context_parallel_strategy={strategy}", "remat_policy=full", *kernel]
 
 
-def run_probe(model: str, topology: str, strategy: str, seq: int, time_limit_s: float) -> dict:
-    cmd = command(model, topology, strategy, seq)
+def splash_block(strategy: str, seq: int) -> int:
+    """Splash's block size for the check: the smallest of 512, 1024, 2048 that keeps a call's block table (query
+    blocks x key blocks, kept in on-chip SMEM) at <= 2**17 entries; 512-token blocks at 2**18 entries (all_gather,
+    1M tokens, C = 16) overflowed v5p's SMEM. A call sees S/C x S (all_gather), S/C x S/C (p2p), S x S (a2a) or
+    S/R x S/R (usp, R = C / U ring, U = 4 by default at C = 16) query x key tokens."""
+    rows = {"all_gather": seq // CONTEXT, "p2p": seq // CONTEXT, "a2a": seq, "usp": seq // 4}[strategy]
+    keys = {"all_gather": seq, "p2p": seq // CONTEXT, "a2a": seq, "usp": seq // 4}[strategy]
+    for block in (512, 1024, 2048):
+        if (rows // block) * (keys // block) <= 2 ** 17:
+            return block
+    return 2048
+
+
+def run_probe(model: str, topology: str, strategy: str, seq: int, time_limit_s: float,
+              splash: int = 0) -> dict:
+    cmd = command(model, topology, strategy, seq, splash)
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     start = time.time()
     try:
@@ -72,10 +90,10 @@ def run_probe(model: str, topology: str, strategy: str, seq: int, time_limit_s: 
     return {"status": "fits" if report["fits"] else "over", "report": report, "wall_s": round(time.time() - start, 1)}
 
 
-def load_results() -> dict:
+def load_results(path: str = RESULTS) -> dict:
     results = {}
-    if os.path.exists(RESULTS):
-        with open(RESULTS) as f:
+    if os.path.exists(path):
+        with open(path) as f:
             for line in f:
                 r = json.loads(line)
                 results[(r["model"], r["topology"], r["strategy"], r["seq"])] = r
@@ -140,11 +158,47 @@ def search(model: str, topology: str, strategy: str, results: dict, args, max_pr
         write_table({**load_results(), **results})  # other runs of this script may append too
 
 
+def best_fit(model: str, topology: str, strategy: str, results: dict) -> int | None:
+    fits = [k[3] for k, r in results.items() if k[:3] == (model, topology, strategy) and r["status"] == "fits"]
+    return max(fits, default=None)
+
+
+def splash_check(model: str, topology: str, strategy: str, results: dict, splash_results: dict, args) -> None:
+    """Compiles the row's longest fitting context again with attention=splash (block size from splash_block)."""
+    seq = best_fit(model, topology, strategy, results)
+    if seq is None or (model, topology, strategy, seq) in splash_results:
+        return
+    block = splash_block(strategy, seq)
+    print(f"[{time.strftime('%H:%M:%S')}] {model} {topology} {strategy} S={seq} splash, blocks {block} ...",
+          flush=True)
+    r = run_probe(model, topology, strategy, seq, args.time_limit_s, splash=block)
+    r.update(model=model, topology=topology, strategy=strategy, seq=seq, block=block)
+    print(f"    {r['status']} in {r['wall_s']} s" + (f": {r.get('error', '')}" if "error" in r else ""), flush=True)
+    with open(SPLASH_RESULTS, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    splash_results[(model, topology, strategy, seq)] = r
+
+
+def splash_cell(model: str, topology: str, strategy: str, results: dict, splash_results: dict) -> str:
+    seq = best_fit(model, topology, strategy, results)
+    r = splash_results.get((model, topology, strategy, seq)) if seq else None
+    if r is None:
+        return "not checked"
+    if r["status"] in ("error", "timeout"):
+        return f"{r['status']}: {_last(r.get('error', ''))}"
+    rep = r["report"]
+    if rep.get("xla_memory_space"):
+        return f"does not compile: {rep['xla_memory_space'].upper()} overflow (blocks {r['block']})"
+    need = need_bytes(rep)
+    gib = "" if need is None else f", {need / GIB:.1f} GiB"
+    return f"{'fits' if r['status'] == 'fits' else 'does not fit'}{gib} (blocks {r['block']}, {r['wall_s']:.0f} s)"
+
+
 def _last(error: str) -> str:
     return error.split(" | ")[-1][:200].replace("|", "/")
 
 
-def row(model: str, topology: str, strategy: str, results: dict) -> str:
+def row(model: str, topology: str, strategy: str, results: dict, splash_results: dict) -> str:
     mine = sorted((r for k, r in results.items() if k[:3] == (model, topology, strategy)), key=lambda r: r["seq"])
     fits = [r for r in mine if r["status"] == "fits"]
     over = [r for r in mine if r["status"] == "over"]
@@ -156,7 +210,7 @@ def row(model: str, topology: str, strategy: str, results: dict) -> str:
         cmd = " ".join(command(model, topology, strategy, seq))
         note = "; ".join(f"S={r['seq']} {r['status']}" + (f" ({_last(r['error'])})" if "error" in r else "")
                          for r in mine) or "not run yet (the command is the search's first probe)"
-        return f"| {model} | {topology} | {strategy} | - | - | - | {note} | `{cmd}` |"
+        return f"| {model} | {topology} | {strategy} | - | - | - | {note} | - | `{cmd}` |"
     rep = best["report"]
     gib = need_bytes(rep) / GIB
     if first_over:
@@ -172,10 +226,12 @@ def row(model: str, topology: str, strategy: str, results: dict) -> str:
     est = f"{rep['estimate_step_time_s']:.2f} s, MFU {rep['estimate_mfu']:.0%} ({rep['estimate_bound']})"
     return (f"| {model} | {topology} | {strategy} | {best['seq']:,} | {gib:.1f} / "
             f"{rep['hbm_bytes_per_device'] / GIB:.0f} | {est} | {nxt} | "
+            f"{splash_cell(model, topology, strategy, results, splash_results)} | "
             f"`{' '.join(command(model, topology, strategy, best['seq']))}` |")
 
 
-def write_table(results: dict) -> None:
+def write_table(results: dict, splash_results: dict | None = None) -> None:
+    splash_results = load_results(SPLASH_RESULTS) if splash_results is None else splash_results
     lines = [
         "# Longest context that fits, per CP strategy",
         "",
@@ -186,17 +242,21 @@ def write_table(results: dict) -> None:
         "the next power of two failing. Memory: bytes per chip the program needs / chip HBM (GiB). Step time and",
         "MFU: maxctx.compile's roofline estimate (max of compute, HBM and ICI time at peak rates), not a",
         "measurement; at these lengths attention FLOPs dominate, so it is compute-bound and capped at 75% MFU by",
-        "full remat's second forward pass. Powers of two only (no refinement between them). usp on v6e-256 fails",
-        "in maxctx.mesh: mesh_utils.create_device_mesh cannot lay the 4 (ring) x 4 (a2a) context split on a 16x16",
-        "torus without allow_split_physical_axes.",
+        "full remat's second forward pass. Powers of two only (no refinement between them).",
         "",
-        "| model | topology | strategy | max context | GiB per chip | estimate at max | next | command |",
-        "|---|---|---|---|---|---|---|---|",
+        "Splash at max: the row's command with `attention=flash` replaced by `attention=splash flash_block_q=B",
+        "flash_block_kv=B` (B in brackets, from `splash_block` in fit_table.py: splash keeps a table of query x key",
+        "blocks per call in on-chip SMEM, which 512-token blocks overflow at 1M tokens), run by",
+        "`python3 benchmarks/fit_table.py --splash-check`; results in fit_table_splash.jsonl.",
+        "",
+        "| model | topology | strategy | max context | GiB per chip | estimate at max | next | splash at max "
+        "| command |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for model in MODELS:
         for topology in TOPOLOGIES:
             for strategy in STRATEGIES:
-                lines.append(row(model, topology, strategy, results))
+                lines.append(row(model, topology, strategy, results, splash_results))
     with open(TABLE, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -208,6 +268,8 @@ def main() -> None:
     parser.add_argument("--time-limit-s", type=float, default=1800.0, help="per compile")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results file")
     parser.add_argument("--breadth-first", action="store_true", help="one probe per row before any second one")
+    parser.add_argument("--splash-check", action="store_true",
+                        help="compile each selected row's longest fitting context again with attention=splash")
     args = parser.parse_args()
     results = load_results()
     pairs = [tuple(p.split("/")) for p in args.only.split(",") if p] or [(m, t) for m in MODELS for t in TOPOLOGIES]
@@ -219,6 +281,11 @@ def main() -> None:
                     search(*row_key, results, args, max_probes=1)
         for row_key in rows:
             search(*row_key, results, args)
+        if args.splash_check:
+            splash_results = load_results(SPLASH_RESULTS)
+            for row_key in rows:
+                splash_check(*row_key, results, splash_results, args)
+                write_table(results, splash_results)
     write_table(results)
 
 
