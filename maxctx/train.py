@@ -5,7 +5,8 @@ AOT-compiled step (memory and FLOPs logged before step 0) -> init or resume -> f
 dispatch the step, log the previous step's metrics (one step late, so the host never blocks the device),
 evaluate and checkpoint on their periods.
 
-Exit status: 0 done, 2 configuration error, 3 non-finite loss (the last good checkpoint is kept).
+Exit status: 0 done, 2 configuration error, 3 non-finite loss (the last good checkpoint is kept), 4 out of device
+memory (HBM, or a kernel's on-chip memory), with what to change.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 from maxctx.config import Config, ConfigError, load_config, save_config
 
-EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY = 2, 3, 4
 
 
 def main(argv: list[str]) -> int:
@@ -41,6 +42,26 @@ def main(argv: list[str]) -> int:
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"out of memory: {out_of_memory_advice(str(e), argv)}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
+
+
+def out_of_memory_advice(message: str, argv: list[str]) -> str:
+    """XLA's first line and what to change: for a kernel's on-chip memory, its block sizes; for HBM, the memory
+    levers, and the command that checks a fit before launching."""
+    from maxctx.compile import _ONCHIP_HINT, xla_out_of_memory
+
+    first = message.strip().splitlines()[0][:300]
+    space = xla_out_of_memory(message).get("xla_memory_space")
+    if space:
+        return f"{first}. On-chip {space.upper()}, not HBM: {_ONCHIP_HINT}"
+    plan = " ".join(["python -m maxctx.compile", *argv, "compile_topology=<your slice, e.g. v5p-128>"])
+    return (f"{first}. Lower per_device_batch_size or max_target_length, set remat_policy=full, or spread the state "
+            f"and sequence over more devices (ici_fsdp_parallelism, ici_context_parallelism); check a setting "
+            f"without a TPU first: {plan}")
 
 
 def train(config: Config) -> int:

@@ -71,3 +71,24 @@ def test_relative_output_directory_checkpoints_and_writes_the_resolved_config(tm
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "3"]
     saved = yaml.safe_load(open(run_dir / "config.yml"))
     assert saved["steps"] == 3 and saved["base_emb_dim"] == 128 and saved["base_output_directory"] == "outputs"
+
+
+@pytest.mark.parametrize("message,expected", [
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 99.5G of "
+     "95.74G hbm.", "python -m maxctx.compile configs/base.yml steps=3 compile_topology="),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space smem. Used 1.00M of "
+     "1.00M smem.", "On-chip SMEM, not HBM: With attention=splash"),
+])
+def test_out_of_memory_exits_4_with_what_to_change(monkeypatch, capsys, message, expected):
+    import jax
+
+    from maxctx import runtime, train
+
+    def out_of_memory(config):
+        raise jax.errors.JaxRuntimeError(message)
+
+    monkeypatch.setattr(runtime, "initialize", lambda config: None)
+    monkeypatch.setattr(train, "train", out_of_memory)
+    assert train.main(["configs/base.yml", "steps=3"]) == train.EXIT_OUT_OF_MEMORY
+    err = capsys.readouterr().err
+    assert err.startswith("out of memory: RESOURCE_EXHAUSTED") and expected in err, err
