@@ -5,10 +5,10 @@
 Every probe is one `python -m maxctx.compile ...` subprocess (the command printed in the table, so each row is
 reproducible by copying it), compiled for the TPU topology on this machine with libtpu. Mesh: all devices split as
 fsdp x context with context parallelism C = 16 (the issue's example), one sequence per fsdp group
-(per_device_batch_size = 1/C), remat_policy=full, scan_layers=true, attention=flash: the splash kernel's masks are
-built on the host block by block (maxctx/attention/splash.py), which takes tens of minutes per layer trace at
-S >= 512K (all_gather: C distinct [S/C, S] masks); flash (blockwise JAX, the same O(S/C) memory per device)
-traces in seconds.
+(per_device_batch_size = 1/C), remat_policy=full, scan_layers=true, attention=flash (the blockwise JAX kernel:
+no block tables, so one setting serves every length). `--splash-check` compiles each row's longest fitting context
+again with attention=splash, the production TPU kernel, at a block size that keeps its per-call block tables within
+on-chip SMEM (`splash_block`).
 
 Search over S = powers of two: a probe that fits predicts the next one from its memory analysis (arguments fixed,
 the rest proportional to S), so most rows need two or three compiles: the largest S that fits and the next power of
