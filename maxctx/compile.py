@@ -119,9 +119,15 @@ def xla_out_of_memory(message: str) -> dict:
     return out
 
 
-_ONCHIP_HINT = ("With attention=splash this is the kernel's block tables (one entry per query block x key block "
-                "of a device's call, in SMEM): raise flash_block_q and flash_block_kv (e.g. 1024 or 2048; they set "
-                "the splash blocks too) so there are fewer blocks.")
+def onchip_advice(space: str, attention: str) -> str:
+    """What to change when a kernel overflows on-chip memory: SMEM holds splash's block tables (one entry per query
+    block x key block of a call), so larger blocks shrink them; VMEM holds the blocks themselves, so smaller ones."""
+    if space == "smem":
+        what = "splash's block tables" if attention == "splash" else "a kernel's scalar tables"
+        return (f"{what} overflowed on-chip SMEM: raise flash_block_q and flash_block_kv (e.g. 1024 or 2048; they "
+                f"set the splash blocks too) so a call has fewer blocks")
+    return (f"a kernel's working blocks overflowed on-chip {space.upper()}: lower flash_block_q and flash_block_kv "
+            f"(e.g. 256)")
 
 
 def fit(report: dict, chip) -> dict:
@@ -232,7 +238,8 @@ def format_report(report: dict) -> list[str]:
         by = "" if room is None else f", {abs(room) / GIB:.2f} GiB {'free' if room >= 0 else 'over'}"
         if report.get("xla_memory_space"):
             lines.append(f"DOES NOT COMPILE: on-chip {report['xla_memory_space'].upper()} overflowed, not HBM "
-                         f"({hbm:.2f} GiB per {device}, untested). {_ONCHIP_HINT}")
+                         f"({hbm:.2f} GiB per {device}, untested): "
+                         f"{onchip_advice(report['xla_memory_space'], report['attention'])}")
         else:
             lines.append(f"{verdict} in {hbm:.2f} GiB HBM per {device}{by}")
     lines.append(f"FLOPs per device per step: {report['analytic_flops_per_device'] / 1e12:.4g} TFLOP (model, "

@@ -11,6 +11,7 @@ memory (HBM, or a kernel's on-chip memory), with what to change.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -43,24 +44,37 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
     except Exception as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
+        if not is_out_of_memory(e):
             raise
-        print(f"out of memory: {out_of_memory_advice(str(e), argv)}", file=sys.stderr)
+        print(f"out of memory: {str(e).strip()}\n{out_of_memory_advice(str(e), config, argv)}", file=sys.stderr)
         return EXIT_OUT_OF_MEMORY
 
 
-def out_of_memory_advice(message: str, argv: list[str]) -> str:
-    """XLA's first line and what to change: for a kernel's on-chip memory, its block sizes; for HBM, the memory
-    levers, and the command that checks a fit before launching."""
-    from maxctx.compile import _ONCHIP_HINT, xla_out_of_memory
+def is_out_of_memory(error: BaseException) -> bool:
+    """XLA's device-memory errors (compile or run time); other RESOURCE_EXHAUSTED statuses (a coordination
+    service or storage quota) are not."""
+    import jax
 
-    first = message.strip().splitlines()[0][:300]
+    message = str(error)
+    return (isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in message
+            and re.search(r"out of memory|memory space|exceeds available", message, re.IGNORECASE) is not None)
+
+
+def out_of_memory_advice(message: str, config: Config, argv: list[str]) -> str:
+    """What to change: for a kernel's on-chip memory, its block sizes; for HBM, the memory levers, and the
+    command that checks a fit before launching."""
+    from maxctx.attention.dispatch import resolve_kernel
+    from maxctx.compile import onchip_advice, xla_out_of_memory
+
     space = xla_out_of_memory(message).get("xla_memory_space")
     if space:
-        return f"{first}. On-chip {space.upper()}, not HBM: {_ONCHIP_HINT}"
+        import jax
+
+        kernel = resolve_kernel(config.attention, platform=jax.devices()[0].platform, dtype=config.dtype)
+        return f"what to change: {onchip_advice(space, kernel)}"
     plan = " ".join(["python -m maxctx.compile", *argv, "compile_topology=<your slice, e.g. v5p-128>"])
-    return (f"{first}. Lower per_device_batch_size or max_target_length, set remat_policy=full, or spread the state "
-            f"and sequence over more devices (ici_fsdp_parallelism, ici_context_parallelism); check a setting "
+    return (f"what to change: lower per_device_batch_size or max_target_length, set remat_policy=full, or spread the "
+            f"state and sequence over more devices (ici_fsdp_parallelism, ici_context_parallelism); check a setting "
             f"without a TPU first: {plan}")
 
 
@@ -89,51 +103,52 @@ def train(config: Config) -> int:
     if primary:
         save_config(config, config.run_dir)
     writer = M.MetricsWriter(config.run_dir, config.enable_tensorboard, primary)
-    peak, peak_source = M.peak_flops_per_device(jax.devices()[0], config)
+    profiler, state = None, None
+    try:  # from here on, also on an error: saves already started still commit, logs are flushed
+        peak, peak_source = M.peak_flops_per_device(jax.devices()[0], config)
 
-    start = time.perf_counter()
-    compiled = compile_train_step(setup)
-    record = M.compile_record(compiled, analytic_flops_per_device=flops_per_step / num_devices)
-    record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(mesh.shape),
-                  compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch, seq_len=seq_len,
-                  peak_flops_per_device=peak, peak_source=peak_source)
-    writer.write_compile(record)
-    if primary:
-        _print_header(config, record, jax.devices()[0].platform, num_devices)
-
-    state = checkpointer.restore_or_init(data)
-    start_step = int(jax.device_get(state["step"]))
-    eval_step = jit_eval_step(setup) if eval_data is not None else None
-    eval_start = eval_data.get_state() if eval_data is not None else None
-    pending = M.PendingMetrics()
-    profiler = M.Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
-    losses: list[float] = []
-
-    window = {"seconds": 0.0, "steps": 0}  # step time summed since the last logged step
-
-    def log(done: M.StepMetrics | None, force: bool = False) -> None:
-        if done is None:
-            return
-        completed = done.step + 1
-        M.check_finite(completed, done.metrics)
-        losses.append(done.metrics["loss"])
-        if done.seconds is not None or done.step == start_step:
-            # The first step has no previous fetch to time against: it is timed from the loop's start.
-            window["seconds"] += done.seconds if done.seconds is not None else time.perf_counter() - loop_start
-            window["steps"] += 1
-        if not (completed % config.log_period == 0 or force or done.step == start_step) or not window["steps"]:
-            return
-        seconds = window["seconds"] / window["steps"]  # mean over the log period: steadier than one step
-        window.update(seconds=0.0, steps=0)
-        perf = M.throughput(seconds, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
-                            num_devices=num_devices, peak_flops_per_device=peak)
-        values = {**done.metrics, **perf, **M.device_memory()}
-        writer.write_step(completed, values)
+        start = time.perf_counter()
+        compiled = compile_train_step(setup)
+        record = M.compile_record(compiled, analytic_flops_per_device=flops_per_step / num_devices)
+        record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(mesh.shape),
+                      compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch, seq_len=seq_len,
+                      peak_flops_per_device=peak, peak_source=peak_source)
+        writer.write_compile(record)
         if primary:
-            print(M.format_progress(completed, config.steps, values, seconds), flush=True)
+            _print_header(config, record, jax.devices()[0].platform, num_devices)
 
-    loop_start = time.perf_counter()
-    try:
+        state = checkpointer.restore_or_init(data)
+        start_step = int(jax.device_get(state["step"]))
+        eval_step = jit_eval_step(setup) if eval_data is not None else None
+        eval_start = eval_data.get_state() if eval_data is not None else None
+        pending = M.PendingMetrics()
+        profiler = M.Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
+        losses: list[float] = []
+
+        window = {"seconds": 0.0, "steps": 0}  # step time summed since the last logged step
+
+        def log(done: M.StepMetrics | None, force: bool = False) -> None:
+            if done is None:
+                return
+            completed = done.step + 1
+            M.check_finite(completed, done.metrics)
+            losses.append(done.metrics["loss"])
+            if done.seconds is not None or done.step == start_step:
+                # The first step has no previous fetch to time against: it is timed from the loop's start.
+                window["seconds"] += done.seconds if done.seconds is not None else time.perf_counter() - loop_start
+                window["steps"] += 1
+            if not (completed % config.log_period == 0 or force or done.step == start_step) or not window["steps"]:
+                return
+            seconds = window["seconds"] / window["steps"]  # mean over the log period: steadier than one step
+            window.update(seconds=0.0, steps=0)
+            perf = M.throughput(seconds, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
+                                num_devices=num_devices, peak_flops_per_device=peak)
+            values = {**done.metrics, **perf, **M.device_memory()}
+            writer.write_step(completed, values)
+            if primary:
+                print(M.format_progress(completed, config.steps, values, seconds), flush=True)
+
+        loop_start = time.perf_counter()
         for step in range(start_step, config.steps):
             profiler.step(step, block_on=state)
             batch = next(data)
@@ -150,9 +165,10 @@ def train(config: Config) -> int:
             if checkpointer.preempted:
                 break
         log(pending.flush(), force=True)
-    finally:  # also on a NaN or data error: saves already started still commit, logs are flushed
+    finally:
         checkpointer.close()
-        profiler.stop(block_on=state)
+        if profiler is not None:
+            profiler.stop(block_on=state)
         writer.close()
     if primary and start_step >= config.steps:
         print(f"nothing to do: the run is already at step {start_step} of steps={config.steps}; raise steps to "

@@ -6,6 +6,7 @@ device count use `cpu_devices` when it is set; `check_devices` repeats them once
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -195,6 +196,12 @@ def validate(config: Config) -> None:
                           f"(0 picks the default)")
     if config.dataset_type != "synthetic" and config.dataset_type != "tfds" and not config.grain_train_files:
         raise ConfigError(f"dataset_type={config.dataset_type} needs grain_train_files (a file glob)")
+    for key in ("base_output_directory", "load_parameters_path", "load_full_state_path"):
+        value = getattr(config, key)
+        if value.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+            raise ConfigError(f"{key}={value}: gs:// paths need gcsfs (etils.epath's Google Cloud Storage backend), "
+                              f"which is not installed; pip install -e '.[gcs]' (scripts/tpu/setup.sh and the "
+                              f"Docker images install it)")
     for key in ("grain_train_files", "grain_eval_files", "tokenizer_path", "tfds_data_dir"):
         if "://" in getattr(config, key):
             raise ConfigError(f"{key}={getattr(config, key)}: data and tokenizer files are read from local paths; "

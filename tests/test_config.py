@@ -102,6 +102,17 @@ def test_bad_config_exits_2_with_one_line(overrides, expected, capsys):
     assert err.startswith("config error: ") and expected in err, err
 
 
+def test_gs_output_without_gcsfs_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("gcsfs", "tensorflow") else real(name, *a))
+    assert main([BASE, "base_output_directory=gs://bucket/runs"]) == 2
+    err = capsys.readouterr().err
+    assert "base_output_directory=gs://bucket/runs: gs:// paths need gcsfs" in err and "'.[gcs]'" in err, err
+
+
 def test_missing_yaml_file(capsys):
     assert main(["configs/does_not_exist.yml"]) == 2
     assert "does_not_exist.yml' does not exist" in capsys.readouterr().err

@@ -282,7 +282,7 @@ def test_setup_dry_run_ships_the_code_and_installs_on_all_workers(gcloud):
     assert scp[3:5] == ["tpu-vm", "scp"] and scp[6] == "pod:maxctx-src.tar.gz" and "--worker=all" in scp
     for ssh in (unpack, install, check):
         assert ssh[3:7] == ["tpu-vm", "ssh", "pod", "--worker=all"] and ssh[-1] == "--zone=us-central1-a"
-    assert "pip install --quiet -e . 'jax[tpu]'" in _remote_command(install)
+    assert "pip install --quiet -e '.[gcs]' 'jax[tpu]'" in _remote_command(install)
     assert "uv venv --quiet --seed --python 3.12 maxctx/.venv" in _remote_command(install)
     assert "jax.device_count()" in _remote_command(check)
 
@@ -374,7 +374,7 @@ def test_setup_ships_the_checkout_and_installs_on_a_worker(gcloud, tmp_path):
     assert not (home / "maxctx" / "deleted_module.py").exists() and not (home / "maxctx-src.tar.gz").exists()
     calls = (home / "python-calls").read_text().splitlines()
     assert sum(" -m uv venv --quiet --seed --python 3.12 maxctx/.venv" in c for c in calls) == 1
-    assert calls.count(f"{home / 'maxctx'}: -m pip install --quiet -e . jax[tpu]") == 2
+    assert calls.count(f"{home / 'maxctx'}: -m pip install --quiet -e .[gcs] jax[tpu]") == 2
     assert sum("import jax" in c for c in calls) == 2
 
 

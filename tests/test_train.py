@@ -75,9 +75,12 @@ def test_relative_output_directory_checkpoints_and_writes_the_resolved_config(tm
 
 @pytest.mark.parametrize("message,expected", [
     ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 99.5G of "
-     "95.74G hbm.", "python -m maxctx.compile configs/base.yml steps=3 compile_topology="),
+     "95.74G hbm.\nLargest program allocations in hbm:\n  1. Size: 12.0G", "python -m maxctx.compile configs/base.yml "
+     "steps=3 compile_topology="),
     ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space smem. Used 1.00M of "
-     "1.00M smem.", "On-chip SMEM, not HBM: With attention=splash"),
+     "1.00M smem.", "overflowed on-chip SMEM: raise flash_block_q"),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. Used 130M of "
+     "128M vmem.", "overflowed on-chip VMEM: lower flash_block_q"),
 ])
 def test_out_of_memory_exits_4_with_what_to_change(monkeypatch, capsys, message, expected):
     import jax
@@ -91,4 +94,25 @@ def test_out_of_memory_exits_4_with_what_to_change(monkeypatch, capsys, message,
     monkeypatch.setattr(train, "train", out_of_memory)
     assert train.main(["configs/base.yml", "steps=3"]) == train.EXIT_OUT_OF_MEMORY
     err = capsys.readouterr().err
-    assert err.startswith("out of memory: RESOURCE_EXHAUSTED") and expected in err, err
+    assert err.startswith(f"out of memory: {message}\nwhat to change: ") and expected in err, err
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("boom"),
+    RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0G"),  # not an XLA error
+    "RESOURCE_EXHAUSTED: grpc message larger than max (coordination service)",  # XLA, but not device memory
+])
+def test_other_errors_are_not_called_out_of_memory(monkeypatch, error):
+    import jax
+
+    from maxctx import runtime, train
+
+    error = jax.errors.JaxRuntimeError(error) if isinstance(error, str) else error
+
+    def fails(config):
+        raise error
+
+    monkeypatch.setattr(runtime, "initialize", lambda config: None)
+    monkeypatch.setattr(train, "train", fails)
+    with pytest.raises(type(error)):
+        train.main(["configs/base.yml", "steps=3"])

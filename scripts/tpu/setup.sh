@@ -79,12 +79,12 @@ find $REMOTE_DIR -mindepth 1 -maxdepth 1 ! -name .venv ! -name outputs -exec rm 
 tar -xzf $TARBALL_NAME -C $REMOTE_DIR; rm $TARBALL_NAME"
 fi
 
-# 2. A virtualenv with maxctx and jax[tpu], resolved together so the JAX version maxctx allows picks the
+# 2. A virtualenv with maxctx (with gcsfs, for gs:// outputs) and jax[tpu], resolved together so the JAX version maxctx allows picks the
 # matching libtpu. maxctx needs Python >= 3.11 and TPU VM images ship older ones, so uv provides it.
 venv_python=$REMOTE_VENV/bin/python
 get_uv="python3 -m pip install --user --quiet uv || python3 -m pip install --user --quiet --break-system-packages uv"
 on_all_workers "set -e; [ -x $venv_python ] || { $get_uv; python3 -m uv venv --quiet --seed --python $(shell_quote "$PYTHON_VERSION") $REMOTE_VENV; }; \
-cd $REMOTE_DIR && .venv/bin/python -m pip install --quiet -e . $(shell_quote "$JAX_SPEC")"
+cd $REMOTE_DIR && .venv/bin/python -m pip install --quiet -e '.[gcs]' $(shell_quote "$JAX_SPEC")"
 
 # 3. Every worker must start JAX together on a multi-host slice, which --worker=all does.
 if ((CHECK)); then
