@@ -67,7 +67,9 @@ def test_ordered_causal_mask_blocks_equal_the_dense_mask():
         for c in range(0, 1024, 128):
             block = mask[slice(r, r + 64), slice(c, c + 128)]
             np.testing.assert_array_equal(block, dense[r:r + 64, c:c + 128])
-            kinds.add("full" if block.all() else "empty" if not block.any() else "partial")
+            kind = "full" if block.all() else "empty" if not block.any() else "partial"
+            assert block.flags.writeable == (kind == "partial"), kind  # whole blocks: the shared constant
+            kinds.add(kind)
     assert kinds == {"full", "empty", "partial"}
     np.testing.assert_array_equal(mask[5, slice(0, 1024)], dense[5])
     np.testing.assert_array_equal(mask[slice(0, 256), 7], dense[:, 7])

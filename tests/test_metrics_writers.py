@@ -123,13 +123,27 @@ def test_remote_copy_failure_warns_and_keeps_training(tmp_path, monkeypatch):
 
     from etils import epath
 
-    class ReadOnlyBucket(type(pathlib.Path())):
-        def write_bytes(self, data):
-            raise PermissionError("403 Forbidden")
+    failing = {"on": True}
 
-    monkeypatch.setattr(epath, "Path", lambda p: ReadOnlyBucket(str(p).replace("gs://", f"{tmp_path}/bucket/")))
+    class FlakyBucket(type(pathlib.Path())):
+        def write_bytes(self, data):
+            if failing["on"]:
+                raise PermissionError("403 Forbidden")
+            return super().write_bytes(data)
+
+    monkeypatch.setattr(epath, "Path", lambda p: FlakyBucket(str(p).replace("gs://", f"{tmp_path}/bucket/")))
+    remote = tmp_path / "bucket" / "runs" / "r1" / "metrics.jsonl"
+    writer = MetricsWriter("gs://runs/r1", enable_tensorboard=False, is_primary=True, sync_period_s=0)
     with pytest.warns(UserWarning, match="metrics.jsonl.*403 Forbidden.*next sync retries"):
-        with MetricsWriter("gs://runs/r1", enable_tensorboard=False, is_primary=True, sync_period_s=0) as writer:
-            writer.write_step(1, STEP)
-            staged = writer._mirror.local_dir
-    assert json.loads(open(os.path.join(staged, "metrics.jsonl")).read())["step"] == 1
+        writer.write_step(1, STEP)
+    assert not remote.exists()
+    failing["on"] = False  # the bucket recovers: the next record's sync copies everything written so far
+    writer.write_step(2, STEP)
+    assert [json.loads(x)["step"] for x in remote.read_text().splitlines()] == [1, 2]
+    failing["on"] = True
+    with pytest.warns(UserWarning, match="next sync retries"):
+        writer.write_step(3, STEP)  # fails again, and so does the last copy at close: the warning says so
+    staged = writer._mirror.local_dir
+    with pytest.warns(UserWarning, match="only there now: copy it by hand"):
+        writer.close()
+    assert [json.loads(x)["step"] for x in open(os.path.join(staged, "metrics.jsonl"))] == [1, 2, 3]

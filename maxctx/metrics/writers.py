@@ -161,7 +161,7 @@ class MetricsWriter:
             self._jsonl.close()
             self._jsonl = None
         if self._mirror is not None:
-            self._mirror.sync(force=True)
+            self._mirror.sync(final=True)
             self._mirror = None
 
     def __enter__(self) -> Self:
@@ -198,8 +198,9 @@ class RemoteMirror:
         info = os.stat(os.path.join(self.local_dir, rel))
         self._copied[rel] = (info.st_size, info.st_mtime_ns)
 
-    def sync(self, force: bool = False) -> int:
-        """Copies changed files; returns how many were copied."""
+    def sync(self, force: bool = False, final: bool = False) -> int:
+        """Copies changed files; returns how many were copied. `final`: the last sync (at close), forced."""
+        force = force or final
         if not force and time.monotonic() - self._last < self.period_s:
             return 0
         self._last = time.monotonic()
@@ -216,8 +217,9 @@ class RemoteMirror:
                     with open(os.path.join(self.local_dir, rel), "rb") as f:
                         target.write_bytes(f.read())
                 except Exception as e:  # noqa: BLE001 (a storage hiccup must not stop training; retried next time)
+                    then = ("it is only there now: copy it by hand" if final else "the next sync retries")
                     warnings.warn(f"metrics: copying {rel} to {target} failed ({type(e).__name__}: {e}); the local "
-                                  f"copy is in {self.local_dir} and the next sync retries", stacklevel=2)
+                                  f"copy is in {self.local_dir} and {then}", stacklevel=2)
                     continue
                 self._copied[rel] = (info.st_size, info.st_mtime_ns)
                 copied += 1
