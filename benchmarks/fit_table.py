@@ -55,13 +55,14 @@ def command(model: str, topology: str, strategy: str, seq: int, splash_block: in
 
 def splash_block(strategy: str, seq: int) -> int:
     """Splash's block size for the check: the smallest of 512, 1024, 2048 that keeps a call's block table (query
-    blocks x key blocks, kept in on-chip SMEM) at <= 2**17 entries; 512-token blocks at 2**18 entries (all_gather,
-    1M tokens, C = 16) overflowed v5p's SMEM. A call sees S/C x S (all_gather), S/C x S/C (p2p), S x S (a2a) or
+    blocks x key blocks, kept in on-chip SMEM) at <= 2**16 entries. Measured on llama3-8b, all_gather, 1M tokens,
+    C = 16, v5p-128: 512-token blocks (2**18 entries) overflowed SMEM, 1024-token blocks (2**16) compiled
+    (benchmarks/splash_masks.md); 2**17 is untested. A call sees S/C x S (all_gather), S/C x S/C (p2p), S x S (a2a) or
     S/R x S/R (usp, R = C / U ring, U = 4 by default at C = 16) query x key tokens."""
     rows = {"all_gather": seq // CONTEXT, "p2p": seq // CONTEXT, "a2a": seq, "usp": seq // 4}[strategy]
     keys = {"all_gather": seq, "p2p": seq // CONTEXT, "a2a": seq, "usp": seq // 4}[strategy]
     for block in (512, 1024, 2048):
-        if (rows // block) * (keys // block) <= 2 ** 17:
+        if (rows // block) * (keys // block) <= 2 ** 16:
             return block
     return 2048
 
