@@ -7,8 +7,7 @@ reproducible by copying it), compiled for the TPU topology on this machine with 
 fsdp x context with context parallelism C = 16 (the issue's example), one sequence per fsdp group
 (per_device_batch_size = 1/C), remat_policy=full, scan_layers=true, attention=flash (the blockwise JAX kernel:
 no block tables, so one setting serves every length). `--splash-check` compiles each row's longest fitting context
-again with attention=splash, the production TPU kernel, at a block size that keeps its per-call block tables within
-on-chip SMEM (`splash_block`).
+again with attention=splash, the production TPU kernel.
 
 Search over S = powers of two: a probe that fits predicts the next one from its memory analysis (arguments fixed,
 the rest proportional to S), so most rows need two or three compiles: the largest S that fits and the next power of
@@ -43,33 +42,16 @@ START = {("llama3-8b", "v5p-128"): 19, ("llama3-8b", "v6e-256"): 17, ("llama3.1-
 MIN_EXP, MAX_EXP = 12, 24
 
 
-def command(model: str, topology: str, strategy: str, seq: int, splash_block: int = 0) -> list[str]:
-    """The probe's command; splash_block > 0: the splash check at that block size instead of flash."""
-    kernel = ["attention=splash", f"flash_block_q={splash_block}", f"flash_block_kv={splash_block}"] \
-        if splash_block else ["attention=flash"]
+def command(model: str, topology: str, strategy: str, seq: int, kernel: str = "flash") -> list[str]:
     return ["python", "-m", "maxctx.compile", "configs/base.yml", f"compile_topology={topology}",
             f"model_name={model}", f"max_target_length={seq}", f"ici_context_parallelism={CONTEXT}",
             "ici_fsdp_parallelism=-1", f"per_device_batch_size={1 / CONTEXT:g}",
-            f"context_parallel_strategy={strategy}", "remat_policy=full", *kernel]
-
-
-def splash_block(strategy: str, seq: int) -> int:
-    """Splash's block size for the check: the smallest of 512, 1024, 2048 that keeps a call's block table (query
-    blocks x key blocks, kept in on-chip SMEM) at <= 2**16 entries. Measured on llama3-8b, all_gather, 1M tokens,
-    C = 16, v5p-128: 512-token blocks (2**18 entries) overflowed SMEM, 1024-token blocks (2**16) compiled
-    (benchmarks/splash_masks.md); 2**17 is untested. A call sees S/C x S (all_gather), S/C x S/C (p2p), S x S (a2a) or
-    S/R x S/R (usp, R = C / U ring, U = 4 by default at C = 16) query x key tokens."""
-    rows = {"all_gather": seq // CONTEXT, "p2p": seq // CONTEXT, "a2a": seq, "usp": seq // 4}[strategy]
-    keys = {"all_gather": seq, "p2p": seq // CONTEXT, "a2a": seq, "usp": seq // 4}[strategy]
-    for block in (512, 1024, 2048):
-        if (rows // block) * (keys // block) <= 2 ** 16:
-            return block
-    return 2048
+            f"context_parallel_strategy={strategy}", "remat_policy=full", f"attention={kernel}"]
 
 
 def run_probe(model: str, topology: str, strategy: str, seq: int, time_limit_s: float,
-              splash: int = 0) -> dict:
-    cmd = command(model, topology, strategy, seq, splash)
+              kernel: str = "flash") -> dict:
+    cmd = command(model, topology, strategy, seq, kernel)
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     start = time.time()
     try:
@@ -165,15 +147,13 @@ def best_fit(model: str, topology: str, strategy: str, results: dict) -> int | N
 
 
 def splash_check(model: str, topology: str, strategy: str, results: dict, splash_results: dict, args) -> None:
-    """Compiles the row's longest fitting context again with attention=splash (block size from splash_block)."""
+    """Compiles the row's longest fitting context again with attention=splash (its default 512-token blocks)."""
     seq = best_fit(model, topology, strategy, results)
     if seq is None or (model, topology, strategy, seq) in splash_results:
         return
-    block = splash_block(strategy, seq)
-    print(f"[{time.strftime('%H:%M:%S')}] {model} {topology} {strategy} S={seq} splash, blocks {block} ...",
-          flush=True)
-    r = run_probe(model, topology, strategy, seq, args.time_limit_s, splash=block)
-    r.update(model=model, topology=topology, strategy=strategy, seq=seq, block=block)
+    print(f"[{time.strftime('%H:%M:%S')}] {model} {topology} {strategy} S={seq} splash ...", flush=True)
+    r = run_probe(model, topology, strategy, seq, args.time_limit_s, kernel="splash")
+    r.update(model=model, topology=topology, strategy=strategy, seq=seq)
     print(f"    {r['status']} in {r['wall_s']} s" + (f": {r.get('error', '')}" if "error" in r else ""), flush=True)
     with open(SPLASH_RESULTS, "a") as f:
         f.write(json.dumps(r) + "\n")
@@ -189,10 +169,10 @@ def splash_cell(model: str, topology: str, strategy: str, results: dict, splash_
         return f"{r['status']}: {_last(r.get('error', ''))}"
     rep = r["report"]
     if rep.get("xla_memory_space"):
-        return f"does not compile: {rep['xla_memory_space'].upper()} overflow (blocks {r['block']})"
+        return f"does not compile: {rep['xla_memory_space'].upper()} overflow"
     need = need_bytes(rep)
     gib = "" if need is None else f", {need / GIB:.1f} GiB"
-    return f"{'fits' if r['status'] == 'fits' else 'does not fit'}{gib} (blocks {r['block']}, {r['wall_s']:.0f} s)"
+    return f"{'fits' if r['status'] == 'fits' else 'does not fit'}{gib} (compiled in {r['wall_s']:.0f} s)"
 
 
 def _last(error: str) -> str:
@@ -245,10 +225,10 @@ def write_table(results: dict, splash_results: dict | None = None) -> None:
         "measurement; at these lengths attention FLOPs dominate, so it is compute-bound and capped at 75% MFU by",
         "full remat's second forward pass. Powers of two only (no refinement between them).",
         "",
-        "Splash at max: the row's command with `attention=flash` replaced by `attention=splash flash_block_q=B",
-        "flash_block_kv=B` (B in brackets, from `splash_block` in fit_table.py: splash keeps a table of query x key",
-        "blocks per call in on-chip SMEM, which 512-token blocks overflow at 1M tokens), run by",
-        "`python3 benchmarks/fit_table.py --splash-check`; results in fit_table_splash.jsonl.",
+        "Splash at max: the row's command with `attention=flash` replaced by `attention=splash` (the production",
+        "TPU kernel, 512-token blocks; calls whose block table would overflow on-chip SMEM run as several kernels",
+        "over row chunks, maxctx/attention/splash.py), run by `python3 benchmarks/fit_table.py --splash-check`;",
+        "results in fit_table_splash.jsonl; the time is the whole compile on the 2-core development VM.",
         "",
         "| model | topology | strategy | max context | GiB per chip | estimate at max | next | splash at max "
         "| command |",

@@ -104,13 +104,13 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
         return LocalKernel(name, block_q, block_kv)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     kernels, tables = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
-                                      block_kv, ring, platform != "tpu")
+                                      block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES)
     return LocalKernel(name, block_q, block_kv, q_axes, kernels, tables)
 
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: int, block_q: int, block_kv: int,
-                    ring: bool, interpret: bool) -> tuple[tuple, tuple]:
+                    ring: bool, interpret: bool, max_table_entries: int) -> tuple[tuple, tuple]:
     """Per hop, the distinct kernels and each query shard's index into them. Cached: building the mask info walks
     every block on the host, and the train step, the eval step and rematerialisation trace attention again."""
     order = np.frombuffer(order_bytes, np.int64)
@@ -127,7 +127,8 @@ def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: in
             if key not in seen:
                 seen[key] = len(kernels)
                 kernels.append(None if hidden else splash.make_kernel(
-                    q_orig, kv_orig, group, block_q, block_kv, save_residuals=ring, interpret=interpret))
+                    q_orig, kv_orig, group, block_q, block_kv, save_residuals=ring, interpret=interpret,
+                    max_table_entries=max_table_entries))
             table.append(seen[key])
         hop_kernels.append(tuple(kernels))
         hop_tables.append(tuple(table))

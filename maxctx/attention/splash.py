@@ -28,12 +28,18 @@ over the G query heads of each kv head, vmapped over K and B.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from maxctx.attention.flash import block_size
+
+COMPUTE_BLOCK = 512
+# Block-table entries (query blocks x key blocks) one kernel call may have: 2**16 compiled on v5p and 2**18
+# overflowed its SMEM (llama3-8b all_gather at 1M tokens, 1024- and 512-token blocks; benchmarks/splash_masks.md).
+MAX_TABLE_ENTRIES = 2 ** 16
 
 
 def _lib():
@@ -97,19 +103,57 @@ def _constant_block(value: bool, rows: int, cols: int) -> np.ndarray:
 
 
 def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: int, block_kv: int,
-                save_residuals: bool, interpret: bool = False):
-    """An MQA splash kernel over `group` query heads for one device's query rows and key/value block."""
+                save_residuals: bool, interpret: bool = False, max_table_entries: int | None = None):
+    """Splash kernels over `group` query heads for one device's query rows and key/value block: a tuple of
+    (first row, last row + 1, kernel or None) chunks of the rows. One chunk unless the call's block table (query
+    blocks x key blocks, in on-chip SMEM) would pass `max_table_entries`: then the rows are split into the fewest
+    equal chunks of whole blocks that keep each chunk's table within it, one kernel each (a2a at 1M tokens).
+    None: a chunk that sees no key (splash refuses an all-hidden mask)."""
+    max_table_entries = MAX_TABLE_ENTRIES if max_table_entries is None else max_table_entries
+    bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
+    q_blocks, kv_blocks = len(q_orig) // bq, len(kv_orig) // bkv
+    chunks = next((n for n in range(1, q_blocks + 1) if q_blocks % n == 0 and q_blocks // n * kv_blocks
+                   <= max_table_entries), q_blocks)
+    rows = len(q_orig) // chunks
+    out = []
+    for start in range(0, len(q_orig), rows):
+        q_part = q_orig[start:start + rows]
+        hidden = kv_orig.min() > q_part.max()
+        out.append((start, start + rows, None if hidden else _make_one(q_part, kv_orig, group, bq, bkv,
+                                                                         save_residuals, interpret)))
+    return tuple(out)
+
+
+def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool):
     kernel_lib, mask_lib = _lib()
     mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig)] * group)
-    bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
-    sizes = kernel_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
-                                  block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    # The blocks set the block tables (SMEM); the kernels step through a key block COMPUTE_BLOCK keys at a time, so
+    # blocks larger than that (long context) do not grow the working set in VMEM (MaxText's default compute blocks).
+    compute = math.gcd(bkv, COMPUTE_BLOCK) if bkv > COMPUTE_BLOCK else bkv
+    sizes = kernel_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=compute, block_q_dkv=bq,
+                                  block_kv_dkv=bkv, block_kv_dkv_compute=compute, block_q_dq=bq, block_kv_dq=bkv)
     return kernel_lib.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                       save_residuals=save_residuals, interpret=interpret)
 
 
-def splash_call(kernel, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool):
-    """Runs a (local) splash kernel; returns (out[B, S, H, D], lse[B, H, S] fp32 or None)."""
+def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool):
+    """Runs the (local) splash kernels of `make_kernel` on their row chunks; returns (out[B, S, H, D], lse[B, H, S]
+    fp32 or None). Chunks share the keys, so autodiff sums their dK/dV."""
+    parts = []
+    for start, stop, kernel in kernels:
+        q, seg = q_BSHD[:, start:stop], q_seg_BS[:, start:stop]
+        if kernel is None:
+            b, s, h, _ = q.shape
+            parts.append((jnp.zeros_like(q), jnp.full((b, h, s), -jnp.inf, jnp.float32) if save_residuals else None))
+        else:
+            parts.append(_call_one(kernel, q, k_BTKD, v_BTKD, seg, kv_seg_BT, save_residuals))
+    if len(parts) == 1:
+        return parts[0]
+    out = jnp.concatenate([o for o, _ in parts], axis=1)
+    return out, (jnp.concatenate([lse for _, lse in parts], axis=-1) if save_residuals else None)
+
+
+def _call_one(kernel, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool):
     kernel_lib, _ = _lib()
     b, s, h, d = q_BSHD.shape
     kv_heads = k_BTKD.shape[2]
