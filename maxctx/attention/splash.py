@@ -16,8 +16,10 @@ masks). Blocks the mask hides are skipped by the kernel's block sparsity (ring h
 Splash builds its block tables on the host by asking the mask for every block; the mask answers blocks that are
 all visible or all hidden (nearly all of them at long context) from the block's cached index range, 15.6x faster
 than comparing elementwise (benchmarks/splash_masks.py: 0.79 s vs 12.3 s per all_gather kernel at 256K tokens).
-The tables (query blocks x key blocks per call) live in on-chip SMEM: 512-token blocks overflow it at 1M tokens
-per all_gather call, 1024-token blocks fit (flash_block_q/flash_block_kv set both kernels' blocks).
+The tables (query blocks x key blocks per call) live in on-chip SMEM, which 2**18 entries overflow on v5p (an
+all_gather call at 1M tokens with 512-token blocks); a call past MAX_TABLE_ENTRIES runs as several kernels over
+chunks of its query rows (make_kernel). Key blocks are computed 512 keys at a time whatever the block size, so
+larger blocks (flash_block_q/flash_block_kv set both kernels' blocks) do not overflow VMEM.
 (Sharding one kernel's mask info over devices with q_seq_shards fails in jax 0.10 for hops whose mask has no
 partial block, as zig-zag ring hops do.)
 
