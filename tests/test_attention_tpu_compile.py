@@ -1,4 +1,5 @@
-"""TPU without a TPU: every strategy with attention=splash compiles (fwd + bwd) for an abstract v5p-8 topology.
+"""TPU without a TPU: every strategy with attention=splash compiles (fwd + bwd) for an abstract v5p-8 topology, and
+so does a call split into row chunks (splash.MAX_TABLE_ENTRIES lowered so 2K tokens need them).
 
 Runs in a subprocess: the TPU plugin must load, which JAX_PLATFORMS=cpu (set by conftest) forbids. Needs libtpu
 (CI installs `jax[tpu]==<jax version>`); without it the test fails and says so, it does not skip.
@@ -19,14 +20,19 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from maxctx.attention import splash
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.mesh import AXES
 
 devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices  # v5p-8: 4 chips
 B, S, H, K, D = 1, 2048, 8, 2, 128
 results = {}
-for strategy, ring, a2a, balance in [("all_gather", 4, 1, True), ("p2p", 4, 1, True), ("p2p", 4, 1, False),
-                                     ("a2a", 1, 4, True), ("usp", 2, 2, True)]:
+default_table = splash.MAX_TABLE_ENTRIES
+for strategy, ring, a2a, balance, table in [
+        ("all_gather", 4, 1, True, None), ("p2p", 4, 1, True, None), ("p2p", 4, 1, False, None),
+        ("a2a", 1, 4, True, None), ("usp", 2, 2, True, None),
+        ("a2a", 1, 4, True, 16)]:  # 8 x 8 blocks per call, at most 16 per kernel: 4 row chunks
+    splash.MAX_TABLE_ENTRIES = table or default_table
     mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), AXES)
     spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=balance, block_q=256, block_kv=256)
     seq = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
@@ -42,7 +48,7 @@ for strategy, ring, a2a, balance in [("all_gather", 4, 1, True), ("p2p", 4, 1, T
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     hlo = compiled.as_text()
-    results[f"{strategy}/{'zigzag' if balance else 'natural'}"] = {
+    results[f"{strategy}/{'zigzag' if balance else 'natural'}" + ("/chunked" if table else "")] = {
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
         "pallas_calls": hlo.count("tpu_custom_call")}
 print("RESULT " + json.dumps(results))
@@ -61,7 +67,9 @@ def test_splash_compiles_for_v5p_under_every_strategy():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"compile for v5p failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads(lines[-1].removeprefix("RESULT "))
-    assert len(results) == 5
+    assert len(results) == 6
+    # Row chunks are separate kernels (forward, dQ, dK/dV each): 4 chunks make at least 3 x 3 more Pallas calls.
+    assert results["a2a/zigzag/chunked"]["pallas_calls"] >= results["a2a/zigzag"]["pallas_calls"] + 9, results
     for name, stats in results.items():
         assert stats["pallas_calls"] > 0, f"{name}: no Pallas (splash) kernel in the compiled TPU program"
         assert stats["temp_bytes"] < 1 << 30, f"{name}: {stats['temp_bytes']} temp bytes for 2K tokens"
