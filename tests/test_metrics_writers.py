@@ -100,6 +100,7 @@ def test_remote_run_dir_is_staged_and_mirrored(tmp_path, monkeypatch):
     remote = bucket / "runs" / "r1"
     with MetricsWriter("gs://runs/r1", enable_tensorboard=True, is_primary=True, sync_period_s=3600) as writer:
         writer.write_compile({"xla_flops_per_device": 1.0})
+        writer._mirror.wait()  # copies run on a background thread
         assert [json.loads(x)["event"] for x in (remote / "metrics.jsonl").read_text().splitlines()] == ["compile"]
         writer.write_step(10, STEP)  # within the period: not copied yet
         assert len((remote / "metrics.jsonl").read_text().splitlines()) == 1
@@ -111,6 +112,7 @@ def test_remote_run_dir_is_staged_and_mirrored(tmp_path, monkeypatch):
 
     with MetricsWriter("gs://runs/r1", enable_tensorboard=True, is_primary=True, sync_period_s=0) as writer:
         writer.write_step(20, {**STEP, "loss": 3.0})
+        writer._mirror.wait()
         assert [json.loads(x).get("step") for x in (remote / "metrics.jsonl").read_text().splitlines()] == [
             None, 10, 20]
     # Two event files (one per run); within the same second their names sort by their random suffixes.
@@ -136,14 +138,44 @@ def test_remote_copy_failure_warns_and_keeps_training(tmp_path, monkeypatch):
     writer = MetricsWriter("gs://runs/r1", enable_tensorboard=False, is_primary=True, sync_period_s=0)
     with pytest.warns(UserWarning, match="metrics.jsonl.*403 Forbidden.*next sync retries"):
         writer.write_step(1, STEP)
+        writer._mirror.wait()
     assert not remote.exists()
     failing["on"] = False  # the bucket recovers: the next record's sync copies everything written so far
     writer.write_step(2, STEP)
+    writer._mirror.wait()
     assert [json.loads(x)["step"] for x in remote.read_text().splitlines()] == [1, 2]
     failing["on"] = True
     with pytest.warns(UserWarning, match="next sync retries"):
         writer.write_step(3, STEP)  # fails again, and so does the last copy at close: the warning says so
+        writer._mirror.wait()
     staged = writer._mirror.local_dir
     with pytest.warns(UserWarning, match="only there now: copy it by hand"):
         writer.close()
     assert [json.loads(x)["step"] for x in open(os.path.join(staged, "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_a_stalled_bucket_does_not_hold_up_records(tmp_path, monkeypatch):
+    # Copies run on a background thread: while one hangs, records keep being written and later syncs skip; at
+    # close the writer waits for it and copies the rest.
+    import pathlib
+    import threading
+
+    from etils import epath
+
+    release = threading.Event()
+
+    class SlowBucket(type(pathlib.Path())):
+        def write_bytes(self, data):
+            release.wait(timeout=30)
+            return super().write_bytes(data)
+
+    monkeypatch.setattr(epath, "Path", lambda p: SlowBucket(str(p).replace("gs://", f"{tmp_path}/bucket/")))
+    remote = tmp_path / "bucket" / "runs" / "r1" / "metrics.jsonl"
+    writer = MetricsWriter("gs://runs/r1", enable_tensorboard=False, is_primary=True, sync_period_s=0)
+    for step in range(1, 6):
+        writer.write_step(step, STEP)  # returns at once although the first copy is stuck
+    assert not remote.exists() and not writer._mirror._running.done()
+    release.set()
+    writer.close()
+    assert [json.loads(x)["step"] for x in remote.read_text().splitlines()] == [1, 2, 3, 4, 5]
+

@@ -9,7 +9,7 @@ TensorBoard tags follow MaxText (`learning/loss`, `perf/step_time_seconds`, ...)
 maxctx adds `perf/mfu`. Only the primary process (jax.process_index() == 0) writes anything.
 
 A remote run_dir (`gs://...`, any path with "://"): both are written to a local staging folder and mirrored to
-run_dir through etils.epath every `sync_period_s` and at close, because object stores have no append and
+run_dir through etils.epath (on a background thread) every `sync_period_s` and at close, because object stores have no append and
 tensorboardX reaches GCS only with google-cloud-storage installed. A resumed run first copies the remote
 metrics.jsonl back, so the file keeps growing; the last period's records are in the staging folder (printed at
 start) if the process dies before the next mirror.
@@ -17,6 +17,7 @@ start) if the process dies before the next mirror.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
@@ -174,9 +175,12 @@ class MetricsWriter:
 class RemoteMirror:
     """A local staging folder copied to a remote folder (etils.epath: gs://, s3://, ...) file by file.
 
-    `sync()` copies the files that changed since the last copy, at most once per `period_s` unless forced. Each
-    copy rewrites the whole object, which is what object stores allow; metrics files stay small (a record is
-    ~0.5 KB per log period). On start, an existing remote metrics.jsonl is copied down, so a resumed run appends.
+    `sync()` starts a copy of the files that changed since the last copy, at most once per `period_s`, on a
+    background thread, so a slow or stalled bucket never holds up a training step; while one copy runs, later
+    syncs skip (the next one after it picks up everything). `sync(final=True)` (at close) waits for it and copies
+    the rest on the caller's thread. Each copy rewrites the whole object, which is what object stores allow;
+    metrics files stay small (a record is ~0.5 KB per log period). On start, an existing remote metrics.jsonl is
+    copied down, so a resumed run appends.
     """
 
     def __init__(self, remote_dir: str, period_s: float, local_dir: str | None = None):
@@ -187,23 +191,34 @@ class RemoteMirror:
         self.period_s = period_s
         self._copied: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) at its last copy
         self._last = -math.inf  # the first sync copies at once: a wrong bucket shows up at the first record
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="maxctx-mirror")
+        self._running: concurrent.futures.Future | None = None
         previous = self.remote / METRICS_FILE
         if previous.exists():
             os.makedirs(self.local_dir, exist_ok=True)
             with open(os.path.join(self.local_dir, METRICS_FILE), "wb") as f:
                 f.write(previous.read_bytes())
-            self._mark(METRICS_FILE)
+            info = os.stat(os.path.join(self.local_dir, METRICS_FILE))
+            self._copied[METRICS_FILE] = (info.st_size, info.st_mtime_ns)
 
-    def _mark(self, rel: str) -> None:
-        info = os.stat(os.path.join(self.local_dir, rel))
-        self._copied[rel] = (info.st_size, info.st_mtime_ns)
-
-    def sync(self, force: bool = False, final: bool = False) -> int:
-        """Copies changed files; returns how many were copied. `final`: the last sync (at close), forced."""
-        force = force or final
-        if not force and time.monotonic() - self._last < self.period_s:
-            return 0
+    def sync(self, final: bool = False) -> None:
+        """Starts a copy if the period has passed and none is running; `final`: wait, copy the rest, shut down."""
+        if final:
+            self.wait()
+            self._copy(final=True)
+            self._pool.shutdown()
+            return
+        if time.monotonic() - self._last < self.period_s or (self._running and not self._running.done()):
+            return
         self._last = time.monotonic()
+        self._running = self._pool.submit(self._copy, False)
+
+    def wait(self) -> None:
+        """Blocks until the copy in flight (if any) has finished."""
+        if self._running is not None:
+            self._running.result()
+
+    def _copy(self, final: bool) -> int:
         copied = 0
         for folder, _, files in os.walk(self.local_dir):
             for name in files:
