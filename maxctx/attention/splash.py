@@ -39,8 +39,9 @@ import numpy as np
 from maxctx.attention.flash import block_size
 
 COMPUTE_BLOCK = 512
-# Block-table entries (query blocks x key blocks) one kernel call may have: 2**16 compiled on v5p and 2**18
-# overflowed its SMEM (llama3-8b all_gather at 1M tokens, 1024- and 512-token blocks; benchmarks/splash_masks.md).
+# Block-table entries (query blocks x key blocks) one kernel call may have. llama3-8b all_gather at 1M tokens on
+# v5p-128: 2**18 entries in one kernel overflowed SMEM, 2**17 (two chunks) and 2**16 compiled; 2**16 also compiled on
+# v6e (benchmarks/splash_masks.md, fit_table.md). The default stays at the size measured on both.
 MAX_TABLE_ENTRIES = 2 ** 16
 
 
