@@ -9,10 +9,10 @@ TensorBoard tags follow MaxText (`learning/loss`, `perf/step_time_seconds`, ...)
 maxctx adds `perf/mfu`. Only the primary process (jax.process_index() == 0) writes anything.
 
 A remote run_dir (`gs://...`, any path with "://"): both are written to a local staging folder and mirrored to
-run_dir through etils.epath (on a background thread) every `sync_period_s` and at close, because object stores have no append and
-tensorboardX reaches GCS only with google-cloud-storage installed. A resumed run first copies the remote
-metrics.jsonl back, so the file keeps growing; the last period's records are in the staging folder (printed at
-start) if the process dies before the next mirror.
+run_dir through etils.epath (on a background thread) every `sync_period_s` and at close, because object stores
+have no append and tensorboardX reaches GCS only with google-cloud-storage installed. A resumed run first copies
+the remote metrics.jsonl back, so the file keeps growing; the last period's records are in the staging folder
+(printed at start) if the process dies before the next mirror.
 """
 
 from __future__ import annotations
