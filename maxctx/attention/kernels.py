@@ -45,8 +45,7 @@ class LocalKernel:
 
     def _splash(self, hop, save_residuals, q, k, v, q_seg, kv_seg):
         kernels, table = self.splash_kernels[hop], self.splash_table[hop]
-        branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals) if kern is not None
-                    else functools.partial(_nothing_visible, save_residuals) for kern in kernels]
+        branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals) for kern in kernels]
         if len(branches) == 1:
             return branches[0](q, k, v, q_seg, kv_seg)
         which = jnp.asarray(table, jnp.int32)[jax.lax.axis_index(self.q_axes)]
@@ -78,11 +77,6 @@ class LocalKernel:
             return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout)
         return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
                                     self.block_q, self.block_kv)
-
-
-def _nothing_visible(save_residuals, q, k, v, q_seg, kv_seg):
-    b, s, h, _ = q.shape
-    return jnp.zeros_like(q), (jnp.full((b, h, s), -jnp.inf, jnp.float32) if save_residuals else None)
 
 
 def _dense_ranks(q_orig: np.ndarray, kv_orig: np.ndarray) -> bytes:
@@ -122,13 +116,11 @@ def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: in
             q_orig = order[r * rows:(r + 1) * rows]
             b = (r * kv_blocks // q_shards - hop) % kv_blocks
             kv_orig = order[b * n:(b + 1) * n]
-            hidden = kv_orig.min() > q_orig.max()  # a causal hop with nothing visible: splash refuses such masks
-            key = b"hidden" if hidden else _dense_ranks(q_orig, kv_orig)
-            if key not in seen:
+            key = _dense_ranks(q_orig, kv_orig)
+            if key not in seen:  # a hop that sees no key gets make_kernel's empty chunk (splash refuses its mask)
                 seen[key] = len(kernels)
-                kernels.append(None if hidden else splash.make_kernel(
-                    q_orig, kv_orig, group, block_q, block_kv, save_residuals=ring, interpret=interpret,
-                    max_table_entries=max_table_entries))
+                kernels.append(splash.make_kernel(q_orig, kv_orig, group, block_q, block_kv, save_residuals=ring,
+                                                  interpret=interpret, max_table_entries=max_table_entries))
             table.append(seen[key])
         hop_kernels.append(tuple(kernels))
         hop_tables.append(tuple(table))
