@@ -86,18 +86,24 @@ def test_only_primary_writes(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_remote_run_dir_is_staged_and_mirrored(tmp_path, monkeypatch):
-    # A gs:// run_dir: records go to a local staging folder and are copied through etils.epath (here mapped onto
-    # a local "bucket" folder), at once for the first record, then at most once per period, and at close. A
-    # second writer (a resumed run) continues the remote metrics.jsonl.
+def fake_bucket(monkeypatch, tmp_path, path_class=None):
+    """Points etils.epath's gs:// at <tmp_path>/bucket (through `path_class`, a pathlib.Path subclass that may fail
+    or stall); returns the local folder of gs://runs/r1."""
     import pathlib
 
     from etils import epath
 
-    bucket = tmp_path / "bucket"
-    monkeypatch.setattr(epath, "Path", lambda p: pathlib.Path(str(p).replace("gs://", f"{bucket}/")))
+    path_class = path_class or type(pathlib.Path())
+    monkeypatch.setattr(epath, "Path", lambda p: path_class(str(p).replace("gs://", f"{tmp_path}/bucket/")))
+    return tmp_path / "bucket" / "runs" / "r1"
+
+
+def test_remote_run_dir_is_staged_and_mirrored(tmp_path, monkeypatch):
+    # A gs:// run_dir: records go to a local staging folder and are copied through etils.epath (here mapped onto
+    # a local "bucket" folder), at once for the first record, then at most once per period, and at close. A
+    # second writer (a resumed run) continues the remote metrics.jsonl.
+    remote = fake_bucket(monkeypatch, tmp_path)
     monkeypatch.chdir(tmp_path)
-    remote = bucket / "runs" / "r1"
     with MetricsWriter("gs://runs/r1", enable_tensorboard=True, is_primary=True, sync_period_s=3600) as writer:
         writer.write_compile({"xla_flops_per_device": 1.0})
         writer._mirror.wait()  # copies run on a background thread
@@ -123,8 +129,6 @@ def test_remote_run_dir_is_staged_and_mirrored(tmp_path, monkeypatch):
 def test_remote_copy_failure_warns_and_keeps_training(tmp_path, monkeypatch):
     import pathlib
 
-    from etils import epath
-
     failing = {"on": True}
 
     class FlakyBucket(type(pathlib.Path())):
@@ -133,8 +137,7 @@ def test_remote_copy_failure_warns_and_keeps_training(tmp_path, monkeypatch):
                 raise PermissionError("403 Forbidden")
             return super().write_bytes(data)
 
-    monkeypatch.setattr(epath, "Path", lambda p: FlakyBucket(str(p).replace("gs://", f"{tmp_path}/bucket/")))
-    remote = tmp_path / "bucket" / "runs" / "r1" / "metrics.jsonl"
+    remote = fake_bucket(monkeypatch, tmp_path, FlakyBucket) / "metrics.jsonl"
     writer = MetricsWriter("gs://runs/r1", enable_tensorboard=False, is_primary=True, sync_period_s=0)
     with pytest.warns(UserWarning, match="metrics.jsonl.*403 Forbidden.*next sync retries"):
         writer.write_step(1, STEP)
@@ -160,8 +163,6 @@ def test_a_stalled_bucket_does_not_hold_up_records(tmp_path, monkeypatch):
     import pathlib
     import threading
 
-    from etils import epath
-
     release = threading.Event()
 
     class SlowBucket(type(pathlib.Path())):
@@ -169,8 +170,7 @@ def test_a_stalled_bucket_does_not_hold_up_records(tmp_path, monkeypatch):
             release.wait(timeout=30)
             return super().write_bytes(data)
 
-    monkeypatch.setattr(epath, "Path", lambda p: SlowBucket(str(p).replace("gs://", f"{tmp_path}/bucket/")))
-    remote = tmp_path / "bucket" / "runs" / "r1" / "metrics.jsonl"
+    remote = fake_bucket(monkeypatch, tmp_path, SlowBucket) / "metrics.jsonl"
     writer = MetricsWriter("gs://runs/r1", enable_tensorboard=False, is_primary=True, sync_period_s=0)
     for step in range(1, 6):
         writer.write_step(step, STEP)  # returns at once although the first copy is stuck
