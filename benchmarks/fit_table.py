@@ -129,16 +129,21 @@ def search(model: str, topology: str, strategy: str, results: dict, args, max_pr
             if hi is not None:
                 exp = min(exp, hi - 1)
             exp = max(MIN_EXP, min(MAX_EXP, exp))
-        seq = 2 ** exp
-        print(f"[{time.strftime('%H:%M:%S')}] {model} {topology} {strategy} S={seq} ...", flush=True)
-        r = run_probe(model, topology, strategy, seq, args.time_limit_s)
-        r.update(model=model, topology=topology, strategy=strategy, seq=seq)
-        print(f"    {r['status']} in {r['wall_s']} s" + (f": {r.get('error', '')}" if "error" in r else ""),
-              flush=True)
-        with open(RESULTS, "a") as f:
-            f.write(json.dumps(r) + "\n")
-        results[(model, topology, strategy, seq)] = r
+        probe_and_record((model, topology, strategy, 2 ** exp), "flash", results, RESULTS, args)
         write_table({**load_results(), **results})  # other runs of this script may append too
+
+
+def probe_and_record(key: tuple, kernel: str, results: dict, path: str, args) -> None:
+    """Runs the probe for key = (model, topology, strategy, seq), appends it to the results file at `path` and
+    to `results`."""
+    model, topology, strategy, seq = key
+    print(f"[{time.strftime('%H:%M:%S')}] {model} {topology} {strategy} S={seq} {kernel} ...", flush=True)
+    r = run_probe(model, topology, strategy, seq, args.time_limit_s, kernel=kernel)
+    r.update(model=model, topology=topology, strategy=strategy, seq=seq)
+    print(f"    {r['status']} in {r['wall_s']} s" + (f": {r.get('error', '')}" if "error" in r else ""), flush=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    results[key] = r
 
 
 def best_fit(model: str, topology: str, strategy: str, results: dict) -> int | None:
@@ -149,15 +154,8 @@ def best_fit(model: str, topology: str, strategy: str, results: dict) -> int | N
 def splash_check(model: str, topology: str, strategy: str, results: dict, splash_results: dict, args) -> None:
     """Compiles the row's longest fitting context again with attention=splash (its default 512-token blocks)."""
     seq = best_fit(model, topology, strategy, results)
-    if seq is None or (model, topology, strategy, seq) in splash_results:
-        return
-    print(f"[{time.strftime('%H:%M:%S')}] {model} {topology} {strategy} S={seq} splash ...", flush=True)
-    r = run_probe(model, topology, strategy, seq, args.time_limit_s, kernel="splash")
-    r.update(model=model, topology=topology, strategy=strategy, seq=seq)
-    print(f"    {r['status']} in {r['wall_s']} s" + (f": {r.get('error', '')}" if "error" in r else ""), flush=True)
-    with open(SPLASH_RESULTS, "a") as f:
-        f.write(json.dumps(r) + "\n")
-    splash_results[(model, topology, strategy, seq)] = r
+    if seq is not None and (model, topology, strategy, seq) not in splash_results:
+        probe_and_record((model, topology, strategy, seq), "splash", splash_results, SPLASH_RESULTS, args)
 
 
 def splash_cell(model: str, topology: str, strategy: str, results: dict, splash_results: dict) -> str:
