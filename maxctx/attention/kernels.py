@@ -6,13 +6,14 @@ A `LocalKernel` is built outside shard_map for one strategy's token layout and u
   attend(hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg)           -> (out, lse|None), differentiable in out
   block_forward(hop, ...)                                      -> (out fp32, lse fp32), for ring hops
   block_backward(hop, ..., out, lse, dout)                     -> (dq, dk, dv) fp32 given the merged out/lse
-`hop` picks the ring hop's splash kernels; only splash needs it (its masks are index-based, see splash.py), the
-others mask from positions. cuDNN and splash rings run their backward hops with the flash backward (exact, pure
-JAX): neither exposes a backward that takes the ring's merged lse.
+`hop` (a Python int, or the ring loop's traced index) picks the ring hop's splash kernel; only splash needs it (its
+masks are index-based, see splash.py), the others mask from positions. cuDNN and splash rings run their backward
+hops with the flash backward (exact, pure JAX): neither exposes a backward that takes the ring's merged lse.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from typing import Any
@@ -39,16 +40,17 @@ class LocalKernel:
     block_q: int = 512
     block_kv: int = 512
     q_axes: Any = None
-    # splash only: per hop, the distinct kernels and, per query shard, which of them it runs.
+    # splash only: the distinct kernels over all hops and, per [hop][query shard], which one runs.
     splash_kernels: tuple = ()
     splash_table: tuple = ()
 
     def _splash(self, hop, save_residuals, q, k, v, q_seg, kv_seg):
-        kernels, table = self.splash_kernels[hop], self.splash_table[hop]
-        branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals) for kern in kernels]
+        branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals)
+                    for kern in self.splash_kernels]
         if len(branches) == 1:
             return branches[0](q, k, v, q_seg, kv_seg)
-        which = jnp.asarray(table, jnp.int32)[jax.lax.axis_index(self.q_axes)]
+        # `hop` may be the ring loop's traced index: the table is a constant indexed on the device.
+        which = jnp.asarray(self.splash_table, jnp.int32)[hop, jax.lax.axis_index(self.q_axes)]
         return jax.lax.switch(which, branches, q, k, v, q_seg, kv_seg)
 
     def attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
@@ -79,11 +81,43 @@ class LocalKernel:
                                     self.block_q, self.block_kv)
 
 
-def _dense_ranks(q_orig: np.ndarray, kv_orig: np.ndarray) -> bytes:
-    """A key that is equal for two (q, kv) index sets iff their causal masks are equal: the masks only compare
-    indices, so replacing them by their ranks in the union keeps the mask."""
-    union = np.unique(np.concatenate([q_orig, kv_orig]))
-    return np.searchsorted(union, q_orig).tobytes() + b"|" + np.searchsorted(union, kv_orig).tobytes()
+def _runs(indices: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """`indices` as maximal runs (start, length) of consecutive integers (two per shard under zig-zag)."""
+    cuts = np.flatnonzero(np.diff(indices) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    lengths = np.diff(np.concatenate([starts, [len(indices)]]))
+    return tuple(zip(indices[starts].tolist(), lengths.tolist()))
+
+
+def _ranked(q_runs, kv_runs) -> tuple[tuple, tuple]:
+    """The runs with every index replaced by its rank in the union of both sets, re-merged into maximal runs: a
+    canonical form, so two (q, kv) pairs get equal results iff their rank arrays are equal, and then their causal
+    masks are equal (the masks only compare indices). O(runs), not O(tokens): a ring at C = 128 has C^2 pairs."""
+    union: list[list[int]] = []  # disjoint, sorted [start, stop) covering both sets
+    for start, length in sorted(q_runs + kv_runs):
+        if union and start <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], start + length)
+        else:
+            union.append([start, start + length])
+    starts = [lo for lo, _ in union]
+    before = np.cumsum([0] + [hi - lo for lo, hi in union]).tolist()
+
+    def rank(runs):
+        out: list[tuple[int, int]] = []
+        for start, length in runs:
+            i = bisect.bisect_right(starts, start) - 1
+            r = start - starts[i] + before[i]
+            if out and out[-1][0] + out[-1][1] == r:
+                out[-1] = (out[-1][0], out[-1][1] + length)
+            else:
+                out.append((r, length))
+        return tuple(out)
+
+    return rank(q_runs), rank(kv_runs)
+
+
+def _expand(runs) -> np.ndarray:
+    return np.concatenate([np.arange(start, start + length) for start, length in runs])
 
 
 def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,
@@ -91,37 +125,40 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
     `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
     sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
-    per kv head; `ring` builds lse-returning kernels, one set per hop. Shards whose masks are equal share a
-    kernel (under zig-zag a hop has at most 2 distinct masks), and a device picks its own with `lax.switch`.
-    Off TPU (the mesh's devices, else the default backend) splash runs in Pallas interpret mode: slow, for tests."""
+    per kv head; `ring` builds lse-returning kernels for every hop. Calls whose masks are equal share a kernel,
+    across hops too: under zig-zag or without load balance a whole ring has at most 3 distinct masks (the
+    diagonal, key block before, key block after), whatever C. A device picks its own with `lax.switch` on a
+    [hop, query shard] table. Off TPU (the mesh's devices, else the default backend) splash runs in Pallas
+    interpret mode: slow, for tests."""
     if name != "splash":
         return LocalKernel(name, block_q, block_kv)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    kernels, tables = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
-                                      block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES)
-    return LocalKernel(name, block_q, block_kv, q_axes, kernels, tables)
+    kernels, table = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
+                                     block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES)
+    return LocalKernel(name, block_q, block_kv, q_axes, kernels, table)
 
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: int, block_q: int, block_kv: int,
                     ring: bool, interpret: bool, max_table_entries: int) -> tuple[tuple, tuple]:
-    """Per hop, the distinct kernels and each query shard's index into them. Cached: building the mask info walks
-    every block on the host, and the train step, the eval step and rematerialisation trace attention again."""
+    """The distinct kernels over all hops and each [hop][query shard]'s index into them. Cached: building the
+    mask info walks every block on the host, and the train step, the eval step and rematerialisation trace
+    attention again. Kernels are built on the ranks, not the original indices: equal masks then compare equal
+    in splash's own mask-info cache, which serves equal row chunks of one kernel (make_kernel) once."""
     order = np.frombuffer(order_bytes, np.int64)
     n, rows = len(order) // kv_blocks, len(order) // q_shards
-    hop_kernels, hop_tables = [], []
+    q_runs = [_runs(order[r * rows:(r + 1) * rows]) for r in range(q_shards)]
+    kv_runs = [_runs(order[b * n:(b + 1) * n]) for b in range(kv_blocks)]
+    kernels, table, seen = [], [], {}
     for hop in range(kv_blocks if ring else 1):
-        kernels, table, seen = [], [], {}
+        row = []
         for r in range(q_shards):
-            q_orig = order[r * rows:(r + 1) * rows]
-            b = (r * kv_blocks // q_shards - hop) % kv_blocks
-            kv_orig = order[b * n:(b + 1) * n]
-            key = _dense_ranks(q_orig, kv_orig)
+            key = _ranked(q_runs[r], kv_runs[(r * kv_blocks // q_shards - hop) % kv_blocks])
             if key not in seen:  # a hop that sees no key gets make_kernel's empty chunk (splash refuses its mask)
                 seen[key] = len(kernels)
-                kernels.append(splash.make_kernel(q_orig, kv_orig, group, block_q, block_kv, save_residuals=ring,
-                                                  interpret=interpret, max_table_entries=max_table_entries))
-            table.append(seen[key])
-        hop_kernels.append(tuple(kernels))
-        hop_tables.append(tuple(table))
-    return tuple(hop_kernels), tuple(hop_tables)
+                kernels.append(splash.make_kernel(_expand(key[0]), _expand(key[1]), group, block_q, block_kv,
+                                                  save_residuals=ring, interpret=interpret,
+                                                  max_table_entries=max_table_entries))
+            row.append(seen[key])
+        table.append(tuple(row))
+    return tuple(kernels), tuple(table)

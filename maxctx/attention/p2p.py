@@ -7,7 +7,9 @@ Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mo
 (issued before the hop's compute, so XLA can overlap them) and merges the hop's (out, lse) into fp32 accumulators
 with a stable log-add-exp. Backward (custom VJP): the same hops in the same order, each computing the hop's
 (dq, dk, dv) from the *merged* out and lse; dq stays home, dK/dV accumulators (fp32) travel with their block and
-reach its owner after the last hop, so nothing of size O(S) is saved or held.
+reach its owner after the last hop, so nothing of size O(S) is saved or held. The hops are one loop
+(`lax.fori_loop` over the first R - 1, which send, and the last one peeled off, which has nothing to send), so the
+program and its compile time do not grow with R; splash picks its hop's kernel by the traced hop index.
 
 Skipping: a hop whose keys all start after the rows' last position is skipped whole (`lax.cond`); inside a hop the
 flash and splash kernels skip every (query block, key block) pair the mask hides. With zig-zag load balance each
@@ -49,15 +51,22 @@ def _maybe(q_pos, kv_pos, skipped, compute, *operands):
 
 def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
     b, s, h, d = q.shape
-    out, lse = jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32)
-    kv, ids = jnp.stack([k, v]), jnp.stack([kp, ks])  # one permute each for K/V and for the ids
-    for hop in range(size):
-        following = ring_shift((kv, ids), axis, size) if hop < size - 1 else None
+
+    def compute(hop, out, lse, kv, ids):
         empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
         o_hop, lse_hop = _maybe(qp, ids[0], empty, functools.partial(local.block_forward, hop),
                                 q, kv[0], kv[1], qp, qs, ids[0], ids[1])
-        out, lse = _merge(out, lse, o_hop, lse_hop)
-        kv, ids = following if following is not None else (kv, ids)
+        return _merge(out, lse, o_hop, lse_hop)
+
+    def hop_with_send(hop, carry):
+        out, lse, kv, ids = carry
+        following = ring_shift((kv, ids), axis, size)  # no data dependence on the compute: XLA overlaps them
+        return (*compute(hop, out, lse, kv, ids), *following)
+
+    init = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
+            jnp.stack([k, v]), jnp.stack([kp, ks]))  # one permute each for K/V and for the ids
+    out, lse, kv, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
+    out, lse = compute(size - 1, out, lse, kv, ids)
     return out.astype(q.dtype), lse
 
 
@@ -74,19 +83,24 @@ def _ring_fwd(local, axis, size, q, k, v, qp, qs, kp, ks):
 
 def _ring_bwd(local, axis, size, res, dout):
     q, k, v, qp, qs, kp, ks, out, lse = res
-    # The blocks are stacked in the other order than in the forward: XLA would otherwise merge the backward's
-    # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.
-    vk, ids = jnp.stack([v, k]), jnp.stack([ks, kp])
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dkv = jnp.zeros((2, *k.shape), jnp.float32)
-    for hop in range(size):
-        following = ring_shift((vk, ids), axis, size) if hop < size - 1 else None
+
+    def compute(hop, dq, dkv, vk, ids):
         zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
         dq_h, dk_h, dv_h = _maybe(qp, ids[1], zeros, functools.partial(local.block_backward, hop),
                                   q, vk[1], vk[0], qp, qs, ids[1], ids[0], out, lse, dout)
-        dq = dq + dq_h
-        dkv = ring_shift(dkv + jnp.stack([dk_h, dv_h]), axis, size)  # after R shifts: back at the owner
-        vk, ids = following if following is not None else (vk, ids)
+        return dq + dq_h, ring_shift(dkv + jnp.stack([dk_h, dv_h]), axis, size)  # after R shifts: at the owner
+
+    def hop_with_send(hop, carry):
+        dq, dkv, vk, ids = carry
+        following = ring_shift((vk, ids), axis, size)
+        return (*compute(hop, dq, dkv, vk, ids), *following)
+
+    # The blocks are stacked in the other order than in the forward: XLA would otherwise merge the backward's
+    # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((2, *k.shape), jnp.float32), jnp.stack([v, k]),
+            jnp.stack([ks, kp]))
+    dq, dkv, vk, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
+    dq, dkv = compute(size - 1, dq, dkv, vk, ids)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None
 
 
