@@ -43,6 +43,14 @@ def _merge(out_BSHD, lse_BHS, o_BSHD, l_BHS):
     return out_BSHD * w_old + o_BSHD * w_new, new
 
 
+def _tie(*arrays):
+    """Ties the ids to the activations. Inside the model's differentiated, rematerialised layer scan, partial
+    evaluation otherwise computes everything that depends on the ids alone (each hop's skip test, the skipped
+    branch's fp32 zeros, the kernels' mask set-up) once for all layers and keeps it alive through the step:
+    (R - 1) fp32 outputs of B s H D 4 bytes, more than the rest of attention at long context."""
+    return jax.lax.optimization_barrier(arrays)
+
+
 def _maybe(q_pos, kv_pos, skipped, compute, *operands):
     """compute(*operands), or `skipped` for a hop whose keys all come after every query (causal; conservative
     with packed documents, where the kernels' own block skipping does the rest)."""
@@ -50,6 +58,7 @@ def _maybe(q_pos, kv_pos, skipped, compute, *operands):
 
 
 def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
+    q, k, v, qp, qs, kp, ks = _tie(q, k, v, qp, qs, kp, ks)
     b, s, h, d = q.shape
 
     def compute(hop, out, lse, kv, ids):
