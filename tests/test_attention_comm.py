@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxctx.attention.collectives import shard_map
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.hlo import collective_bytes
 from tests.test_context_parallel import make_mesh
@@ -61,7 +62,8 @@ def expected(strategy: str, ring: int, a2a: int) -> tuple[dict, dict]:
              "collective-permute": (ring - 1) * hop + ring * 2 * B * blk * (kr // a2a) * D * 4})
 
 
-@pytest.mark.parametrize("strategy,ring,a2a", [("all_gather", 4, 1), ("p2p", 4, 1), ("a2a", 1, 4), ("usp", 2, 4)])
+@pytest.mark.parametrize("strategy,ring,a2a", [("all_gather", 4, 1), ("p2p", 4, 1), ("p2p", 8, 1), ("a2a", 1, 4),
+                                                ("usp", 2, 4), ("usp", 4, 2)])
 def test_collective_bytes_match_docstring(strategy, ring, a2a):
     want_fwd, want_bwd = expected(strategy, ring, a2a)
     got_fwd = compiled_bytes(strategy, ring, a2a, backward=False)
@@ -71,3 +73,18 @@ def test_collective_bytes_match_docstring(strategy, ring, a2a):
         assert np.isclose(got_fwd[kind], f, rtol=0.1), f"{strategy} forward {kind}: HLO {got_fwd[kind]} vs {f}"
         assert np.isclose(got_all[kind], f + bw, rtol=0.1), (
             f"{strategy} forward+backward {kind}: HLO {got_all[kind]} vs {f + bw}")
+
+
+def test_collectives_in_a_loop_without_a_known_trip_count_raise():
+    # The ring's hops are a while loop whose collectives count once per iteration; a loop XLA cannot count must
+    # not be counted once silently.
+    mesh = make_mesh(4, 1)
+
+    def body(x, n):
+        step = lambda c: (c[0] + 1, jax.lax.ppermute(c[1], "context", [(i, (i + 1) % 4) for i in range(4)]))  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[0] < n[0], step, (0, x))[1]
+
+    fn = shard_map(body, mesh, (P("context"), P()), P("context"))
+    hlo = jax.jit(fn).lower(jnp.zeros((8, 4)), jnp.ones((1,), jnp.int32)).compile().as_text()
+    with pytest.raises(ValueError, match="trip count"):
+        collective_bytes(hlo)

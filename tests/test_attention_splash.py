@@ -1,9 +1,10 @@
 """Splash's index-based masks under zig-zag orders, checked on CPU in Pallas interpret mode (slow: few cases).
 
-Each device runs the kernels it picks by mesh index (ring hops: the diagonal, and the off-diagonal mask of its
-zig-zag chunks; all_gather: its chunks against the whole gathered order), with a packed row whose segment ids cut
-documents across chunks. Outputs must equal the single-device reference; all_gather also checks dQ/dK/dV through
-splash's own backward (the ring's backward hops use the flash backward, covered by test_context_parallel.py).
+Each device runs the kernels it picks by mesh index and hop (ring: the diagonal, or its zig-zag chunks against a
+key block before or after them, by a [hop, shard] table; all_gather: its chunks against the whole gathered order),
+with a packed row whose segment ids cut documents across chunks. Outputs must equal the single-device reference;
+all_gather also checks dQ/dK/dV through splash's own backward (the ring's backward hops use the flash backward,
+covered by test_context_parallel.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ S, H, K, D = 512, 2, 1, 128
 
 @pytest.mark.parametrize("strategy,ring,a2a,max_table", [
     ("p2p", 2, 1, None), ("usp", 2, 2, None), ("all_gather", 2, 1, None),
+    # Four hops: the ring loop's traced hop index picks each device's kernel from the [hop, shard] table.
+    ("p2p", 4, 1, None),
     # Calls whose block table passes the limit run as several kernels over row chunks (a2a at 1M tokens): a2a in
     # 4 chunks with its backward, and ring hops in 2 chunks, one of which sees no key on the off-diagonal hop.
     ("a2a", 1, 2, 4), ("p2p", 2, 1, 2)])
