@@ -46,6 +46,18 @@ class Config:
     weight_dtype: str = "float32"
     remat_policy: str = "full"
     scan_layers: bool = True
+    # remat_policy=custom: where each named tensor goes (remat, device or offload).
+    decoder_layer_input: str = "device"
+    query_proj: str = "remat"
+    key_proj: str = "remat"
+    value_proj: str = "remat"
+    context: str = "remat"
+    out_proj: str = "remat"
+    mlpwi: str = "remat"
+    mlpwo: str = "remat"
+    # Token tiling of the loss and the MLP.
+    num_vocab_tiling: int = 1
+    mlp_sequence_chunks: int = 1
     # Attention and context parallelism.
     attention: str = "auto"
     context_parallel_strategy: str = "all_gather"

@@ -89,11 +89,8 @@ def init_state(setup: TrainSetup) -> dict:
 def loss_sums(graphdef, params, batch) -> tuple[jax.Array, jax.Array]:
     """(sum of weighted token cross-entropy, sum of weights) over a batch."""
     model = nnx.merge(graphdef, params)
-    logits_BSV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    log_z = jax.nn.logsumexp(logits_BSV, axis=-1)
-    target_logit = jnp.take_along_axis(logits_BSV, batch["targets"][..., None], axis=-1)[..., 0]
-    weights = batch["weights"].astype(jnp.float32)
-    return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights)
+    return model.loss_sums(batch["inputs"], batch["positions"], batch["segment_ids"], batch["targets"],
+                           batch["weights"])
 
 
 def train_step_fn(setup: TrainSetup):

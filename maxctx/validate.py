@@ -6,6 +6,7 @@ device count use `cpu_devices` when it is set; `check_devices` repeats them once
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -14,7 +15,11 @@ from maxctx.config import STRATEGY_ALIASES, Config, ConfigError
 
 ATTENTION_KERNELS = ("auto", "dot_product", "flash", "splash", "cudnn")
 CP_STRATEGIES = ("all_gather", "a2a", "p2p", "usp")
-REMAT_POLICIES = ("none", "minimal", "full")
+REMAT_POLICIES = ("none", "minimal", "full", "custom")
+REMAT_PLACES = ("remat", "device", "offload")
+# The tensors remat_policy=custom places (MaxText's names), as maxctx.model.layers.REMAT_NAMES.
+REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
+               "mlpwo")
 DTYPES = ("float32", "bfloat16", "float16")
 DATASET_TYPES = ("synthetic", "arrayrecord", "tfds", "text")
 PACKING = ("first_fit", "concat", "none")
@@ -91,6 +96,13 @@ def check_devices(config: Config, num_devices: int) -> None:
         fix = " (2 x context parallelism, for context_parallel_load_balance=true)" if chunks != cp else ""
         raise ConfigError(f"max_target_length={config.max_target_length} is not divisible by {chunks}{fix}; "
                           f"choose a multiple of {chunks}")
+    for key in ("num_vocab_tiling", "mlp_sequence_chunks"):
+        n = getattr(config, key)
+        per_shard = config.max_target_length // cp  # whole: checked above
+        if per_shard % n:
+            raise ConfigError(f"{key}={n} does not divide the {per_shard} tokens each of the {cp} context shards "
+                              f"holds (max_target_length={config.max_target_length}); choose a divisor of "
+                              f"{per_shard}")
     tp = axis["tensor"]
     if config.base_num_query_heads % tp or config.base_num_kv_heads % tp and tp % config.base_num_kv_heads:
         raise ConfigError(f"ici/dcn tensor parallelism {tp} must divide base_num_query_heads="
@@ -115,6 +127,16 @@ def check_devices(config: Config, num_devices: int) -> None:
                               f"context_parallel_strategy={config.context_parallel_strategy} over {cp} devices gives "
                               f"{rows} query rows per device, not a multiple of 128; choose max_target_length a "
                               f"multiple of {128 * config.max_target_length // rows}, or attention=flash")
+
+
+def _check_custom_remat(config: Config) -> None:
+    """The per-tensor keys of remat_policy=custom take effect only with it: a changed one alone is refused."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    for name in REMAT_NAMES:
+        _choice(config, name, REMAT_PLACES)
+        if config.remat_policy != "custom" and getattr(config, name) != defaults[name]:
+            raise ConfigError(f"{name}={getattr(config, name)} only applies with remat_policy=custom (now "
+                              f"remat_policy={config.remat_policy}); add remat_policy=custom")
 
 
 def _check_data(config: Config) -> None:
@@ -165,6 +187,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"context_parallel_strategy='{strategy}' is not one of "
                           f"{', '.join(CP_STRATEGIES + tuple(STRATEGY_ALIASES))}; pick one of them")
     _choice(config, "remat_policy", REMAT_POLICIES)
+    _check_custom_remat(config)
     _choice(config, "dtype", DTYPES)
     _choice(config, "weight_dtype", DTYPES)
     _choice(config, "dataset_type", DATASET_TYPES)
@@ -175,7 +198,8 @@ def validate(config: Config) -> None:
     _positive(config, "jax_heartbeat_timeout_seconds", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
               "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
               "checkpoint_period", "gradient_accumulation_steps", "max_num_checkpoints_to_keep", "eval_steps",
-              "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale")
+              "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale", "num_vocab_tiling",
+              "mlp_sequence_chunks")
     if config.learning_rate < 0:
         raise ConfigError(f"learning_rate={config.learning_rate} must be >= 0")
     if not 0 <= config.warmup_steps_fraction < 1:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.mesh import BATCH_AXES, CONTEXT_AXES
 from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, param
+from maxctx.model.tiling import sum_chunks
 
 REMAT_POLICIES = {
     "none": None,
@@ -23,6 +25,20 @@ REMAT_POLICIES = {
     # Save nothing inside a layer: only its input is kept, the layer is recomputed in the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
 }
+
+
+def remat_policy(cfg: ModelConfig):
+    """The layer's checkpoint policy. `custom` (MaxText's): each named tensor (maxctx.model.layers.REMAT_NAMES)
+    is recomputed (`remat`), kept in device memory (`device`) or moved to pinned host memory during the forward
+    and back for the backward (`offload`). Offloading `decoder_layer_input` takes the one [B, S, D] every layer
+    must keep under full remat off the device: L x B x S/C x D x b bytes per device."""
+    if cfg.remat_policy != "custom":
+        return REMAT_POLICIES[cfg.remat_policy]
+    saved = [name for name, where in cfg.remat_custom if where == "device"]
+    offloaded = [name for name, where in cfg.remat_custom if where == "offload"]
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded, offload_src="device",
+        offload_dst="pinned_host")
 
 
 class Decoder(nnx.Module):
@@ -48,26 +64,55 @@ class Decoder(nnx.Module):
 
     def __call__(self, inputs_BS, positions_BS, segment_ids_BS):
         """Returns fp32 logits [B, S, V]."""
+        return _logits(self.hidden(inputs_BS, positions_BS, segment_ids_BS), *self._output_weight(), self.cfg.dtype)
+
+    def loss_sums(self, inputs_BS, positions_BS, segment_ids_BS, targets_BS, weights_BS):
+        """(sum of weighted token cross-entropy, sum of weights). With num_vocab_tiling = N > 1 the output
+        projection and the cross-entropy run over N chunks of each device's tokens (maxctx.model.tiling), so at
+        most B x S / (C N) x V logits are live at once, in the forward and in the backward."""
+        x_BSD = self.hidden(inputs_BS, positions_BS, segment_ids_BS)
+        w, tied, dtype = *self._output_weight(), self.cfg.dtype
+        weights_BS = weights_BS.astype(jnp.float32)
+
+        def chunk_loss(x, targets, weights):
+            logits_BSV = _logits(x, w, tied, dtype)
+            log_z = jax.nn.logsumexp(logits_BSV, axis=-1)
+            target_logit = jnp.take_along_axis(logits_BSV, targets[..., None], axis=-1)[..., 0]
+            return jnp.sum((log_z - target_logit) * weights)
+
+        loss = sum_chunks(chunk_loss, self.cfg.num_vocab_tiling, self.mesh, x_BSD, targets_BS, weights_BS)
+        return loss, jnp.sum(weights_BS)
+
+    def _output_weight(self):
+        """(weight, tied): the embedding [V, D] when tied, else the output projection [D, V]; in weight_dtype."""
+        return (self.embed[...], True) if self.cfg.tied_embedding else (self.unembed[...], False)
+
+    def hidden(self, inputs_BS, positions_BS, segment_ids_BS):
+        """The final-normed hidden states x[B, S, D] (before the output projection)."""
         cfg = self.cfg
         x = self._constrain(jnp.take(self.embed[...], inputs_BS, axis=0).astype(cfg.dtype))
         graphdef, stacked = nnx.split(self.layers)
 
         def layer_fn(x_BSD, layer_state):
             layer = nnx.merge(graphdef, layer_state)
+            x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
             return self._constrain(layer(x_BSD, positions_BS, segment_ids_BS))
 
-        policy = REMAT_POLICIES[cfg.remat_policy]
         if cfg.remat_policy != "none":
-            layer_fn = jax.checkpoint(layer_fn, policy=policy, prevent_cse=not cfg.scan_layers)
+            layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
         if cfg.scan_layers:
             x, _ = jax.lax.scan(lambda carry, s: (layer_fn(carry, s), None), x, stacked)
         else:
             for i in range(cfg.num_layers):
                 x = layer_fn(x, jax.tree.map(lambda a, i=i: a[i], stacked))
-        x = self.final_norm(x)
-        if cfg.tied_embedding:
-            return jnp.einsum("BSD,VD->BSV", x, self.embed[...].astype(cfg.dtype), preferred_element_type=jnp.float32)
-        return jnp.einsum("BSD,DV->BSV", x, self.unembed[...].astype(cfg.dtype), preferred_element_type=jnp.float32)
+        return self.final_norm(x)
+
+
+def _logits(x_BSD, w, tied: bool, dtype):
+    """fp32 logits [B, S, V]; the weight is cast here, so under tiling its gradient is summed in weight_dtype."""
+    if tied:
+        return jnp.einsum("BSD,VD->BSV", x_BSD, w.astype(dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("BSD,DV->BSV", x_BSD, w.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def param_axes(model: nnx.Module) -> dict:

@@ -12,8 +12,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.attention.dispatch import AttentionSpec, attend
+from maxctx.model.tiling import map_chunks
+from maxctx.validate import REMAT_NAMES
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +37,11 @@ class ModelConfig:
     dtype: str = "bfloat16"
     weight_dtype: str = "float32"
     remat_policy: str = "full"
+    # remat_policy=custom: (name, "remat" | "device" | "offload") for each of REMAT_NAMES.
+    remat_custom: tuple[tuple[str, str], ...] = ()
     scan_layers: bool = True
+    num_vocab_tiling: int = 1
+    mlp_sequence_chunks: int = 1
     attention: AttentionSpec = AttentionSpec()
 
     @classmethod
@@ -47,6 +55,8 @@ class ModelConfig:
             rope_theta=config.rope_max_timescale, norm_eps=config.normalization_layer_epsilon,
             tied_embedding=config.logits_via_embedding, dtype=config.dtype, weight_dtype=config.weight_dtype,
             remat_policy=config.remat_policy, scan_layers=config.scan_layers,
+            remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
+            num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
             attention=AttentionSpec(kernel=config.attention, strategy=config.cp_strategy,
                                     load_balance=config.context_parallel_load_balance,
                                     block_q=config.flash_block_q, block_kv=config.flash_block_kv),
@@ -97,29 +107,37 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         dt = self.cfg.dtype
-        q = jnp.einsum("BSD,DHE->BSHE", x_BSD, self.wq[...].astype(dt))
-        k = jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wk[...].astype(dt))
-        v = jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wv[...].astype(dt))
+        q = checkpoint_name(jnp.einsum("BSD,DHE->BSHE", x_BSD, self.wq[...].astype(dt)), "query_proj")
+        k = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wk[...].astype(dt)), "key_proj")
+        v = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wv[...].astype(dt)), "value_proj")
         q = rotary(q, positions_BS, self.cfg.rope_theta)
         k = rotary(k, positions_BS, self.cfg.rope_theta)
-        out_BSHE = attend(q, k, v, positions_BS, segment_ids_BS, self.cfg.attention, self.mesh)
-        return jnp.einsum("BSHE,HED->BSD", out_BSHE, self.wo[...].astype(dt))
+        out_BSHE = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, self.cfg.attention, self.mesh),
+                                   "context")
+        return checkpoint_name(jnp.einsum("BSHE,HED->BSD", out_BSHE, self.wo[...].astype(dt)), "out_proj")
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). With mlp_sequence_chunks = N > 1 it runs over N chunks of each
+    device's tokens (maxctx.model.tiling), so its [B, S, F] intermediates exist one chunk at a time, forward and
+    backward; the chunks' own intermediates are then always recomputed, whatever the remat policy."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
         d, f, wd = cfg.emb_dim, cfg.mlp_dim, cfg.weight_dtype
         self.w_gate = param(rngs, (d, f), ("embed", "mlp"), wd)
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), wd)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), wd)
-        self.dtype = cfg.dtype
+        self.dtype, self.chunks, self.mesh = cfg.dtype, cfg.mlp_sequence_chunks, mesh
 
     def __call__(self, x_BSD):
-        gate = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_gate[...].astype(self.dtype))
-        up = jnp.einsum("BSD,DF->BSF", x_BSD, self.w_up[...].astype(self.dtype))
-        return jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up, self.w_down[...].astype(self.dtype))
+        w_gate, w_up, w_down, dt = self.w_gate[...], self.w_up[...], self.w_down[...], self.dtype
+
+        def swiglu(x):
+            gate = checkpoint_name(jnp.einsum("BSD,DF->BSF", x, w_gate.astype(dt)), "mlpwi")
+            up = checkpoint_name(jnp.einsum("BSD,DF->BSF", x, w_up.astype(dt)), "mlpwi")
+            return checkpoint_name(jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up, w_down.astype(dt)), "mlpwo")
+
+        return map_chunks(swiglu, self.chunks, self.mesh, x_BSD)
 
 
 class DecoderLayer(nnx.Module):
@@ -129,7 +147,7 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
         self.attn = Attention(cfg, rngs, mesh)
         self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs, mesh)
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
