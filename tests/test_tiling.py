@@ -73,8 +73,8 @@ def test_tiled_loss_mlp_and_offload_give_the_same_loss_and_gradients(tied):
         setup = make_setup(cfg, create_mesh(cfg))
         params = init_state(setup)["params"]
         batch = packed_batches(setup, 1)[0]
-        grad_fn = jax.jit(jax.value_and_grad(lambda p: loss_sums(setup.graphdef, p, batch), has_aux=True))
-        (loss, weight), grads = grad_fn(params)
+        grad_fn = jax.jit(jax.value_and_grad(loss_sums, argnums=1, has_aux=True), static_argnums=0)
+        (loss, weight), grads = grad_fn(setup.graphdef, params, batch)
         results.append((float(loss), float(weight), jax.tree.map(np.asarray, grads)))
     (loss0, weight0, grads0), (loss1, weight1, grads1) = results
     assert weight0 == weight1

@@ -19,7 +19,6 @@ from maxctx.model.tiling import map_chunks
 from maxctx.validate import REMAT_NAMES
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The model's narrow view of the run config."""
