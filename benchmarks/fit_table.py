@@ -1,86 +1,164 @@
-"""The longest context that fits, per CP strategy, for llama3-8b and llama3.1-70b on v5p-128 and v6e-256.
+"""The longest single sequence that fits, per CP strategy, with and without host offload of the layer inputs.
 
-    python3 benchmarks/fit_table.py [--only llama3-8b/v5p-128] [--strategies p2p,usp] [--time-limit-s 1800]
+    python3 benchmarks/fit_table.py [--only llama3-8b/v5p-128] [--strategies p2p,usp] [--offload on,off]
+                                    [--splash-check] [--table-only] [--time-limit-s 1800]
+
+One sequence per step, sharded over every chip of the slice (C = chips: 64 on v5p-128, 256 on v6e-256 and
+v5p-512), fsdp = 1 (weights sharded over the context axis, as MaxText does), scan over layers, attention=flash
+for the search (no block tables, so one setting serves every length), the loss tiled to <= 4,096 tokens and the
+MLP to <= 16,384 tokens per chunk and device (num_vocab_tiling, mlp_sequence_chunks), and remat_policy=full, or
+remat_policy=custom with decoder_layer_input=offload (the layer inputs in pinned host memory).
 
 Every probe is one `python -m maxctx.compile ...` subprocess (the command printed in the table, so each row is
-reproducible by copying it), compiled for the TPU topology on this machine with libtpu. Mesh: all devices split as
-fsdp x context with context parallelism C = 16 (the issue's example), one sequence per fsdp group
-(per_device_batch_size = 1/C), remat_policy=full, scan_layers=true, attention=flash (the blockwise JAX kernel:
-no block tables, so one setting serves every length). `--splash-check` compiles each row's longest fitting context
-again with attention=splash, the production TPU kernel.
+reproducible by copying it), compiled for the TPU topology on this machine with libtpu; XLA also dumps its
+memory-usage report, whose buffers are sorted into the categories of BREAKDOWN (by their shapes) for the
+breakdown column. Search per row: powers of two up from a start (jumping ahead by the memory per token the last
+fit predicts) until one does not fit, then bisection between the largest fitting power of two P and 2P in steps
+of P/8 (three more compiles). `--splash-check` compiles each row's maximum again with attention=splash.
 
-Search over S = powers of two: a probe that fits predicts the next one from its memory analysis (arguments fixed,
-the rest proportional to S), so most rows need two or three compiles: the largest S that fits and the next power of
-two, which must not. Results go to benchmarks/fit_table.jsonl (one line per probe; probes already there are not
-run again, so an interrupted run resumes) and benchmarks/fit_table.md (rewritten after every probe).
+Results: benchmarks/fit_table.jsonl (one line per probe; probes already there are not run again, so an
+interrupted run resumes) and benchmarks/fit_table.md (rewritten after every probe; the first table, C = 16, is
+kept in fit_table_c16.md and appended).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "fit_table.jsonl")
-SPLASH_RESULTS = os.path.join(ROOT, "benchmarks", "fit_table_splash.jsonl")
 TABLE = os.path.join(ROOT, "benchmarks", "fit_table.md")
+FIRST_TABLE = os.path.join(ROOT, "benchmarks", "fit_table_c16.md")
 GIB = 1024 ** 3
 
-MODELS = ("llama3-8b", "llama3.1-70b")
-TOPOLOGIES = ("v5p-128", "v6e-256")
-STRATEGIES = ("all_gather", "a2a", "p2p", "usp")
-CONTEXT = 16
-# First probe per (model, topology), from a rough count (state / devices + ~2 MB per token per device); the
-# search moves from there.
-START = {("llama3-8b", "v5p-128"): 19, ("llama3-8b", "v6e-256"): 17, ("llama3.1-70b", "v5p-128"): 18,
-         ("llama3.1-70b", "v6e-256"): 17}
-MIN_EXP, MAX_EXP = 12, 24
+ROWS = {("llama3-8b", "v5p-128"): 64, ("llama3-8b", "v6e-256"): 256, ("llama3.1-70b", "v5p-512"): 256}
+START_EXP = {("llama3-8b", "v5p-128"): 23, ("llama3-8b", "v6e-256"): 22, ("llama3.1-70b", "v5p-512"): 22}
+STRATEGIES = ("p2p", "usp", "a2a", "all_gather")
+MIN_EXP, MAX_EXP = 16, 27
+LOSS_CHUNK, MLP_CHUNK = 4096, 16384  # tokens per device and chunk, at most
+# name -> model shape (D, F, V, L, head dim), for sorting XLA's buffers by what they hold.
+SHAPES = {"llama3-8b": (4096, 14336, 128256, 32, 128), "llama3.1-70b": (8192, 28672, 128256, 80, 128)}
+BREAKDOWN = ("layer inputs", "logits", "output head", "mlp", "attention", "activations", "other")
 
 
-def command(model: str, topology: str, strategy: str, seq: int, kernel: str = "flash") -> list[str]:
+def chunks(tokens: int, most: int) -> int:
+    """The fewest chunks dividing `tokens` with at most `most` tokens each."""
+    n = max(1, -(-tokens // most))
+    while tokens % n:
+        n += 1
+    return n
+
+
+def command(model: str, topology: str, strategy: str, offload: bool, seq: int, kernel: str = "flash") -> list[str]:
+    c = ROWS[(model, topology)]
+    remat = ["remat_policy=custom", "decoder_layer_input=offload"] if offload else ["remat_policy=full"]
     return ["python", "-m", "maxctx.compile", "configs/base.yml", f"compile_topology={topology}",
-            f"model_name={model}", f"max_target_length={seq}", f"ici_context_parallelism={CONTEXT}",
-            "ici_fsdp_parallelism=-1", f"per_device_batch_size={1 / CONTEXT:g}",
-            f"context_parallel_strategy={strategy}", "remat_policy=full", f"attention={kernel}"]
+            f"model_name={model}", f"max_target_length={seq}", f"ici_context_parallelism={c}",
+            "ici_fsdp_parallelism=1", f"per_device_batch_size={1 / c:g}", f"context_parallel_strategy={strategy}",
+            f"attention={kernel}", f"num_vocab_tiling={chunks(seq // c, LOSS_CHUNK)}",
+            f"mlp_sequence_chunks={chunks(seq // c, MLP_CHUNK)}", *remat]
 
 
-def run_probe(model: str, topology: str, strategy: str, seq: int, time_limit_s: float,
+def categorise(dims: list[int], model: str) -> str:
+    d, f, v, layers, e = SHAPES[model]
+    if v in dims:
+        return "output head" if d in dims else "logits"
+    if f in dims:
+        return "mlp"
+    if len(dims) == 4 and dims[0] == layers and dims[-1] == d:
+        return "layer inputs"
+    if e in dims:
+        return "attention"
+    return "activations" if d in dims else "other"
+
+
+_SHAPE = re.compile(r"(?:(\d+)×)?(\w+)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+
+
+def breakdown(dump_dir: str, model: str) -> dict:
+    """GiB per category of the device memory space's buffers (XLA's memory-usage report; each buffer counted by
+    the largest value it holds). Buffers of different phases share memory, so the sum exceeds the peak."""
+    reports = glob.glob(os.path.join(dump_dir, "*jit_step*memory-usage-report.txt"))
+    if not reports:
+        return {}
+    totals = dict.fromkeys(BREAKDOWN, 0.0)
+    with open(reports[0]) as f:
+        text = f.read().split("Memory Space:")[1]  # the first space is the device's HBM (color 0)
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(";")]
+        if len(parts) != 5 or not parts[1][:1].isdigit():
+            continue
+        size = float(re.match(r"[\d.]+", parts[1]).group()) * {"GiB": GIB, "MiB": 2 ** 20, "KiB": 1024}.get(
+            re.sub(r"[\d.]+", "", parts[1]), 1)
+        values = [(int(n or 1), t, [int(x) for x in dims.split(",") if x]) for n, t, dims in _SHAPE.findall(parts[4])]
+        largest = max(values, key=lambda x: math.prod(x[2]) * _BYTES.get(x[1], 4), default=None)
+        if largest:
+            totals[categorise(largest[2], model)] += size / GIB
+    return {k: round(v, 2) for k, v in totals.items() if v >= 0.005}
+
+
+def run_probe(model: str, topology: str, strategy: str, offload: bool, seq: int, time_limit_s: float,
               kernel: str = "flash") -> dict:
-    cmd = command(model, topology, strategy, seq, kernel)
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    start = time.time()
-    try:
-        proc = subprocess.run([sys.executable, *cmd[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=time_limit_s)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "wall_s": round(time.time() - start, 1)}
-    lines = proc.stdout.strip().splitlines()
-    report = None
-    if lines:
+    cmd = command(model, topology, strategy, offload, seq, kernel)
+    with tempfile.TemporaryDirectory() as dump:
+        env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+        env.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+                   XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*jit_step.*")
+        start = time.time()
         try:
-            report = json.loads(lines[-1])
-        except json.JSONDecodeError:
-            report = None
+            proc = subprocess.run([sys.executable, *cmd[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=time_limit_s)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "wall_s": round(time.time() - start, 1)}
+        wall = round(time.time() - start, 1)
+        parts = breakdown(dump, model)
+    if proc.returncode == 2:  # a config error: one line on stderr
+        return {"status": "config error", "error": proc.stderr.strip().splitlines()[-1][-400:], "wall_s": wall}
+    try:
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        report = None
     if report is None or proc.returncode not in (0, 3):
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"status": "error", "returncode": proc.returncode, "error": " | ".join(tail)[-800:],
-                "wall_s": round(time.time() - start, 1)}
-    return {"status": "fits" if report["fits"] else "over", "report": report, "wall_s": round(time.time() - start, 1)}
+        return {"status": "error", "returncode": proc.returncode, "error": " | ".join(tail)[-800:], "wall_s": wall}
+    status = "fits" if report["fits"] else "over"
+    return {"status": status, "report": report, "breakdown": parts, "wall_s": wall}
 
 
-def load_results(path: str = RESULTS) -> dict:
+def load_results() -> dict:
     results = {}
-    if os.path.exists(path):
-        with open(path) as f:
+    if os.path.exists(RESULTS):
+        with open(RESULTS) as f:
             for line in f:
                 r = json.loads(line)
-                results[(r["model"], r["topology"], r["strategy"], r["seq"])] = r
+                results[(r["model"], r["topology"], r["strategy"], r["offload"], r["seq"], r["kernel"])] = r
     return results
+
+
+def probe(key: tuple, results: dict, args) -> dict:
+    if key in results:
+        return results[key]
+    model, topology, strategy, offload, seq, kernel = key
+    print(f"[{time.strftime('%H:%M:%S')}] {model} {topology} {strategy} offload={offload} S={seq:,} {kernel} ...",
+          flush=True)
+    r = run_probe(model, topology, strategy, offload, seq, args.time_limit_s, kernel)
+    r.update(model=model, topology=topology, strategy=strategy, offload=offload, seq=seq, kernel=kernel)
+    print(f"    {r['status']} in {r['wall_s']} s" + (f": {r['error']}" if "error" in r else ""), flush=True)
+    with open(RESULTS, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    results[key] = r
+    write_table(results)
+    return r
 
 
 def need_bytes(report: dict) -> float | None:
@@ -88,154 +166,122 @@ def need_bytes(report: dict) -> float | None:
     return None if hbm is None or room is None else hbm - room
 
 
-def predict_exp(report: dict, seq: int) -> int | None:
-    """Largest power-of-two exponent whose predicted memory fits in 95% of HBM (arguments fixed, the rest ~ S)."""
-    need, hbm = need_bytes(report), report.get("hbm_bytes_per_device")
-    if need is None:
-        return None
-    fixed = report.get("argument_size_in_bytes", 0) if "total_size_in_bytes" in report else 0
-    per_token = max(need - fixed, 1) / seq
-    budget = 0.95 * hbm - fixed
-    if budget <= 0:
-        return MIN_EXP - 1
-    return int(math.floor(math.log2(budget / per_token)))
+def predicted_exp(report: dict, seq: int) -> int:
+    """Largest power of two whose memory, arguments fixed and the rest proportional to S, fits in 95% of HBM."""
+    fixed = report.get("argument_size_in_bytes", 0)
+    per_token = max(need_bytes(report) - fixed, 1) / seq
+    return int(math.floor(math.log2(max(0.95 * report["hbm_bytes_per_device"] - fixed, 1) / per_token)))
 
 
-def search(model: str, topology: str, strategy: str, results: dict, args, max_probes: int = 99) -> None:
-    """Probes powers of two until the largest fitting one and the next (not fitting) are both known."""
-    def probes():
-        return {e: results.get((model, topology, strategy, 2 ** e)) for e in range(MIN_EXP, MAX_EXP + 1)}
+def search(row: tuple, results: dict, args) -> None:
+    """Doubling to the largest fitting power of two P (or the first failure), then bisection in steps of P/8."""
+    def at(seq):
+        return probe((*row, seq, "flash"), results, args)
 
-    # Strategies of one model and topology need similar memory: start from another strategy's result.
-    done = [k[3] for k, r in results.items() if k[:2] == (model, topology) and r["status"] == "fits"]
-    exp = int(math.log2(max(done))) if done else START[(model, topology)]
-    for _ in range(max_probes):
-        known = {e: r for e, r in probes().items() if r is not None}
-        if any(r["status"] in ("error", "timeout") for r in known.values()):
+    exp, fit_exp, over_exp = START_EXP[row[:2]], None, None
+    while fit_exp is None or over_exp is None or over_exp > fit_exp + 1:
+        if not MIN_EXP <= exp <= MAX_EXP:
             return
-        fit_exps = [e for e, r in known.items() if r["status"] == "fits"]
-        over_exps = [e for e, r in known.items() if r["status"] == "over"]
-        lo, hi = max(fit_exps, default=None), min(over_exps, default=None)
-        if lo is not None and hi is not None and hi == lo + 1:
+        r = at(2 ** exp)
+        if r["status"] not in ("fits", "over"):
             return
-        if lo == MAX_EXP or hi == MIN_EXP:
+        if r["status"] == "fits":
+            fit_exp = exp
+            exp = max(exp + 1, predicted_exp(r["report"], 2 ** exp))
+            exp = exp if over_exp is None else min(exp, over_exp - 1)
+        else:
+            over_exp = exp
+            exp = exp - 1 if fit_exp is None else (fit_exp + over_exp) // 2
+    if fit_exp is None or over_exp is None:
+        return
+    lo, hi = 0, 8  # eighths above P: lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        r = at(2 ** fit_exp * (8 + mid) // 8)
+        if r["status"] not in ("fits", "over"):
             return
-        if known:
-            last = known[lo] if lo is not None else known[hi]
-            pred = predict_exp(last["report"], 2 ** (lo if lo is not None else hi))
-            exp = pred if pred is not None else (lo + 1 if lo is not None else hi - 1)
-            if lo is not None:
-                exp = max(exp, lo + 1)
-            if hi is not None:
-                exp = min(exp, hi - 1)
-            exp = max(MIN_EXP, min(MAX_EXP, exp))
-        probe_and_record((model, topology, strategy, 2 ** exp), "flash", results, RESULTS, args)
-        write_table({**load_results(), **results})  # other runs of this script may append too
+        lo, hi = (mid, hi) if r["status"] == "fits" else (lo, mid)
 
 
-def probe_and_record(key: tuple, kernel: str, results: dict, path: str, args) -> None:
-    """Runs the probe for key = (model, topology, strategy, seq), appends it to the results file at `path` and
-    to `results`."""
-    model, topology, strategy, seq = key
-    print(f"[{time.strftime('%H:%M:%S')}] {model} {topology} {strategy} S={seq} {kernel} ...", flush=True)
-    r = run_probe(model, topology, strategy, seq, args.time_limit_s, kernel=kernel)
-    r.update(model=model, topology=topology, strategy=strategy, seq=seq)
-    print(f"    {r['status']} in {r['wall_s']} s" + (f": {r.get('error', '')}" if "error" in r else ""), flush=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(r) + "\n")
-    results[key] = r
+def best(row: tuple, results: dict, kernel: str = "flash") -> dict | None:
+    fits = [r for k, r in results.items() if k[:4] == row and k[5] == kernel and r["status"] == "fits"]
+    return max(fits, key=lambda r: r["seq"], default=None)
 
 
-def best_fit(model: str, topology: str, strategy: str, results: dict) -> int | None:
-    fits = [k[3] for k, r in results.items() if k[:3] == (model, topology, strategy) and r["status"] == "fits"]
-    return max(fits, default=None)
+def _tokens(n: int) -> str:
+    return f"{n / 2 ** 20:.3g}M" if n >= 2 ** 20 else f"{n // 1024}K"
 
 
-def splash_check(model: str, topology: str, strategy: str, results: dict, splash_results: dict, args) -> None:
-    """Compiles the row's longest fitting context again with attention=splash (its default 512-token blocks)."""
-    seq = best_fit(model, topology, strategy, results)
-    if seq is not None and (model, topology, strategy, seq) not in splash_results:
-        probe_and_record((model, topology, strategy, seq), "splash", splash_results, SPLASH_RESULTS, args)
-
-
-def splash_cell(model: str, topology: str, strategy: str, results: dict, splash_results: dict) -> str:
-    seq = best_fit(model, topology, strategy, results)
-    r = splash_results.get((model, topology, strategy, seq)) if seq else None
+def splash_cell(row: tuple, results: dict) -> str:
+    top = best(row, results)
+    r = results.get((*row, top["seq"], "splash")) if top else None
     if r is None:
         return "not checked"
-    if r["status"] in ("error", "timeout"):
-        return f"{r['status']}: {_last(r.get('error', ''))}"
-    rep = r["report"]
-    if rep.get("xla_memory_space"):
-        return f"does not compile: {rep['xla_memory_space'].upper()} overflow"
-    need = need_bytes(rep)
-    gib = "" if need is None else f", {need / GIB:.1f} GiB"
-    return f"{'fits' if r['status'] == 'fits' else 'does not fit'}{gib} (compiled in {r['wall_s']:.0f} s)"
+    if r["status"] not in ("fits", "over"):
+        return f"{r['status']}: {r.get('error', '')[-160:]}".replace("|", "/")
+    need = need_bytes(r["report"])
+    return f"{'fits' if r['status'] == 'fits' else 'does not fit'}, {need / GIB:.1f} GiB ({r['wall_s']:.0f} s)"
 
 
-def _last(error: str) -> str:
-    return error.split(" | ")[-1][:200].replace("|", "/")
+def row_line(row: tuple, results: dict) -> str:
+    model, topology, strategy, offload = row
+    name = f"| {model} | {topology} | {strategy} | {'on' if offload else 'off'} |"
+    mine = sorted((r for k, r in results.items() if k[:4] == row and k[5] == "flash"), key=lambda r: r["seq"])
+    top = best(row, results)
+    if top is None:
+        note = "; ".join(f"S={_tokens(r['seq'])} {r['status']}" + (f" ({r['error'][-200:]})" if "error" in r else "")
+                         for r in mine) or "not run"
+        return f"{name} - | - | - | - | - | - | - | {note.replace('|', '/')} |"
+    rep, chips = top["report"], ROWS[(model, topology)]
+    over = [r["seq"] for r in mine if r["status"] == "over" and r["seq"] > top["seq"]]
+    limit = f"; {_tokens(min(over))} does not fit" if over else "; nothing longer probed"
+    parts = top.get("breakdown") or {}
+    head = max(parts, key=parts.get) if parts else "-"
+    host = rep.get("host_temp_size_in_bytes", 0) / GIB
+    est = f"{rep['estimate_step_time_s']:.0f} s, {rep['estimate_mfu']:.0%}"
+    return (f"{name} {top['seq']:,} ({_tokens(top['seq'])}{limit}) | {top['seq'] // chips:,} | "
+            f"{need_bytes(rep) / GIB:.1f} / {rep['hbm_bytes_per_device'] / GIB:.0f}"
+            + (f" (+{host:.0f} host)" if host else "") + f" | {head} ({parts.get(head, 0):.1f} GiB) | {est} | "
+            f"{splash_cell(row, results)} | {top['wall_s']:.0f} s | `{' '.join(command(*row, top['seq']))}` |")
 
 
-def row(model: str, topology: str, strategy: str, results: dict, splash_results: dict) -> str:
-    mine = sorted((r for k, r in results.items() if k[:3] == (model, topology, strategy)), key=lambda r: r["seq"])
-    fits = [r for r in mine if r["status"] == "fits"]
-    over = [r for r in mine if r["status"] == "over"]
-    failed = [r for r in mine if r["status"] in ("error", "timeout")]
-    best = fits[-1] if fits else None
-    first_over = min((r["seq"] for r in over if not best or r["seq"] > best["seq"]), default=None)
-    if best is None:
-        seq = over[0]["seq"] if over else 2 ** START[(model, topology)]
-        cmd = " ".join(command(model, topology, strategy, seq))
-        note = "; ".join(f"S={r['seq']} {r['status']}" + (f" ({_last(r['error'])})" if "error" in r else "")
-                         for r in mine) or "not run yet (the command is the search's first probe)"
-        return f"| {model} | {topology} | {strategy} | - | - | - | {note} | - | `{cmd}` |"
-    rep = best["report"]
-    gib = need_bytes(rep) / GIB
-    if first_over:
-        nxt = f"{first_over:,} does not fit"
-        over_rep = next(r for r in over if r["seq"] == first_over)["report"]
-        if need_bytes(over_rep) is not None:  # XLA may stop at its temporaries: then the need is larger still
-            more = ">" if over_rep.get("xla_required_is_temporaries_only") else ""
-            nxt += f" (needs {more}{need_bytes(over_rep) / GIB:.1f} GiB)"
-    else:
-        nxt = "next power of two not probed"
-    if failed:
-        nxt += "; " + "; ".join(f"S={r['seq']} {r['status']}" for r in failed)
-    est = f"{rep['estimate_step_time_s']:.2f} s, MFU {rep['estimate_mfu']:.0%} ({rep['estimate_bound']})"
-    return (f"| {model} | {topology} | {strategy} | {best['seq']:,} | {gib:.1f} / "
-            f"{rep['hbm_bytes_per_device'] / GIB:.0f} | {est} | {nxt} | "
-            f"{splash_cell(model, topology, strategy, results, splash_results)} | "
-            f"`{' '.join(command(model, topology, strategy, best['seq']))}` |")
+def rows(args=None) -> list[tuple]:
+    pairs = [tuple(p.split("/")) for p in args.only.split(",") if p] if args and args.only else list(ROWS)
+    strategies = args.strategies.split(",") if args else STRATEGIES
+    offloads = [o == "on" for o in args.offload.split(",")] if args else [False, True]
+    return [(m, t, s, o) for m, t in pairs for s in strategies for o in offloads]
 
 
-def write_table(results: dict, splash_results: dict | None = None) -> None:
-    splash_results = load_results(SPLASH_RESULTS) if splash_results is None else splash_results
+def write_table(results: dict) -> None:
     lines = [
-        "# Longest context that fits, per CP strategy",
+        "# Longest single sequence that fits, per CP strategy",
         "",
-        "Written by `python3 benchmarks/fit_table.py` (see its docstring); every row's command compiles the real",
-        "train step for the TPU topology with libtpu on a machine without a TPU (`maxctx.compile`), so the memory",
-        "is XLA's own memory analysis. Mesh: fsdp x context, C = 16, one sequence per fsdp group, remat full,",
-        "flash attention. Max context: the largest power of two that compiles within HBM; the next column shows",
-        "the next power of two failing. Memory: bytes per chip the program needs / chip HBM (GiB). Step time and",
-        "MFU: maxctx.compile's roofline estimate (max of compute, HBM and ICI time at peak rates), not a",
-        "measurement; at these lengths attention FLOPs dominate, so it is compute-bound and capped at 75% MFU by",
-        "full remat's second forward pass. Powers of two only (no refinement between them).",
+        "Written by `python3 benchmarks/fit_table.py` (its docstring has the method); every command compiles the",
+        "real train step for the TPU topology with libtpu on a CPU machine (`maxctx.compile`): the memory is XLA's",
+        "own analysis. One sequence per step over every chip (C = 64 on v5p-128, 256 on v6e-256 and v5p-512),",
+        "attention=flash, tiled loss and MLP; offload: remat_policy=custom decoder_layer_input=offload, else",
+        "remat_policy=full. Max context: doubling, then bisection to 1/8 of the power of two. GiB per chip: what",
+        "the program needs / HBM (+ pinned host memory). Largest part: the category of XLA's buffers",
+        "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.compile's roofline step",
+        "time and MFU (not a measurement). Splash: the same command with attention=splash. Compile: seconds on the",
+        "2-core development VM.",
         "",
-        "Splash at max: the row's command with `attention=flash` replaced by `attention=splash` (the production",
-        "TPU kernel, 512-token blocks; calls whose block table would overflow on-chip SMEM run as several kernels",
-        "over row chunks, maxctx/attention/splash.py), run by `python3 benchmarks/fit_table.py --splash-check`;",
-        "results in fit_table_splash.jsonl; the time is the whole compile on the 2-core development VM.",
-        "",
-        "| model | topology | strategy | max context | GiB per chip | estimate at max | next | splash at max "
-        "| command |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | topology | strategy | offload | max tokens | tokens per chip | GiB per chip | largest part "
+        "| estimate (step, MFU) | splash at max | compile | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model in MODELS:
-        for topology in TOPOLOGIES:
-            for strategy in STRATEGIES:
-                lines.append(row(model, topology, strategy, results, splash_results))
+    lines += [row_line(row, results) for row in rows()]
+    lines += ["", "Memory breakdown at each row's maximum (GiB of XLA buffers per category):", "",
+              "| model | topology | strategy | offload | tokens | " + " | ".join(BREAKDOWN) + " |",
+              "|---|---|---|---|---|" + "---|" * len(BREAKDOWN)]
+    for row in rows():
+        top = best(row, results)
+        if top and top.get("breakdown"):
+            cells = " | ".join(f"{top['breakdown'].get(k, 0):.1f}" for k in BREAKDOWN)
+            lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {'on' if row[3] else 'off'} | {top['seq']:,} | {cells} |")
+    if os.path.exists(FIRST_TABLE):
+        with open(FIRST_TABLE) as f:
+            lines += ["", "#" + f.read()]
     with open(TABLE, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -244,27 +290,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated model/topology pairs, e.g. llama3-8b/v5p-128")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--offload", default="on,off", help="on, off or both")
     parser.add_argument("--time-limit-s", type=float, default=1800.0, help="per compile")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results file")
-    parser.add_argument("--breadth-first", action="store_true", help="one probe per row before any second one")
-    parser.add_argument("--splash-check", action="store_true",
-                        help="compile each selected row's longest fitting context again with attention=splash")
+    parser.add_argument("--splash-check", action="store_true", help="compile each row's maximum with splash")
     args = parser.parse_args()
     results = load_results()
-    pairs = [tuple(p.split("/")) for p in args.only.split(",") if p] or [(m, t) for m in MODELS for t in TOPOLOGIES]
-    rows = [(m, t, s) for m, t in pairs for s in args.strategies.split(",")]
     if not args.table_only:
-        if args.breadth_first:  # one probe per row first, so every row has a result early
-            for row_key in rows:
-                if not any(k[:3] == row_key for k in results):
-                    search(*row_key, results, args, max_probes=1)
-        for row_key in rows:
-            search(*row_key, results, args)
-        if args.splash_check:
-            splash_results = load_results(SPLASH_RESULTS)
-            for row_key in rows:
-                splash_check(*row_key, results, splash_results, args)
-                write_table(results, splash_results)
+        for row in rows(args):
+            search(row, results, args)
+            top = best(row, results)
+            if args.splash_check and top is not None:
+                probe((*row, top["seq"], "splash"), results, args)
     write_table(results)
 
 

@@ -16,7 +16,9 @@ machine with libtpu installed and no TPU. For a topology the report adds:
   scanned layer once and counts remat recompute, so it is far below the analytic figure with scan_layers=true).
 - a roofline ESTIMATE of step time and MFU, not a measurement: step time = max(compute, HBM, ICI), each term the
   time at the chip's peak rate, assuming perfect overlap of the three:
-    compute  model FLOPs x recompute factor (4/3 with remat_policy=full: the forward runs twice) / peak FLOP/s
+    compute  (model FLOPs x recompute factor (4/3 with remat_policy=full or custom: the forward runs twice) + the
+             recompute of tiling: one more output projection with num_vocab_tiling > 1, one more MLP forward with
+             mlp_sequence_chunks > 1 under remat) / peak FLOP/s
     HBM      bytes every step must move / HBM bandwidth: weights read once per pass (forward, remat forward,
              backward) and the gradient written; AdamW reading p, g, m, v and writing p, m, v (fp32); every
              matmul operand and result of every layer written and read once per pass (backward counted as two
@@ -182,11 +184,15 @@ def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params
     layers, dim, tp, dp = config.base_num_decoder_layers, config.base_emb_dim, mesh["tensor"], mesh["data"]
     heads, kv, hd, mlp = config.base_num_query_heads, config.base_num_kv_heads, config.head_dim, config.base_mlp_dim
     t = global_batch * config.max_target_length / n  # tokens per device per step
-    full = config.remat_policy == "full"
+    # custom: counted as full (the layer is recomputed; what it keeps or offloads saves memory, not FLOPs)
+    full = config.remat_policy in ("full", "custom")
     forward_passes = 2 if full else 1
 
     model_flops = training_flops_per_device(config, global_batch, config.max_target_length, n)
-    compute_s = model_flops * (4 / 3 if full else 1) / peak
+    # Tiling recomputes in the backward: the output projection once more, and (under a remat'd layer) the MLP.
+    tiled = (2 * t * dim * config.vocab_size / tp * (config.num_vocab_tiling > 1)
+             + 6 * layers * t * dim * mlp / tp * (config.mlp_sequence_chunks > 1 and full))
+    compute_s = (model_flops * (4 / 3 if full else 1) + tiled) / peak
 
     weights = num_params / tp  # a device's slice of every weight, once gathered
     shards = n // (dp * tp)  # devices each weight is sharded across (fsdp and context axes)
