@@ -174,7 +174,8 @@ def predicted_exp(report: dict, seq: int) -> int:
 
 
 def search(row: tuple, results: dict, args) -> None:
-    """Doubling to the largest fitting power of two P (or the first failure), then bisection in steps of P/8."""
+    """Doubling to the largest fitting power of two P, then bisection in steps of P/8. Above a fitting length, a
+    compile that fails (XLA error, time-out) bounds the search like one that does not fit."""
     def at(seq):
         return probe((*row, seq, "flash"), results, args)
 
@@ -183,7 +184,7 @@ def search(row: tuple, results: dict, args) -> None:
         if not MIN_EXP <= exp <= MAX_EXP:
             return
         r = at(2 ** exp)
-        if r["status"] not in ("fits", "over"):
+        if r["status"] not in ("fits", "over") and fit_exp is None:
             return
         if r["status"] == "fits":
             fit_exp = exp
@@ -198,8 +199,6 @@ def search(row: tuple, results: dict, args) -> None:
     while hi - lo > 1:
         mid = (lo + hi) // 2
         r = at(2 ** fit_exp * (8 + mid) // 8)
-        if r["status"] not in ("fits", "over"):
-            return
         lo, hi = (mid, hi) if r["status"] == "fits" else (lo, mid)
 
 
@@ -223,6 +222,12 @@ def splash_cell(row: tuple, results: dict) -> str:
     return f"{'fits' if r['status'] == 'fits' else 'does not fit'}, {need / GIB:.1f} GiB ({r['wall_s']:.0f} s)"
 
 
+def _xla_error(error: str) -> str:
+    """The compiler's own words from a failed probe's last lines (its check message, else the last line)."""
+    found = re.search(r"Check failed: ([^|]*)", error)
+    return (f"XLA check failed: {found.group(1).strip()}" if found else error.split(" | ")[-1][-160:]).replace("|", "/")
+
+
 def row_line(row: tuple, results: dict) -> str:
     model, topology, strategy, offload = row
     name = f"| {model} | {topology} | {strategy} | {'on' if offload else 'off'} |"
@@ -233,8 +238,11 @@ def row_line(row: tuple, results: dict) -> str:
                          for r in mine) or "not run"
         return f"{name} - | - | - | - | - | - | - | {note.replace('|', '/')} |"
     rep, chips = top["report"], ROWS[(model, topology)]
-    over = [r["seq"] for r in mine if r["status"] == "over" and r["seq"] > top["seq"]]
-    limit = f"; {_tokens(min(over))} does not fit" if over else "; nothing longer probed"
+    above = [r for r in mine if r["status"] != "fits" and r["seq"] > top["seq"]]
+    first = min(above, key=lambda r: r["seq"], default=None)
+    limit = ("; nothing longer probed" if first is None else f"; {_tokens(first['seq'])} does not fit"
+             if first["status"] == "over" else f"; {_tokens(first['seq'])}: {first['status']}, "
+             f"{_xla_error(first.get('error', ''))}")
     parts = top.get("breakdown") or {}
     head = max(parts, key=parts.get) if parts else "-"
     host = rep.get("host_temp_size_in_bytes", 0) / GIB
