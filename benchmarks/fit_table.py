@@ -70,8 +70,8 @@ def command(model: str, topology: str, strategy: str, offload: bool, seq: int, k
 
 def categorise(dims: list[int], model: str) -> str:
     d, f, v, layers, e = SHAPES[model]
-    if v in dims:
-        return "output head" if d in dims else "logits"
+    if v in dims:  # a [D, V] weight or its gradient; else logits of a chunk (whose token count may equal D)
+        return "output head" if sorted(dims) == sorted((d, v)) else "logits"
     if f in dims:
         return "mlp"
     if len(dims) == 4 and dims[0] == layers and dims[-1] == d:
@@ -85,25 +85,35 @@ _SHAPE = re.compile(r"(?:(\d+)×)?(\w+)\[([\d,]*)\]")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
 
 
-def breakdown(dump_dir: str, model: str) -> dict:
-    """GiB per category of the device memory space's buffers (XLA's memory-usage report; each buffer counted by
-    the largest value it holds). Buffers of different phases share memory, so the sum exceeds the peak."""
+def buffers(dump_dir: str) -> list[tuple[float, list[int]]]:
+    """(GiB, dims of the largest value it holds) of every buffer in the device memory space (color 0) of XLA's
+    memory-usage report."""
     reports = glob.glob(os.path.join(dump_dir, "*jit_step*memory-usage-report.txt"))
     if not reports:
-        return {}
-    totals = dict.fromkeys(BREAKDOWN, 0.0)
+        return []
     with open(reports[0]) as f:
-        text = f.read().split("Memory Space:")[1]  # the first space is the device's HBM (color 0)
+        text = f.read().split("Memory Space:")[1]
+    found = []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(";")]
         if len(parts) != 5 or not parts[1][:1].isdigit():
             continue
-        size = float(re.match(r"[\d.]+", parts[1]).group()) * {"GiB": GIB, "MiB": 2 ** 20, "KiB": 1024}.get(
-            re.sub(r"[\d.]+", "", parts[1]), 1)
-        values = [(int(n or 1), t, [int(x) for x in dims.split(",") if x]) for n, t, dims in _SHAPE.findall(parts[4])]
-        largest = max(values, key=lambda x: math.prod(x[2]) * _BYTES.get(x[1], 4), default=None)
-        if largest:
-            totals[categorise(largest[2], model)] += size / GIB
+        unit = {"GiB": GIB, "MiB": 2 ** 20, "KiB": 1024}.get(re.sub(r"[\d.]+", "", parts[1]), 1)
+        size = float(re.match(r"[\d.]+", parts[1]).group()) * unit / GIB
+        values = [(t, [int(x) for x in dims.split(",") if x]) for _, t, dims in _SHAPE.findall(parts[4])]
+        if values:
+            found.append((round(size, 4), max(values, key=lambda x: math.prod(x[1]) * _BYTES.get(x[0], 4))[1]))
+    return found
+
+
+def breakdown(probe: dict) -> dict:
+    """GiB per category of a probe's buffers (each counted by the largest value it holds). Buffers of different
+    phases share memory, so the sum exceeds the peak."""
+    if "buffers" not in probe:  # probes recorded before the raw buffers were kept
+        return probe.get("breakdown") or {}
+    totals = dict.fromkeys(BREAKDOWN, 0.0)
+    for size, dims in probe["buffers"]:
+        totals[categorise(dims, probe["model"])] += size
     return {k: round(v, 2) for k, v in totals.items() if v >= 0.005}
 
 
@@ -121,7 +131,7 @@ def run_probe(model: str, topology: str, strategy: str, offload: bool, seq: int,
         except subprocess.TimeoutExpired:
             return {"status": "timeout", "wall_s": round(time.time() - start, 1)}
         wall = round(time.time() - start, 1)
-        parts = breakdown(dump, model)
+        parts = buffers(dump)
     if proc.returncode == 2:  # a config error: one line on stderr
         return {"status": "config error", "error": proc.stderr.strip().splitlines()[-1][-400:], "wall_s": wall}
     try:
@@ -132,7 +142,7 @@ def run_probe(model: str, topology: str, strategy: str, offload: bool, seq: int,
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"status": "error", "returncode": proc.returncode, "error": " | ".join(tail)[-800:], "wall_s": wall}
     status = "fits" if report["fits"] else "over"
-    return {"status": status, "report": report, "breakdown": parts, "wall_s": wall}
+    return {"status": status, "report": report, "buffers": parts, "wall_s": wall}
 
 
 def load_results() -> dict:
@@ -243,7 +253,7 @@ def row_line(row: tuple, results: dict) -> str:
     limit = ("; nothing longer probed" if first is None else f"; {_tokens(first['seq'])} does not fit"
              if first["status"] == "over" else f"; {_tokens(first['seq'])}: {first['status']}, "
              f"{_xla_error(first.get('error', ''))}")
-    parts = top.get("breakdown") or {}
+    parts = breakdown(top)
     head = max(parts, key=parts.get) if parts else "-"
     host = rep.get("host_temp_size_in_bytes", 0) / GIB
     est = f"{rep['estimate_step_time_s']:.0f} s, {rep['estimate_mfu']:.0%}"
@@ -284,8 +294,9 @@ def write_table(results: dict) -> None:
               "|---|---|---|---|---|" + "---|" * len(BREAKDOWN)]
     for row in rows():
         top = best(row, results)
-        if top and top.get("breakdown"):
-            cells = " | ".join(f"{top['breakdown'].get(k, 0):.1f}" for k in BREAKDOWN)
+        parts = breakdown(top) if top else {}
+        if parts:
+            cells = " | ".join(f"{parts.get(k, 0):.1f}" for k in BREAKDOWN)
             lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {'on' if row[3] else 'off'} | {top['seq']:,} | {cells} |")
     if os.path.exists(FIRST_TABLE):
         with open(FIRST_TABLE) as f:
