@@ -72,6 +72,8 @@ def categorise(dims: list[int], model: str) -> str:
     d, f, v, layers, e = SHAPES[model]
     if v in dims:  # a [D, V] weight or its gradient; else logits of a chunk (whose token count may equal D)
         return "output head" if sorted(dims) == sorted((d, v)) else "logits"
+    if dims and dims[-1] == e:  # [..., heads, head dim]: q, k, v, out and the kernels' blocks (whose count may equal F)
+        return "attention"
     if f in dims:
         return "mlp"
     if len(dims) == 4 and dims[0] == layers and dims[-1] == d:
