@@ -28,7 +28,7 @@ REMAT_POLICIES = {
 
 
 def remat_policy(cfg: ModelConfig):
-    """The layer's checkpoint policy. `custom` (MaxText's): each named tensor (maxctx.model.layers.REMAT_NAMES)
+    """The layer's checkpoint policy. `custom` (MaxText's): each named tensor (maxctx.validate.REMAT_NAMES)
     is recomputed (`remat`), kept in device memory (`device`) or moved to pinned host memory during the forward
     and back for the backward (`offload`). Offloading `decoder_layer_input` takes the one [B, S, D] every layer
     must keep under full remat off the device: L x B x S/C x D x b bytes per device."""

@@ -11,7 +11,7 @@ a chunk, takes its gradient and moves on. Weights the body closes over get their
 in their own dtype (pass them in fp32 and cast inside `fn`, as the layers do).
 
 The price is one more forward of the tiled computation in the backward pass (the loss's output projection,
-1 / 16 of llama3-8b's forward FLOPs; the MLP is already recomputed under remat_policy=full).
+about 1 / 15 of llama3-8b's forward FLOPs; the MLP is already recomputed under remat_policy=full).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def map_chunks(fn: Callable, n: int, mesh: Mesh | None, x_BSX) -> jax.Array:
 
 
 def sum_chunks(fn: Callable, n: int, mesh: Mesh | None, *xs_BS) -> tuple:
-    """fn(*chunks of xs) -> a tuple of scalars, summed over N chunks; every x is [B, S, ...]."""
+    """fn(*chunks of xs) -> a pytree of scalars, summed over N chunks; every x is [B, S, ...]."""
     if n <= 1:
         return fn(*xs_BS)
     cp = context_degree(mesh) if mesh is not None else 1
