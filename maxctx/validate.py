@@ -17,7 +17,7 @@ ATTENTION_KERNELS = ("auto", "dot_product", "flash", "splash", "cudnn")
 CP_STRATEGIES = ("all_gather", "a2a", "p2p", "usp")
 REMAT_POLICIES = ("none", "minimal", "full", "custom")
 REMAT_PLACES = ("remat", "device", "offload")
-# The tensors remat_policy=custom places (MaxText's names), as maxctx.model.layers.REMAT_NAMES.
+# The tensors remat_policy=custom places (MaxText's names; maxctx.model.layers tags them with checkpoint_name).
 REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
                "mlpwo")
 DTYPES = ("float32", "bfloat16", "float16")

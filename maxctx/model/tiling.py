@@ -63,18 +63,19 @@ def map_chunks(fn: Callable, n: int, mesh: Mesh | None, x_BSX) -> jax.Array:
     return ys.reshape(ys.shape[0], -1, *ys.shape[4:])
 
 
-def sum_chunks(fn: Callable, n: int, mesh: Mesh | None, *xs_BS) -> tuple:
+def sum_chunks(fn: Callable, n: int, mesh: Mesh | None, *xs_BS):
     """fn(*chunks of xs) -> a pytree of scalars, summed over N chunks; every x is [B, S, ...]."""
     if n <= 1:
         return fn(*xs_BS)
     cp = context_degree(mesh) if mesh is not None else 1
     _check(xs_BS[0].shape[1], n, cp)
     body = jax.checkpoint(lambda cs: fn(*map(_flat, cs)), policy=jax.checkpoint_policies.nothing_saveable)
-    zeros = jax.eval_shape(body, tuple(_split(x, n, cp, None)[0] for x in xs_BS))
-    zeros = jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), zeros)
+    parts = tuple(_split(x, n, cp, mesh) for x in xs_BS)
+    shapes = jax.eval_shape(body, tuple(jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in parts))
+    zeros = jax.tree.map(lambda z: jnp.zeros(z.shape, z.dtype), shapes)
 
     def step(acc, chunks):
         return jax.tree.map(jnp.add, acc, body(chunks)), None
 
-    total, _ = jax.lax.scan(step, zeros, tuple(_split(x, n, cp, mesh) for x in xs_BS))
+    total, _ = jax.lax.scan(step, zeros, parts)
     return total
