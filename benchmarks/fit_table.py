@@ -282,7 +282,7 @@ def write_table(results: dict) -> None:
         "attention=flash, tiled loss and MLP; offload: remat_policy=custom decoder_layer_input=offload, else",
         "remat_policy=full. Max context: doubling, then bisection to 1/8 of the power of two. GiB per chip: what",
         "the program needs / HBM (+ pinned host memory). Largest part: the category of XLA's buffers",
-        "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.compile's roofline step",
+        "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.roofline's step",
         "time and MFU (not a measurement). Splash: the same command with attention=splash. Compile: seconds on the",
         "2-core development VM.",
         "",

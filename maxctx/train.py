@@ -6,16 +6,22 @@ dispatch the step, log the previous step's metrics (one step late, so the host n
 evaluate and checkpoint on their periods.
 
 Exit status: 0 done, 2 configuration error, 3 non-finite loss (the last good checkpoint is kept), 4 out of device
-memory (HBM, or a kernel's on-chip memory), with what to change.
+memory (HBM, or a kernel's on-chip memory), with what to change (maxctx.out_of_memory).
 """
 
 from __future__ import annotations
 
-import re
+import functools
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from maxctx.config import Config, ConfigError, load_config, save_config
+from maxctx.out_of_memory import is_out_of_memory, out_of_memory_advice
+
+if TYPE_CHECKING:
+    from maxctx.metrics import MetricsWriter, StepLogger
+    from maxctx.train_step import TrainSetup
 
 EXIT_CONFIG, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY = 2, 3, 4
 
@@ -50,137 +56,112 @@ def main(argv: list[str]) -> int:
         return EXIT_OUT_OF_MEMORY
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """XLA's device-memory errors (compile or run time); other RESOURCE_EXHAUSTED statuses (a coordination
-    service or storage quota) are not."""
-    import jax
-
-    message = str(error)
-    return (isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in message
-            and re.search(r"out of memory|memory space|exceeds available", message, re.IGNORECASE) is not None)
-
-
-def out_of_memory_advice(message: str, config: Config, argv: list[str]) -> str:
-    """What to change: for a kernel's on-chip memory, its block sizes; for HBM, the memory levers, and the
-    command that checks a fit before launching."""
-    from maxctx.attention.dispatch import resolve_kernel
-    from maxctx.compile import onchip_advice, xla_out_of_memory
-
-    space = xla_out_of_memory(message).get("xla_memory_space")
-    if space:
-        import jax
-
-        kernel = resolve_kernel(config.attention, platform=jax.devices()[0].platform, dtype=config.dtype)
-        return f"what to change: {onchip_advice(space, kernel)}"
-    plan = " ".join(["python -m maxctx.compile", *argv, "compile_topology=<your slice, e.g. v5p-128>"])
-    return (f"what to change: lower per_device_batch_size or max_target_length, set remat_policy=full, or spread the "
-            f"state and sequence over more devices (ici_fsdp_parallelism, ici_context_parallelism); check a setting "
-            f"without a TPU first: {plan}")
-
-
 def train(config: Config) -> int:
+    """The loop of the module doc, from step 0 or the run's last checkpoint; errors propagate to `main`."""
     import jax
 
-    from maxctx import metrics as M
     from maxctx.checkpoint import Checkpointer
     from maxctx.data.pipeline import create_data_iterator
     from maxctx.mesh import create_mesh
-    from maxctx.model.decoder import count_params
+    from maxctx.metrics import Profiler, StepLogger, training_flops_per_step
     from maxctx.runtime import is_primary
-    from maxctx.train_step import compile_train_step, jit_eval_step, make_setup
+    from maxctx.train_step import make_setup
 
-    mesh = create_mesh(config)
-    primary = is_primary()
-    setup = make_setup(config, mesh)
-    num_devices = mesh.devices.size
-    seq_len = config.max_target_length
-    tokens_per_step = setup.global_batch * seq_len
-    flops_per_step = M.training_flops_per_step(config, setup.global_batch, seq_len)
-    data = create_data_iterator(config, mesh, "train")  # data errors surface before anything is written
-    eval_data = create_data_iterator(config, mesh, "eval") if config.eval_interval > 0 else None
+    primary, setup = is_primary(), make_setup(config, create_mesh(config))
+    data = create_data_iterator(config, setup.mesh, "train")  # data errors surface before anything is written
+    evaluate = _evaluator(config, setup)
     checkpointer = Checkpointer(config, setup, primary)  # load paths and checkpoint shapes checked before writing
-
-    if primary:
-        save_config(config, config.run_dir)
-    writer = M.MetricsWriter(config.run_dir, config.enable_tensorboard, primary)
-    profiler, state = None, None
+    writer = _open_outputs(config, primary)
+    profiler = Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
+    state = None
     try:  # from here on, also on an error: saves already started still commit, logs are flushed
-        peak, peak_source = M.peak_flops_per_device(jax.devices()[0], config)
-
-        start = time.perf_counter()
-        compiled = compile_train_step(setup)
-        record = M.compile_record(compiled, analytic_flops_per_device=flops_per_step / num_devices)
-        record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(mesh.shape),
-                      compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch, seq_len=seq_len,
-                      peak_flops_per_device=peak, peak_source=peak_source)
-        writer.write_compile(record)
-        if primary:
-            _print_header(config, record, jax.devices()[0].platform, num_devices)
-
+        flops_per_step = training_flops_per_step(config, setup.global_batch, config.max_target_length)
+        compiled, peak = _compile(config, setup, flops_per_step, writer)
         state = checkpointer.restore_or_init(data)
         start_step = int(jax.device_get(state["step"]))
-        eval_step = jit_eval_step(setup) if eval_data is not None else None
-        eval_start = eval_data.get_state() if eval_data is not None else None
-        pending = M.PendingMetrics()
-        profiler = M.Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
-        losses: list[float] = []
-
-        window = {"seconds": 0.0, "steps": 0}  # step time summed since the last logged step
-
-        def log(done: M.StepMetrics | None, force: bool = False) -> None:
-            if done is None:
-                return
-            completed = done.step + 1
-            M.check_finite(completed, done.metrics)
-            losses.append(done.metrics["loss"])
-            if done.seconds is not None or done.step == start_step:
-                # The first step has no previous fetch to time against: it is timed from the loop's start.
-                window["seconds"] += done.seconds if done.seconds is not None else time.perf_counter() - loop_start
-                window["steps"] += 1
-            if not (completed % config.log_period == 0 or force or done.step == start_step) or not window["steps"]:
-                return
-            seconds = window["seconds"] / window["steps"]  # mean over the log period: steadier than one step
-            window.update(seconds=0.0, steps=0)
-            perf = M.throughput(seconds, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
-                                num_devices=num_devices, peak_flops_per_device=peak)
-            values = {**done.metrics, **perf, **M.device_memory()}
-            writer.write_step(completed, values)
-            if primary:
-                print(M.format_progress(completed, config.steps, values, seconds), flush=True)
-
-        loop_start = time.perf_counter()
+        # Created just before the loop, which has no earlier fetch to time its first step against.
+        logger = StepLogger(writer, total_steps=config.steps, log_period=config.log_period, peak_flops_per_device=peak,
+                            tokens_per_step=setup.global_batch * config.max_target_length,
+                            flops_per_step=flops_per_step, num_devices=setup.mesh.devices.size)
         for step in range(start_step, config.steps):
             profiler.step(step, block_on=state)
-            batch = next(data)
-            state, step_metrics = compiled(state, batch)
-            log(pending.push(step, step_metrics))
+            state, step_metrics = compiled(state, next(data))
+            logger.push(step, step_metrics)
             completed = step + 1
-            if eval_step is not None and completed % config.eval_interval == 0:
-                log(pending.flush())
-                _evaluate(eval_step, state, eval_data, eval_start, config, writer, completed, primary)
-                pending.reset_clock()
+            if evaluate is not None and completed % config.eval_interval == 0:
+                logger.flush()
+                evaluate(state, completed, writer)
+                logger.reset_clock()
             if checkpointer.should_save(completed):
-                log(pending.flush(), force=checkpointer.preempted)  # a NaN step is never saved
+                logger.flush(force=checkpointer.preempted)  # a NaN step is never saved
                 checkpointer.save(completed, state, data)
             if checkpointer.preempted:
                 break
-        log(pending.flush(), force=True)
+        logger.flush(force=True)
     finally:
         checkpointer.close()
-        if profiler is not None:
-            profiler.stop(block_on=state)
+        profiler.stop(block_on=state)
         writer.close()
-    if primary and start_step >= config.steps:
-        print(f"nothing to do: the run is already at step {start_step} of steps={config.steps}; raise steps to "
-              f"train on, or choose a new run_name")
-    if primary and losses and not checkpointer.preempted:
-        print(f"done: step {config.steps}, loss {losses[0]:.4f} (first) -> {losses[-1]:.4f} (last); "
-              f"outputs in {config.run_dir}")
+    if primary:
+        _print_end(config, start_step, logger, checkpointer.preempted)
     return 0
 
 
-def _evaluate(eval_step, state, eval_data, eval_start: dict, config: Config, writer, step: int,
-              primary: bool) -> None:
+def _open_outputs(config: Config, primary: bool) -> MetricsWriter:
+    """The run directory's config.yml and metrics writer (only the primary process writes)."""
+    from maxctx.metrics import MetricsWriter
+
+    if primary:
+        save_config(config, config.run_dir)
+    return MetricsWriter(config.run_dir, config.enable_tensorboard, primary)
+
+
+def _compile(config: Config, setup: TrainSetup, flops_per_step: float, writer: MetricsWriter) -> tuple[Any, float]:
+    """AOT-compiles the step and records its memory and FLOPs before step 0 (metrics.jsonl, and the header on the
+    primary process); returns the compiled step and the peak FLOP/s per device."""
+    import jax
+
+    from maxctx.metrics import compile_record, peak_flops_per_device
+    from maxctx.model.decoder import count_params
+    from maxctx.train_step import compile_train_step
+
+    device, num_devices = jax.devices()[0], setup.mesh.devices.size
+    peak, peak_source = peak_flops_per_device(device, config)
+    start = time.perf_counter()
+    compiled = compile_train_step(setup)
+    record = compile_record(compiled, analytic_flops_per_device=flops_per_step / num_devices)
+    record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(setup.mesh.shape),
+                  compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch,
+                  seq_len=config.max_target_length, peak_flops_per_device=peak, peak_source=peak_source)
+    writer.write_compile(record)
+    if writer.is_primary:
+        _print_header(config, record, device.platform, num_devices)
+    return compiled, peak
+
+
+def _evaluator(config: Config, setup: TrainSetup) -> functools.partial | None:
+    """`evaluate(state, step, writer)` on the eval split, or None with eval_interval=0."""
+    if config.eval_interval <= 0:
+        return None
+    from maxctx.data.pipeline import create_data_iterator
+    from maxctx.train_step import jit_eval_step
+
+    eval_data = create_data_iterator(config, setup.mesh, "eval")
+    return functools.partial(_evaluate, jit_eval_step(setup), eval_data, eval_data.get_state(), config)
+
+
+def _print_end(config: Config, start_step: int, logger: StepLogger, preempted: bool) -> None:
+    """The run's last line: nothing to do (already at `steps`), or the first and last loss unless preempted."""
+    if start_step >= config.steps:
+        print(f"nothing to do: the run is already at step {start_step} of steps={config.steps}; raise steps to "
+              f"train on, or choose a new run_name")
+    if logger.first_loss is not None and not preempted:
+        print(f"done: step {config.steps}, loss {logger.first_loss:.4f} (first) -> {logger.last_loss:.4f} (last); "
+              f"outputs in {config.run_dir}")
+
+
+def _evaluate(eval_step, eval_data, eval_start: dict, config: Config, state: dict, step: int,
+              writer: MetricsWriter) -> None:
     import math
 
     import jax
@@ -193,7 +174,7 @@ def _evaluate(eval_step, state, eval_data, eval_start: dict, config: Config, wri
     loss = loss_sum / max(weight_sum, 1.0)
     values = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": weight_sum}
     writer.write_eval(step, values)
-    if primary:
+    if writer.is_primary:
         print(f"eval at step {step}: loss {loss:.4f}, perplexity {values['perplexity']:.2f}", flush=True)
 
 

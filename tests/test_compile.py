@@ -17,9 +17,10 @@ import sys
 
 import pytest
 
-from maxctx.compile import _cp_bytes_per_layer, fit, roofline, xla_out_of_memory
 from maxctx.config import ConfigError, load_config
 from maxctx.metrics import training_flops_per_device
+from maxctx.out_of_memory import fit, xla_out_of_memory
+from maxctx.roofline import cp_bytes_per_layer, roofline
 from maxctx.topology import CHIPS, parse, standard_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,7 +142,7 @@ def test_roofline_terms():
     assert 0 < est["estimate_mfu"] <= 0.75  # full remat alone caps it at 3/4
     # p2p per layer: (C-1) hops of K/V (8 kv heads x 128, bf16) + ids forward; backward adds fp32 dK/dV.
     t = 4096
-    fwd, bwd = _cp_bytes_per_layer(config, mesh, t, 2)
+    fwd, bwd = cp_bytes_per_layer(config, mesh, t, 2)
     assert fwd == 7 * (2 * t * 8 * 128 * 2 + 8 * t)
     assert bwd == fwd + 8 * 2 * t * 8 * 128 * 4
 
@@ -149,9 +150,9 @@ def test_roofline_terms():
 def test_a2a_moves_all_heads_and_all_gather_only_kv():
     base = ["configs/base.yml", "model_name=llama3-8b", "max_target_length=32768", "ici_context_parallelism=8"]
     mesh = {"data": 1, "fsdp": 4, "context": 1, "context_a2a": 8, "tensor": 1}
-    a2a = _cp_bytes_per_layer(load_config([*base, "context_parallel_strategy=a2a"]), mesh, 4096, 2)
+    a2a = cp_bytes_per_layer(load_config([*base, "context_parallel_strategy=a2a"]), mesh, 4096, 2)
     mesh = {**mesh, "context": 8, "context_a2a": 1}
-    gather = _cp_bytes_per_layer(load_config([*base, "context_parallel_strategy=all_gather"]), mesh, 4096, 2)
+    gather = cp_bytes_per_layer(load_config([*base, "context_parallel_strategy=all_gather"]), mesh, 4096, 2)
     assert a2a[1] == pytest.approx(7 / 8 * (2 * 32 + 2 * 8) * 4096 * 128 * 2)
     assert gather[1] == 7 * 2 * 4096 * 8 * 128 * 2
 

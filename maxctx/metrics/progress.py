@@ -1,7 +1,8 @@
 """Host side of step logging: metrics fetched one step late, the NaN guard, the progress line, the profiler
 window and device memory. Nothing here blocks the device except where a docstring says so.
 
-A training loop uses them like this (maxctx.train does):
+A training loop uses them like this (maxctx.metrics.step_logger.StepLogger wraps the logging part for
+maxctx.train):
 
     pending = PendingMetrics()
     profiler = Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, is_primary)

@@ -1,0 +1,87 @@
+"""The training loop's step log: metrics fetched one step late, the NaN check, the timing window, metrics.jsonl and
+TensorBoard records and the progress line, behind three calls.
+
+    logger = StepLogger(writer, ...)        # just before the loop: its first step is timed from here
+    for step in range(start_step, steps):
+        state, metrics = train_step(state, batch)
+        logger.push(step, metrics)          # logs the previous step, on log_period
+        if a pause is due (eval, checkpoint):
+            logger.flush()                  # first, so a NaN step is never saved
+            ...
+            logger.reset_clock()            # after an eval: its time is not a step's
+    logger.flush(force=True)                # the last step is always logged
+
+Step time is averaged over the steps since the last logged one (steadier than one step). A step has no time when
+no fetch came before it: the loop's first step is timed from the logger's creation; the step after a
+`reset_clock` is left out of the window.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from maxctx.metrics.flops import throughput
+from maxctx.metrics.progress import PendingMetrics, StepMetrics, check_finite, device_memory, format_progress
+from maxctx.metrics.writers import MetricsWriter
+
+
+class StepLogger:
+    """Logs steps to `writer` every `log_period` completed steps (and the loop's first step); prints the progress
+    line on the primary process (the writer's). Raises NonFiniteLossError on a NaN or Inf loss or gradient norm.
+
+    first_loss, last_loss: the losses of the first and last steps fetched (None before any).
+    """
+
+    def __init__(self, writer: MetricsWriter, *, total_steps: int, log_period: int, tokens_per_step: int,
+                 flops_per_step: float, num_devices: int, peak_flops_per_device: float) -> None:
+        self.writer = writer
+        self.total_steps, self.log_period = total_steps, log_period
+        self._rates = {"tokens_per_step": tokens_per_step, "flops_per_step": flops_per_step,
+                       "num_devices": num_devices, "peak_flops_per_device": peak_flops_per_device}
+        self._pending = PendingMetrics()
+        self._loop_start: float | None = time.perf_counter()  # None once the first step is timed
+        self._window_seconds, self._window_steps = 0.0, 0  # step time summed since the last logged step
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+
+    def push(self, step: int, metrics: Any) -> None:
+        """Takes step `step`'s device metrics, just dispatched; logs the previous step's."""
+        self._log(self._pending.push(step, metrics), force=False)
+
+    def flush(self, force: bool = False) -> None:
+        """Logs the step pushed last, waiting for it to finish; `force` logs it even off the log period."""
+        self._log(self._pending.flush(), force)
+
+    def reset_clock(self) -> None:
+        """Leaves the next step out of the timing window, e.g. after an eval paused the loop."""
+        self._pending.reset_clock()
+
+    def _log(self, done: StepMetrics | None, force: bool) -> None:
+        if done is None:
+            return
+        completed = done.step + 1
+        check_finite(completed, done.metrics)
+        if self.first_loss is None:
+            self.first_loss = done.metrics["loss"]
+        self.last_loss = done.metrics["loss"]
+        first = self._loop_start is not None
+        seconds = self._step_seconds(done)
+        if seconds is not None:
+            self._window_seconds += seconds
+            self._window_steps += 1
+        if not (completed % self.log_period == 0 or force or first) or not self._window_steps:
+            return
+        seconds = self._window_seconds / self._window_steps
+        self._window_seconds, self._window_steps = 0.0, 0
+        values = {**done.metrics, **throughput(seconds, **self._rates), **device_memory()}
+        self.writer.write_step(completed, values)
+        if self.writer.is_primary:
+            print(format_progress(completed, self.total_steps, values, seconds), flush=True)
+
+    def _step_seconds(self, done: StepMetrics) -> float | None:
+        """The step's time since the previous fetch; the loop's first step, which has none, from the loop's start."""
+        if self._loop_start is None:
+            return done.seconds
+        seconds, self._loop_start = time.perf_counter() - self._loop_start, None
+        return seconds

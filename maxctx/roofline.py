@@ -1,0 +1,97 @@
+"""A roofline ESTIMATE of step time and MFU per device, not a measurement: the report `maxctx.compile` prints for a
+TPU topology.
+
+step time = max(compute, HBM, ICI), each term the time at the chip's peak rate, assuming perfect overlap of the
+three:
+    compute  (model FLOPs x recompute factor (4/3 with remat_policy=full or custom: the forward runs twice) + the
+             recompute of tiling: one more output projection with num_vocab_tiling > 1, one more MLP forward with
+             mlp_sequence_chunks > 1 under remat) / peak FLOP/s
+    HBM      bytes every step must move / HBM bandwidth: weights read once per pass (forward, remat forward,
+             backward) and the gradient written; AdamW reading p, g, m, v and writing p, m, v (fp32); every
+             matmul operand and result of every layer written and read once per pass (backward counted as two
+             forward passes); logits and their gradient. Attention kernels' K/V re-reads are left out (flash
+             blocks make them small next to the FLOPs).
+    ICI      bytes one device sends / its ICI egress (half the chip's bidirectional bandwidth, all links busy):
+             FSDP all-gathers of the weights (forward, and backward with its recompute) and the reduce-scatter of
+             fp32 gradients over the devices a weight is sharded across; data-parallel all-reduce; tensor-parallel
+             activation all-reduces; the CP strategy's collectives per layer, from the formulas in
+             strategy module's `collectives` (forward ones once per forward pass).
+DCN traffic between slices, latency, kernel efficiency and load imbalance are not modelled: real step times are
+longer and real MFU lower.
+"""
+
+from __future__ import annotations
+
+import math
+
+from maxctx.config import Config
+
+
+def cp_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: int) -> tuple[float, float]:
+    """(forward, backward) bytes one device sends for attention per layer: the formulas in maxctx/attention/*.py,
+    with t = tokens per device (B S / C)."""
+    c, u, r = mesh["context"] * mesh["context_a2a"], mesh["context_a2a"], mesh["context"]
+    if c == 1:
+        return 0.0, 0.0
+    tp = mesh["tensor"]
+    h, k, d = config.base_num_query_heads // tp, max(1, config.base_num_kv_heads // tp), config.head_dim
+    kk = math.lcm(k, u)  # kv heads after the a2a strategies' repetition
+    strategy = config.cp_strategy
+    if strategy == "all_gather":
+        return (c - 1) * (2 * t * k * d * b + 8 * t), (c - 1) * 2 * t * k * d * b
+    if strategy == "p2p":
+        hop = 2 * t * k * d * b + 8 * t
+        return (c - 1) * hop, (c - 1) * hop + c * 2 * t * k * d * 4
+    a2a = (u - 1) / u * (2 * h + 2 * kk) * t * d * b
+    if strategy == "a2a":
+        return a2a + (u - 1) * 8 * t, a2a
+    hop = 2 * t * kk * d * b + 8 * t * u  # usp: ring over R blocks of S/R tokens with K'/U heads
+    return a2a + (u - 1) * 8 * t + (r - 1) * hop, a2a + (r - 1) * hop + r * 2 * t * kk * d * 4
+
+
+def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params: int, chip) -> dict:
+    """The step-time / MFU estimate described in the module doc, per device."""
+    from maxctx.metrics import lookup_peak, training_flops_per_device
+
+    n = math.prod(mesh.values())
+    per_chip = chip.devices_per_chip
+    entry = lookup_peak(chip.device_kind)
+    peak = (config.peak_tflops_per_device * 1e12 if config.peak_tflops_per_device > 0
+            else entry.tflops_per_device * 1e12)
+    hbm_bw, ici_bw = chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / per_chip
+    b = 2 if config.dtype in ("bfloat16", "float16") else 4
+    wb = 4 if config.weight_dtype == "float32" else 2
+    layers, dim, tp, dp = config.base_num_decoder_layers, config.base_emb_dim, mesh["tensor"], mesh["data"]
+    heads, kv, hd, mlp = config.base_num_query_heads, config.base_num_kv_heads, config.head_dim, config.base_mlp_dim
+    t = global_batch * config.max_target_length / n  # tokens per device per step
+    # custom: counted as full (the layer is recomputed; what it keeps or offloads saves memory, not FLOPs)
+    full = config.remat_policy in ("full", "custom")
+    forward_passes = 2 if full else 1
+
+    model_flops = training_flops_per_device(config, global_batch, config.max_target_length, n)
+    # Tiling recomputes in the backward: the output projection once more, and (under a remat'd layer) the MLP.
+    tiled = (2 * t * dim * config.vocab_size / tp * (config.num_vocab_tiling > 1)
+             + 6 * layers * t * dim * mlp / tp * (config.mlp_sequence_chunks > 1 and full))
+    compute_s = (model_flops * (4 / 3 if full else 1) + tiled) / peak
+
+    weights = num_params / tp  # a device's slice of every weight, once gathered
+    shards = n // (dp * tp)  # devices each weight is sharded across (fsdp and context axes)
+    layer_act = 2 * b * (6 * dim + (2 * heads + 2 * kv) * hd / tp + 3 * mlp / tp)  # per token, one forward
+    hbm_bytes = ((forward_passes + 1) * weights * wb + weights * 4 + 7 * 4 * num_params / (shards * tp)
+                 + (forward_passes + 2) * layers * t * layer_act + 2 * t * config.vocab_size / tp * (b + 8))
+    hbm_s = hbm_bytes / hbm_bw
+
+    fsdp = (shards - 1) / shards * (2 * weights * wb + weights * 4)
+    data = 2 * (dp - 1) / dp * num_params / (shards * tp) * 4
+    tensor = (2 * forward_passes + 2) * layers * 2 * (tp - 1) / tp * t * dim * b
+    cp_fwd, cp_bwd = cp_bytes_per_layer(config, mesh, t, b)
+    ici_bytes = fsdp + data + tensor + layers * (forward_passes * cp_fwd + cp_bwd)
+    ici_s = ici_bytes / ici_bw
+
+    terms = {"compute": compute_s, "hbm": hbm_s, "ici": ici_s}
+    step = max(terms.values())
+    return {"peak_flops_per_device": peak, "estimate_compute_s": compute_s, "estimate_hbm_s": hbm_s,
+            "estimate_ici_s": ici_s, "estimate_hbm_bytes": hbm_bytes, "estimate_ici_bytes": ici_bytes,
+            "estimate_step_time_s": step, "estimate_bound": max(terms, key=terms.get),
+            "estimate_mfu": model_flops / (step * peak),
+            "estimate_tokens_per_s": global_batch * config.max_target_length / step}
