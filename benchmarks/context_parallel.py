@@ -5,7 +5,7 @@
 One attention layer, forward and backward (jit of the VJP), one sequence, H=8 query heads, K=2 kv heads, D=32,
 fp32, C = 8 (usp: ring 2 x a2a 4), zig-zag load balance. Per row: step time (median of --repeats runs after a
 warm-up), tokens/s, temp memory per device (compiled.memory_analysis()) and collective bytes per device (forward +
-backward, from the compiled HLO; see maxctx/attention/hlo.py). CPU step times say little about accelerators; the
+backward, from the compiled HLO; see tests/support/hlo.py). CPU step times say little about accelerators; the
 memory and byte columns are what the compiled program will do anywhere. Prints a Markdown table.
 """
 
@@ -27,9 +27,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
-from maxctx.attention.hlo import collective_bytes  # noqa: E402
 from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
 from maxctx.mesh import AXES  # noqa: E402
+from tests.support.hlo import collective_bytes  # noqa: E402
 
 LAYOUTS = {"all_gather": (8, 1), "a2a": (1, 8), "p2p": (8, 1), "usp": (2, 4)}
 H, K, D = 8, 2, 32

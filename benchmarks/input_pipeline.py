@@ -26,10 +26,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from maxctx.config import load_config  # noqa: E402
-from maxctx.data import fixtures as F  # noqa: E402
 from maxctx.data.pipeline import create_data_iterator  # noqa: E402
 from maxctx.data.prepare import prepare_shards  # noqa: E402
 from maxctx.mesh import create_mesh  # noqa: E402
+from tests.support import fixtures as F  # noqa: E402
 
 
 def build_corpus(root: str, documents: int) -> dict[str, list[str]]:

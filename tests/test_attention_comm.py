@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention.collectives import shard_map
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.hlo import collective_bytes
-from tests.test_context_parallel import make_mesh
+from tests.support.hlo import collective_bytes
+from tests.support.meshes import make_mesh
 
 B, S, H, K, D, b = 2, 64, 8, 2, 16, 4
 OPS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention.dispatch import AttentionSpec, attend
-from tests.test_context_parallel import FAST_COMPILE, make_mesh
+from tests.support.meshes import FAST_COMPILE, make_mesh
 
 LENGTHS = (8192, 16384, 32768)
 

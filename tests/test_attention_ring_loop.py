@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from maxctx.attention import kernels
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.kernels import make_local, stored_order
-from tests.test_context_parallel import FAST_COMPILE, make_mesh
+from tests.support.meshes import FAST_COMPILE, make_mesh
 
 
 def p2p_fwd_bwd_hlo(cp: int) -> str:

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.dot_product import dot_product_attention
 from maxctx.attention.load_balance import restore_order, zigzag_permutation
-from tests.test_context_parallel import make_mesh
+from tests.support.meshes import make_mesh
 
 S, H, K, D = 512, 2, 1, 128
 

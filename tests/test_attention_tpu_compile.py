@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.processes import python, tpu_env
 
 SCRIPT = r"""
 import json, sys
@@ -59,11 +56,9 @@ def test_splash_compiles_for_v5p_under_every_strategy():
     assert importlib.util.find_spec("libtpu") is not None, (
         "libtpu is not installed: the splash kernels cannot be compiled for an abstract TPU. Install it with "
         "pip install 'jax[tpu]==<the installed jax version>' (CI does).")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["TPU_SKIP_MDS_QUERY"] = "1"
-    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # other test processes may hold libtpu's lockfile
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    # ALLOW_MULTIPLE_LIBTPU_LOAD: other test processes may hold libtpu's lockfile.
+    env = tpu_env(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    proc = python("-c", SCRIPT, env=env, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"compile for v5p failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads(lines[-1].removeprefix("RESULT "))

@@ -9,14 +9,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.processes import BASE_YML, HOOKED_TRAIN, ROOT, cpu_env, losses, run, steps_on_disk, train_command
+
 COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=4",
           "ici_context_parallelism=2", "learning_rate_schedule_steps=20", "checkpoint_period=5",
           "peak_tflops_per_device=1", "enable_tensorboard=false"]
@@ -24,33 +23,17 @@ COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_targe
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return cpu_env(compile_cache=tmp_path_factory.mktemp("jax_cache"))
 
 
-def command(out: Path, run: str, *overrides: str, script: Path | None = None) -> list[str]:
-    entry = [str(script)] if script else [str(ROOT / "train.py")]
-    keys = dict(kv.split("=", 1) for kv in [*COMMON, *overrides])  # overrides replace COMMON's values
-    return [sys.executable, *entry, str(ROOT / "configs/base.yml"), f"base_output_directory={out}",
-            f"run_name={run}", *(f"{k}={v}" for k, v in keys.items())]
+def command(out: Path, run_name: str, *overrides: str, script: Path | None = None) -> list[str]:
+    return train_command(*COMMON, f"base_output_directory={out}", f"run_name={run_name}", *overrides, script=script)
 
 
-def train(env, out: Path, run: str, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(out, run, *overrides), env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+def train(env, out: Path, run_name: str, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
+    proc = run(command(out, run_name, *overrides), env=env, timeout=300)
     assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
-
-
-def losses(out: Path, run: str) -> dict[int, float]:
-    """Step -> loss of every logged step."""
-    records = [json.loads(line) for line in (out / run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}
-
-
-def steps_on_disk(out: Path, run: str) -> list[str]:
-    return sorted(os.listdir(out / run / "checkpoints"))
 
 
 def assert_continues(reference: dict[int, float], resumed: dict[int, float], first: int) -> None:
@@ -69,7 +52,7 @@ def reference(env, tmp_path_factory):
 
 
 def test_straight_run_keeps_last_checkpoints(reference):
-    assert steps_on_disk(reference, "straight") == ["10", "15", "20"]
+    assert steps_on_disk(reference / "straight") == ["10", "15", "20"]
     meta = json.loads((reference / "straight/checkpoints/20/meta/metadata").read_text())
     assert meta["step"] == 20 and meta["seed"] == 0 and len(meta["rng_key"]) == 2
     data = json.loads((reference / "straight/checkpoints/20/data/process_0-of-1.json").read_text())
@@ -78,56 +61,18 @@ def test_straight_run_keeps_last_checkpoints(reference):
 
 def test_exact_resume_with_context_parallelism(env, reference, tmp_path):
     train(env, tmp_path, "split", "steps=10")
-    first_half = losses(tmp_path, "split")
+    first_half = losses(tmp_path / "split")
     proc = train(env, tmp_path, "split", "steps=20")
     assert "resuming from checkpoint step 10" in proc.stdout
-    ref = losses(reference, "straight")
+    ref = losses(reference / "straight")
     assert [first_half[s] for s in range(1, 11)] == [ref[s] for s in range(1, 11)]
-    assert_continues(ref, losses(tmp_path, "split"), first=11)
+    assert_continues(ref, losses(tmp_path / "split"), first=11)
 
 
-# Runs train.py with test hooks: the JSON write of step SLOW_STEP's data item sleeps (so the async save is still
-# in flight when the test kills the process), and SIGTERM is sent to the process itself after step SIGTERM_STEP
-# (only by process SIGTERM_PROCESS when that is set).
-HOOKED_TRAIN = textwrap.dedent("""
-    import asyncio, os, signal, sys
-    sys.path.insert(0, {root!r})
-    import orbax.checkpoint as ocp
-    from maxctx import checkpoint, train
-
-    slow_step, sigterm_step = int(os.environ.get("SLOW_STEP", -1)), int(os.environ.get("SIGTERM_STEP", -1))
-    save_fn = ocp.JsonCheckpointHandler._save_fn
-
-    async def slow_save_fn(self, x, directory):
-        if os.path.basename(str(directory.parent)).startswith(f"{{slow_step}}."):
-            print(f"SAVING {{slow_step}}", flush=True)
-            await asyncio.sleep(120)
-        await save_fn(self, x, directory)
-
-    should_save = checkpoint.Checkpointer.should_save
-
-    def should_save_after_signal(self, step):
-        only = os.environ.get("SIGTERM_PROCESS")
-        if step == sigterm_step and (only is None or only == os.environ.get("JAX_PROCESS_ID")):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return should_save(self, step)
-
-    ocp.JsonCheckpointHandler._save_fn = slow_save_fn
-    checkpoint.Checkpointer.should_save = should_save_after_signal
-    sys.exit(train.main(sys.argv[1:]))
-""")
-
-
-@pytest.fixture(scope="module")
-def hooked(tmp_path_factory) -> Path:
-    script = tmp_path_factory.mktemp("hooks") / "hooked_train.py"
-    script.write_text(HOOKED_TRAIN.format(root=str(ROOT)))
-    return script
-
-
-def test_kill_during_async_save_resumes_from_last_complete(env, reference, hooked, tmp_path):
-    proc = subprocess.Popen(command(tmp_path, "killed", "steps=20", script=hooked), env={**env, "SLOW_STEP": "15"},
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def test_kill_during_async_save_resumes_from_last_complete(env, reference, tmp_path):
+    proc = subprocess.Popen(command(tmp_path, "killed", "steps=20", script=HOOKED_TRAIN),
+                            env={**env, "SLOW_STEP": "15"}, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         seen = []
         for line in proc.stdout:
@@ -139,26 +84,25 @@ def test_kill_during_async_save_resumes_from_last_complete(env, reference, hooke
     finally:
         proc.kill()
         proc.wait()
-    on_disk = steps_on_disk(tmp_path, "killed")
+    on_disk = steps_on_disk(tmp_path / "killed")
     assert "10" in on_disk and "15" not in on_disk and any(s.startswith("15.") for s in on_disk), on_disk
     resumed = train(env, tmp_path, "killed", "steps=20")
     assert "resuming from checkpoint step 10" in resumed.stdout
-    assert not any(s.startswith("15.") for s in steps_on_disk(tmp_path, "killed"))  # the cut-off save is removed
-    assert_continues(losses(reference, "straight"), losses(tmp_path, "killed"), first=11)
+    assert not any(s.startswith("15.") for s in steps_on_disk(tmp_path / "killed"))  # the cut-off save is removed
+    assert_continues(losses(reference / "straight"), losses(tmp_path / "killed"), first=11)
 
 
-def test_sigterm_finishes_step_saves_and_exits_0(env, reference, hooked, tmp_path):
-    args = command(tmp_path, "preempted", "steps=20", "checkpoint_period=100", script=hooked)
-    proc = subprocess.run(args, env={**env, "SIGTERM_STEP": "7"}, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+def test_sigterm_finishes_step_saves_and_exits_0(env, reference, tmp_path):
+    args = command(tmp_path, "preempted", "steps=20", "checkpoint_period=100", script=HOOKED_TRAIN)
+    proc = run(args, env={**env, "SIGTERM_STEP": "7"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "preemption notice (SIGTERM): saved step 7" in proc.stdout
-    assert steps_on_disk(tmp_path, "preempted") == ["7"]
-    assert max(losses(tmp_path, "preempted")) == 7
+    assert steps_on_disk(tmp_path / "preempted") == ["7"]
+    assert max(losses(tmp_path / "preempted")) == 7
     resumed = train(env, tmp_path, "preempted", "steps=20", "checkpoint_period=100")
     assert "resuming from checkpoint step 7" in resumed.stdout
-    assert steps_on_disk(tmp_path, "preempted") == ["20", "7"]
-    assert_continues(losses(reference, "straight"), losses(tmp_path, "preempted"), first=8)
+    assert steps_on_disk(tmp_path / "preempted") == ["20", "7"]
+    assert_continues(losses(reference / "straight"), losses(tmp_path / "preempted"), first=8)
 
 
 def test_missing_load_path_exits_2_with_one_line(env, tmp_path):
@@ -176,7 +120,7 @@ def _setup(out: Path, run: str, *overrides: str):
     from maxctx.mesh import create_mesh
     from maxctx.train_step import make_setup
 
-    config = load_config([str(ROOT / "configs/base.yml"), f"base_output_directory={out}", f"run_name={run}",
+    config = load_config([str(BASE_YML), f"base_output_directory={out}", f"run_name={run}",
                           "dtype=float32", "per_device_batch_size=1", "max_target_length=64",
                           "learning_rate_schedule_steps=20", "enable_tensorboard=false", *overrides])
     return make_setup(config, create_mesh(config))
@@ -233,13 +177,13 @@ def test_resume_onto_another_mesh_and_device_count(env, reference, tmp_path):
     mesh_b = ["cpu_devices=8", "per_device_batch_size=0.5", "ici_fsdp_parallelism=2", "ici_context_parallelism=4"]
     proc = train(env, tmp_path, "moved", "steps=20", *mesh_b)
     assert "resuming from checkpoint step 10" in proc.stdout and "'context': 4" in proc.stdout
-    ref, moved = losses(reference, "straight"), losses(tmp_path, "moved")
+    ref, moved = losses(reference / "straight"), losses(tmp_path / "moved")
     steps = range(11, 21)
     np.testing.assert_allclose([moved[s] for s in steps], [ref[s] for s in steps], rtol=1e-5)
 
 
 def test_exact_resume_text_source(env, tmp_path):
-    from maxctx.data.fixtures import make_documents, tiny_tokenizer, write_txt
+    from tests.support.fixtures import make_documents, tiny_tokenizer, write_txt
 
     documents = make_documents(300)
     docs = write_txt(str(tmp_path / "docs.txt"), documents)
@@ -251,7 +195,7 @@ def test_exact_resume_text_source(env, tmp_path):
     assert "resuming from checkpoint step 10" in proc.stdout
     state = json.loads((tmp_path / "split/checkpoints/20/data/process_0-of-1.json").read_text())
     assert "grain" in state
-    assert_continues(losses(tmp_path, "straight"), losses(tmp_path, "split"), first=1)  # both halves
+    assert_continues(losses(tmp_path / "straight"), losses(tmp_path / "split"), first=1)  # both halves
 
 
 def test_rng_key_is_a_function_of_seed_and_step():

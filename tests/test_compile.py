@@ -22,8 +22,8 @@ from maxctx.metrics import training_flops_per_device
 from maxctx.out_of_memory import fit, xla_out_of_memory
 from maxctx.roofline import cp_bytes_per_layer, roofline
 from maxctx.topology import CHIPS, parse, standard_shape
+from tests.support.processes import ROOT, python, tpu_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024 ** 3
 STRATEGIES = ("all_gather", "a2a", "p2p", "usp")
 LLAMA_32K_V5P_64 = ("compile_topology=v5p-64", "model_name=llama3-8b", "max_target_length=32768",
@@ -38,13 +38,6 @@ def needs_libtpu() -> None:
     if os.environ.get("MAXCTX_REQUIRE_LIBTPU") == "1":
         pytest.fail(f"MAXCTX_REQUIRE_LIBTPU=1 but {message}")
     pytest.skip(message)
-
-
-def tpu_env() -> dict[str, str]:
-    """The test process forces JAX onto simulated CPU devices (conftest); a TPU compile must not."""
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def start_compile(*overrides: str) -> subprocess.Popen:
@@ -167,8 +160,7 @@ def test_topology_devices_for_every_generation():
             "    print(name, len(d), d[0].device_kind, d[0].platform)\n"
             "d = topology_devices(parse('v5e-8'), num_slices=2)\n"
             "print('slices', len(d), sorted({x.slice_index for x in d}))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=tpu_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = python("-c", code, env=tpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.strip().splitlines()]
     kinds = {line[0]: (int(line[1]), " ".join(line[2:-1]), line[-1]) for line in lines[:-1]}

@@ -2,13 +2,12 @@
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 
 from maxctx.config import Config, ConfigError, available_models, load_config, parse_overrides
 from maxctx.train import main
+from tests.support.processes import run, train_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(REPO, "configs", "base.yml")
@@ -119,8 +118,7 @@ def test_missing_yaml_file(capsys):
 
 
 def test_bad_config_in_a_real_process_has_no_traceback():
-    result = subprocess.run([sys.executable, "train.py", "configs/base.yml", "ici_fsdp_paralelism=2"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    result = run(train_command("ici_fsdp_paralelism=2"), timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "did you mean 'ici_fsdp_parallelism'" in result.stderr.strip().splitlines()[-1]

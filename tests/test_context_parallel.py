@@ -13,21 +13,14 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.dot_product import dot_product_attention
 from maxctx.attention.load_balance import restore_order, zigzag_permutation
-from maxctx.mesh import AXES
+from tests.support.meshes import FAST_COMPILE, make_mesh
 
 SEQ, DIM, HEADS = 32, 8, 8
-# Compile time dominates these tests; XLA's backend optimisations change no result here.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def make_mesh(ring: int, a2a: int, tensor: int = 1) -> Mesh:
-    devices = np.asarray(jax.devices()[: ring * a2a * tensor]).reshape(1, 1, ring, a2a, tensor)
-    return Mesh(devices, AXES)
 
 
 def inputs(kv_heads: int, seed: int = 0):

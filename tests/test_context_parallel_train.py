@@ -2,22 +2,21 @@
 
 In the suite: one C per strategy (a2a C=2, all_gather C=4, p2p C=8, usp C=8 = ring 2 x a2a 4), against C=1, the
 five runs in parallel processes. The full matrix (every strategy x C in {2, 4, 8}) runs with
-`python tests/test_context_parallel_train.py` (about eight minutes on two cores) and prints the largest relative
+`python -m tests.test_context_parallel_train` (about eight minutes on two cores) and prints the largest relative
 difference per run; benchmarks/context_parallel.md has its output.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.processes import ROOT, cpu_env, losses as run_dir_losses, train_command
+
 COMMON = ["cpu_devices=8", "steps=10", "dtype=float32", "attention=flash", "log_period=1", "per_device_batch_size=1",
           "base_num_query_heads=8", "base_num_kv_heads=2", "enable_checkpointing=false", "enable_tensorboard=false",
           "flash_block_q=16", "flash_block_kv=16"]
@@ -28,23 +27,19 @@ CASES = [("a2a", 2), ("all_gather", 4), ("p2p", 8), ("usp", 8)]
 
 def start_run(strategy: str, cp: int, out_dir: str) -> tuple[subprocess.Popen, list[str], str]:
     name = f"{strategy}_c{cp}"
-    cmd = [sys.executable, "train.py", "configs/base.yml", *COMMON, f"ici_context_parallelism={cp}",
-           f"context_parallel_strategy={strategy}", f"base_output_directory={out_dir}", f"run_name={name}"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return proc, cmd, os.path.join(out_dir, name, "metrics.jsonl")
+    cmd = train_command(*COMMON, f"ici_context_parallelism={cp}", f"context_parallel_strategy={strategy}",
+                        f"base_output_directory={out_dir}", f"run_name={name}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, cmd, os.path.join(out_dir, name)
 
 
 def finish_run(run: tuple[subprocess.Popen, list[str], str]) -> list[float]:
-    proc, cmd, metrics = run
+    proc, cmd, run_dir = run
     stdout, stderr = proc.communicate(timeout=1200)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}"
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f]
-    losses = {r["step"]: r["loss"] for r in records if r.get("event") == "train"}
-    assert len(losses) >= 9, f"expected a loss for (almost) every step, got steps {sorted(losses)}"
-    return [losses[s] for s in sorted(losses)]
+    by_step = run_dir_losses(run_dir)
+    assert len(by_step) >= 9, f"expected a loss for (almost) every step, got steps {sorted(by_step)}"
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def run_losses(strategy: str, cp: int, out_dir: str) -> list[float]:

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 
 from maxctx.config import ConfigError, load_config
-from maxctx.data import DataError, fixtures as F
+from maxctx.data import DataError
 from maxctx.data.global_batch import HostLayout
 from maxctx.data.pipeline import build_host_dataset, create_data_iterator
 from maxctx.data.sources import ArrayRecordSource, TextSource, TfdsSource, encode_tokens, expand_files
 from maxctx.mesh import create_mesh
+from tests.support import fixtures as F
 
 
 def iterator(*overrides):

@@ -7,8 +7,6 @@ global batch from per-host rows.
 """
 
 import json
-import os
-import socket
 import subprocess
 import sys
 
@@ -17,12 +15,12 @@ import pytest
 
 from maxctx.attention.load_balance import restore_order
 from maxctx.config import load_config
-from maxctx.data import fixtures as F
 from maxctx.data.pipeline import create_data_iterator
 from maxctx.data.sources import encode_tokens
 from maxctx.mesh import create_mesh
+from tests.support import fixtures as F
+from tests.support.processes import ROOT, cpu_env, free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, STEPS = 64, 2
 CASES = {
     "context_spans_processes": ["ici_context_parallelism=8", "ici_fsdp_parallelism=1", "per_device_batch_size=0.25"],
@@ -77,16 +75,13 @@ def data_args(path):
 @pytest.fixture(scope="module")
 def two_processes(shards_file):
     path, root = shards_file
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = root / "worker.py"
     script.write_text(WORKER)
     cases = json.dumps({name: data_args(path) + args for name, args in CASES.items()})
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, str(script), str(pid), str(port), str(root / f"out{pid}.json"), cases],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              cwd=ROOT, env=cpu_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
              for pid in range(2)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for p, log in zip(procs, logs):

@@ -3,18 +3,14 @@ simulated CPU devices with context parallelism; a bad data path exits 2 with one
 directory as it was. All runs share one model shape and a persistent compilation cache, so the step compiles
 once."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from maxctx.data import fixtures as F
 from maxctx.data.prepare import prepare_shards
+from tests.support import fixtures as F
+from tests.support.processes import cpu_env, metrics, run, train_command
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["steps=3", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=4",
           "ici_context_parallelism=2", "enable_checkpointing=false", "enable_tensorboard=false",
           "peak_tflops_per_device=1", "eval_interval=3", "eval_steps=1", "base_num_decoder_layers=1"]
@@ -32,11 +28,7 @@ def setup(tmp_path_factory):
     prepare_shards(str(root / "train.jsonl"), tok, str(root / "tok-train"), 2, progress=False)
     prepare_shards(str(root / "eval.jsonl"), tok, str(root / "tok-eval"), 1, progress=False)
     F.build_tfds(str(root / "tfds"), {"train": docs[:120], "validation": docs[120:]})
-    cache = tmp_path_factory.mktemp("jax_cache")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    env.pop("XLA_FLAGS", None)
-    return root, tok, env
+    return root, tok, cpu_env(compile_cache=tmp_path_factory.mktemp("jax_cache"))
 
 
 def sources(root, tok):
@@ -52,11 +44,8 @@ def sources(root, tok):
     }
 
 
-def train(env, out, run, *overrides):
-    keys = dict(kv.split("=", 1) for kv in [*COMMON, *overrides])  # later values win
-    args = [sys.executable, str(ROOT / "train.py"), str(ROOT / "configs/base.yml"), f"base_output_directory={out}",
-            f"run_name={run}", *(f"{k}={v}" for k, v in keys.items())]
-    return subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def train(env, out, run_name, *overrides):
+    return run(train_command(*COMMON, f"base_output_directory={out}", f"run_name={run_name}", *overrides), env=env)
 
 
 @pytest.mark.parametrize("source", ["arrayrecord_text", "arrayrecord_tokens", "tfds", "text"])
@@ -64,7 +53,7 @@ def test_train_py_trains_on_each_source(setup, tmp_path, source):
     root, tok, env = setup
     proc = train(env, tmp_path, source, *sources(root, tok)[source])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / source / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(tmp_path / source)
     train_losses = [r["loss"] for r in records if r.get("event") == "train"]
     evals = [r for r in records if r.get("event") == "eval"]
     assert len(train_losses) == 3 and all(0 < loss < 7 for loss in train_losses)

@@ -3,21 +3,17 @@ the context axis spanning both processes, a real data source (jsonl + sentencepi
 stops and resumes through scripts/run_local_multihost.sh, and its losses equal a single-process 8-device run.
 If one process dies, the other stops with an error within a bounded time instead of hanging."""
 
-import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from maxctx.data import fixtures as F
+from tests.support import fixtures as F
+from tests.support.processes import ROOT, cpu_env, free_port, losses, run, train_command
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=0.25", "max_target_length=64",
           "ici_fsdp_parallelism=1", "ici_context_parallelism=8", "context_parallel_strategy=p2p",
@@ -32,31 +28,20 @@ def job(tmp_path_factory):
     tokenizer = F.tiny_tokenizer(str(root / "sp.model"), docs)
     F.write_jsonl(str(root / "train.jsonl"), docs)
     data = ["dataset_type=text", f"grain_train_files={root}/train.jsonl", f"tokenizer_path={tokenizer}"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXCTX_PYTHON": sys.executable}
-    env.pop("XLA_FLAGS", None)
-    return root, [*COMMON, *data, f"base_output_directory={root}"], env
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}
+    return root, [*COMMON, *data, f"base_output_directory={root}"], cpu_env(MAXCTX_PYTHON=sys.executable)
 
 
 def test_two_processes_checkpoint_resume_and_match_one_process(job):
     root, common, env = job
-    single = subprocess.run([sys.executable, "train.py", "configs/base.yml", *common, "run_name=single",
-                             "cpu_devices=8", f"steps={STEPS}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    single = run(train_command(*common, "run_name=single", "cpu_devices=8", f"steps={STEPS}"), env=env)
     assert single.returncode == 0, single.stderr[-3000:]
 
     launch = ["bash", "scripts/run_local_multihost.sh", "--devices-per-process", "4", "2", "configs/base.yml",
               *common, "run_name=multi"]
-    first = subprocess.run([*launch, f"steps={STEPS // 2}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=600)
+    first = run([*launch, f"steps={STEPS // 2}"], env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (root / "multi" / "checkpoints" / str(STEPS // 2)).is_dir()
-    second = subprocess.run([*launch, f"steps={STEPS}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    second = run([*launch, f"steps={STEPS}"], env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"resuming from checkpoint step {STEPS // 2}" in second.stdout
     # Only process 0 logs: each step once, first half from the first launch, the rest after the resume.
@@ -69,15 +54,13 @@ def test_two_processes_checkpoint_resume_and_match_one_process(job):
 
 def test_a_dead_process_stops_the_other_with_an_error(job, tmp_path):
     root, common, env = job
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = []
     for pid in range(2):
         penv = {**env, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                 "JAX_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, "train.py", "configs/base.yml", *common, "run_name=dies",
-                                       "cpu_devices=4", "steps=1000", "enable_checkpointing=false"], cwd=ROOT,
+        procs.append(subprocess.Popen(train_command(*common, "run_name=dies", "cpu_devices=4", "steps=1000",
+                                                    "enable_checkpointing=false"), cwd=ROOT,
                                       env=penv, stdout=open(tmp_path / f"out{pid}.txt", "w"),
                                       stderr=subprocess.STDOUT))
     try:

@@ -3,10 +3,10 @@
 import json
 import os
 import struct
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.processes import ROOT, python
+
+PLOT = ROOT / "scripts" / "plot_metrics.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -26,8 +26,7 @@ def test_two_runs_give_valid_pngs(tmp_path):
     _fake_run(runs[0], 1.0)
     _fake_run(runs[1], 1.2)
     out = tmp_path / "plots"
-    result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot_metrics.py"), *runs,
-                             "--out", str(out)], capture_output=True, text=True, timeout=120)
+    result = python(PLOT, *runs, "--out", out, timeout=120)
     assert result.returncode == 0, result.stderr
     for name in ("loss.png", "tokens_per_sec.png", "mfu.png"):
         data = (out / name).read_bytes()
@@ -39,7 +38,5 @@ def test_two_runs_give_valid_pngs(tmp_path):
 
 
 def test_missing_run_dir_is_an_error(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot_metrics.py"),
-                             str(tmp_path / "nope"), "--out", str(tmp_path / "plots")],
-                            capture_output=True, text=True, timeout=60)
+    result = python(PLOT, tmp_path / "nope", "--out", tmp_path / "plots", timeout=60)
     assert result.returncode == 1 and "metrics.jsonl" in result.stderr

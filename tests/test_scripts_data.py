@@ -3,22 +3,17 @@ tokenized ArrayRecord shards that hold every non-empty document, and clear error
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
-from maxctx.data import fixtures as F
 from maxctx.data.sources import ArrayRecordSource
 from maxctx.data.tokenizer import Tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import fixtures as F
+from tests.support.processes import ROOT, python
 
 
 def run(script, *args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return python(ROOT / "scripts" / script, *args, timeout=120)
 
 
 def test_train_tokenizer_then_prepare_shards(tmp_path):

@@ -11,9 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -23,8 +20,8 @@ from maxctx.config import ConfigError, load_config
 from maxctx.mesh import create_mesh
 from maxctx.train_step import compile_train_step, init_state, jit_train_step, loss_sums, make_setup
 from maxctx.validate import validate
+from tests.support.processes import python, tpu_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = 256
 SMALL = ["dtype=float32", "attention=flash", "flash_block_q=16", "flash_block_kv=16", "ici_context_parallelism=4",
          f"max_target_length={S}", "per_device_batch_size=0.5", "base_num_query_heads=8", "base_num_kv_heads=2"]
@@ -129,11 +126,7 @@ print("RESULT " + json.dumps(results))
 
 
 def test_offload_moves_layer_inputs_to_host_on_tpu():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), TPU_SKIP_MDS_QUERY="1",
-               ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    proc = subprocess.run([sys.executable, "-c", TPU_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = python("-c", TPU_SCRIPT, env=tpu_env(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1"), timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"compile for v5p-8 failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     r = json.loads(lines[-1].removeprefix("RESULT "))

@@ -8,8 +8,9 @@ import pytest
 import sentencepiece as spm
 
 from maxctx.config import ConfigError, load_config
-from maxctx.data import DataError, fixtures as F
+from maxctx.data import DataError
 from maxctx.data.tokenizer import EncodeDocument, Tokenizer, load_tokenizer
+from tests.support import fixtures as F
 
 
 class FakeSource:

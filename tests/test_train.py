@@ -1,27 +1,19 @@
 """Whole runs of train.py: outputs, the loss falls, and sharded meshes train exactly like one device."""
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.processes import metrics, run, train_command
+
 STEPS = 20
 
 
 def run_train(tmp_path, run_name, *overrides, timeout=600):
     """Runs train.py in a subprocess (its own device count) and returns (records of metrics.jsonl, stdout)."""
-    args = [sys.executable, "train.py", "configs/base.yml", f"base_output_directory={tmp_path}",
-            f"run_name={run_name}", *overrides]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    result = run(train_command(f"base_output_directory={tmp_path}", f"run_name={run_name}", *overrides),
+                 timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(tmp_path, run_name, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], result.stdout
+    return metrics(tmp_path / run_name), result.stdout
 
 
 def losses(records):
@@ -61,11 +53,7 @@ def test_relative_output_directory_checkpoints_and_writes_the_resolved_config(tm
     """The Quickstart's default: base_output_directory=outputs, relative to where train.py runs."""
     import yaml
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), os.path.join(REPO, "configs/base.yml"),
-                             "cpu_devices=1", "steps=3", "checkpoint_period=2", "log_period=1"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600, env=env)
+    result = run(train_command("cpu_devices=1", "steps=3", "checkpoint_period=2", "log_period=1"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "outputs" / "default_run"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "3"]

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from maxctx.config import ConfigError
+
 PAD, BOS, EOS = 0, 1, 2
 FIRST_CONTENT = 3
+MIN_VOCAB = FIRST_CONTENT + 2  # the chain needs two content tokens to walk between
 SUCCESSORS = 4
 SUCCESSOR_PROBS = np.array([0.7, 0.1, 0.1, 0.1])
 
@@ -65,8 +68,9 @@ class SyntheticSource:
     1 eval) draw different documents from the same chain."""
 
     def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int, stream: int = 0):
-        if vocab_size <= FIRST_CONTENT + 1:
-            raise ValueError(f"vocab_size={vocab_size} is too small for synthetic data; use at least 8")
+        if vocab_size < MIN_VOCAB:
+            raise ConfigError(f"vocab_size={vocab_size} is too small for dataset_type=synthetic (ids 0-2 are PAD, BOS "
+                              f"and EOS, and the chain needs two content tokens); set vocab_size >= {MIN_VOCAB}")
         self.seq_len, self.global_batch, self.seed, self.stream = seq_len, global_batch, seed, stream
         self.table = transition_table(vocab_size, seed)
 

@@ -1,0 +1,45 @@
+"""train.py with test hooks, for the checkpoint tests, set by environment variables:
+
+- SLOW_STEP: the JSON write of that step's data item sleeps, so the async save is still in flight when the test
+  kills the process;
+- SIGTERM_STEP: the process sends SIGTERM to itself after that step (only process SIGTERM_PROCESS when that is
+  set).
+"""
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository, not this folder
+
+import orbax.checkpoint as ocp  # noqa: E402
+
+from maxctx import checkpoint, train  # noqa: E402
+
+slow_step, sigterm_step = int(os.environ.get("SLOW_STEP", -1)), int(os.environ.get("SIGTERM_STEP", -1))
+save_fn = ocp.JsonCheckpointHandler._save_fn
+
+
+async def slow_save_fn(self, x, directory):
+    if os.path.basename(str(directory.parent)).startswith(f"{slow_step}."):
+        print(f"SAVING {slow_step}", flush=True)
+        await asyncio.sleep(120)
+    await save_fn(self, x, directory)
+
+
+should_save = checkpoint.Checkpointer.should_save
+
+
+def should_save_after_signal(self, step):
+    only = os.environ.get("SIGTERM_PROCESS")
+    if step == sigterm_step and (only is None or only == os.environ.get("JAX_PROCESS_ID")):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return should_save(self, step)
+
+
+if __name__ == "__main__":
+    ocp.JsonCheckpointHandler._save_fn = slow_save_fn
+    checkpoint.Checkpointer.should_save = should_save_after_signal
+    sys.exit(train.main(sys.argv[1:]))

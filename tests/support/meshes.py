@@ -1,0 +1,19 @@
+"""Meshes over the test process's simulated CPU devices, and compile options for tests that only need a program
+that runs, not a fast one."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from maxctx.mesh import AXES
+
+# Compile time dominates the attention tests; XLA's backend optimisations change no result there.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def make_mesh(ring: int, a2a: int, tensor: int = 1) -> Mesh:
+    """The first ring x a2a x tensor devices as a mesh of context=ring, context_a2a=a2a, tensor=tensor."""
+    devices = np.asarray(jax.devices()[: ring * a2a * tensor]).reshape(1, 1, ring, a2a, tensor)
+    return Mesh(devices, AXES)

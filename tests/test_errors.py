@@ -1,0 +1,32 @@
+"""Every user error, whether the config loader finds it or the run's set-up does (the data pipeline), reaches the
+user as one line and exit status 2, not as a traceback, and nothing is written to the run directory.
+
+Each case goes through `maxctx.train.main` in this process (8 simulated CPU devices from conftest)."""
+
+import pytest
+
+from maxctx.train import EXIT_CONFIG, main
+from tests.support import fixtures as F
+from tests.support.processes import BASE_YML
+
+TINY = ["steps=1", "per_device_batch_size=1", "max_target_length=32", "base_num_decoder_layers=1",
+        "enable_checkpointing=false", "enable_tensorboard=false"]
+
+CASES = [  # overrides ({empty}: an ArrayRecord file of no records), the line's prefix, text the line holds
+    pytest.param(["vocab_size=4"], "config error: ", "vocab_size=4 is too small for dataset_type=synthetic",
+                 id="synthetic_vocab_too_small"),
+    pytest.param(["packing=first_fits"], "config error: ", "packing='first_fits'", id="packing_unknown"),
+    pytest.param(["dataset_type=arrayrecord", "grain_train_files={empty}"], "data error: ", "hold no records",
+                 id="dataset_without_records"),
+]
+
+
+@pytest.mark.parametrize("overrides,prefix,expected", CASES)
+def test_error_exits_2_with_one_line(tmp_path, capsys, overrides, prefix, expected):
+    empty = F.write_arrayrecord(str(tmp_path / "empty.array_record"), [])
+    out = tmp_path / "out"
+    status = main([str(BASE_YML), *TINY, f"base_output_directory={out}", *(o.format(empty=empty) for o in overrides)])
+    err = capsys.readouterr().err.strip()
+    assert status == EXIT_CONFIG, err
+    assert len(err.splitlines()) == 1 and err.startswith(prefix) and expected in err, err
+    assert not out.exists()
