@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxctx.config import load_config  # noqa: E402
 from maxctx.data.pipeline import create_data_iterator  # noqa: E402
 from maxctx.data.prepare import prepare_shards  # noqa: E402
 from maxctx.mesh import create_mesh  # noqa: E402
+from maxctx.validate import load_config  # noqa: E402
 from tests.support import fixtures as F  # noqa: E402
 
 

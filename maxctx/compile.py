@@ -25,9 +25,10 @@ import math
 import sys
 import time
 
-from maxctx.config import Config, ConfigError, load_config
+from maxctx.config import Config, ConfigError
 from maxctx.out_of_memory import fit, onchip_advice, xla_out_of_memory
 from maxctx.roofline import roofline
+from maxctx.validate import load_config
 
 GIB = 1024 ** 3
 NOT_FITTING = 3
@@ -53,7 +54,7 @@ def compile_report(config: Config) -> dict:
     report = {"model_name": config.model_name, "num_params": count_params(setup.abstract_state["params"]),
               "mesh": dict(mesh.shape), "platform": devices[0].platform, "device_kind": devices[0].device_kind,
               "num_devices": num_devices, "global_batch": setup.global_batch, "seq_len": config.max_target_length,
-              "context_parallel_strategy": config.cp_strategy,
+              "context_parallel_strategy": config.context_parallel_strategy,
               "attention": resolve_kernel(config.attention, platform=devices[0].platform, dtype=config.dtype)}
     start = time.perf_counter()
     try:

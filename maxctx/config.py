@@ -1,9 +1,14 @@
 """Typed, frozen run configuration: YAML files and `key=value` overrides fill one schema.
 
-Load order (later wins): `configs/base.yml` (or the YAML named on the command line), then the model preset
-`configs/models/<model_name>.yml`, then command-line overrides. Every key is documented in `configs/base.yml`.
-Cross-field checks live in `maxctx.validate` and run before JAX initialises; nothing writes into a Config after
-loading: derived values are properties.
+Load order (later wins): `configs/base.yml`, then the model preset `configs/models/<model_name>.yml`, then the YAML
+file named on the command line (if it is not base.yml itself), then command-line overrides; so a run's own
+`config.yml` reruns it exactly. A key given twice on the command line: the last wins (as in MaxText), with a
+notice on stderr. MaxText's key names and values are read through maxctx.compat.
+
+Every key is documented in `configs/base.yml`, whose values are the defaults here (tests/test_config.py checks that
+they agree). Fixed-choice keys are `Literal` types: a value outside them is refused with the closest choice. This
+module only parses; `maxctx.validate.load_config` parses and runs the cross-field checks, before JAX is imported.
+Nothing writes into a Config after loading: derived values are properties.
 """
 
 from __future__ import annotations
@@ -12,13 +17,25 @@ import dataclasses
 import difflib
 import math
 import os
-from typing import Any, get_type_hints
+import sys
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
 
 class ConfigError(ValueError):
     """A bad configuration: the message names the key, the value and the fix."""
+
+
+AttentionKernel = Literal["auto", "dot_product", "flash", "splash", "cudnn"]
+RematPolicy = Literal["none", "minimal", "full", "custom"]
+RematPlace = Literal["remat", "device", "offload"]
+DType = Literal["float32", "bfloat16", "float16"]
+DatasetType = Literal["synthetic", "arrayrecord", "tfds", "text"]
+Packing = Literal["first_fit", "concat", "none"]
+# The tensors remat_policy=custom places (MaxText's names; maxctx.model.layers tags them with checkpoint_name).
+REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
+               "mlpwo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,24 +59,25 @@ class Config:
     normalization_layer_epsilon: float = 1e-5
     logits_via_embedding: bool = False
     # Numerics and memory.
-    dtype: str = "bfloat16"
-    weight_dtype: str = "float32"
-    remat_policy: str = "full"
+    dtype: DType = "bfloat16"
+    weight_dtype: DType = "float32"
+    remat_policy: RematPolicy = "full"
     scan_layers: bool = True
-    # remat_policy=custom: where each named tensor goes (remat, device or offload).
-    decoder_layer_input: str = "device"
-    query_proj: str = "remat"
-    key_proj: str = "remat"
-    value_proj: str = "remat"
-    context: str = "remat"
-    out_proj: str = "remat"
-    mlpwi: str = "remat"
-    mlpwo: str = "remat"
+    # remat_policy=custom: where each of REMAT_NAMES goes.
+    decoder_layer_input: RematPlace = "device"
+    query_proj: RematPlace = "remat"
+    key_proj: RematPlace = "remat"
+    value_proj: RematPlace = "remat"
+    context: RematPlace = "remat"
+    out_proj: RematPlace = "remat"
+    mlpwi: RematPlace = "remat"
+    mlpwo: RematPlace = "remat"
     # Token tiling of the loss and the MLP.
     num_vocab_tiling: int = 1
     mlp_sequence_chunks: int = 1
     # Attention and context parallelism.
-    attention: str = "auto"
+    attention: AttentionKernel = "auto"
+    # One of maxctx.attention.strategies (or an alias), checked there: the registry is its one list of names.
     context_parallel_strategy: str = "all_gather"
     context_parallel_load_balance: bool = True
     context_parallel_a2a_degree: int = 0
@@ -89,7 +107,7 @@ class Config:
     adam_weight_decay: float = 0.1
     gradient_clipping_threshold: float = 1.0
     # Data.
-    dataset_type: str = "synthetic"
+    dataset_type: DatasetType = "synthetic"
     dataset_name: str = ""
     dataset_split: str = "train"
     eval_split: str = ""
@@ -100,7 +118,7 @@ class Config:
     tokenizer_path: str = ""
     add_bos: bool = True
     add_eos: bool = True
-    packing: str = "first_fit"
+    packing: Packing = "first_fit"
     grain_worker_count: int = 0
     grain_prefetch_buffer_size: int = 16
     data_shuffle_seed: int = 0
@@ -129,16 +147,6 @@ class Config:
 
     # ---- derived values -------------------------------------------------------------------------------------
     @property
-    def context_parallelism(self) -> int:
-        """Total CP degree C = ici x dcn context parallelism."""
-        return self.ici_context_parallelism * self.dcn_context_parallelism
-
-    @property
-    def cp_strategy(self) -> str:
-        """The strategy with MaxText's aliases resolved (ring -> p2p, ulysses -> a2a)."""
-        return STRATEGY_ALIASES.get(self.context_parallel_strategy, self.context_parallel_strategy)
-
-    @property
     def schedule_steps(self) -> int:
         return self.learning_rate_schedule_steps if self.learning_rate_schedule_steps > 0 else self.steps
 
@@ -164,7 +172,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-STRATEGY_ALIASES = {"ring": "p2p", "ulysses": "a2a"}
 MODEL_KEYS = (
     "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers",
     "head_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "logits_via_embedding",
@@ -178,11 +185,27 @@ def _closest(key: str) -> str:
     return f"; did you mean '{match[0]}'?" if match else "; see configs/base.yml for the valid keys"
 
 
+def choices(key: str) -> tuple[str, ...]:
+    """The values a fixed-choice (Literal) key takes."""
+    return get_args(_FIELD_TYPES[key])
+
+
+def _choose(key: str, value: Any, source: str) -> str:
+    options = choices(key)
+    if isinstance(value, str) and value in options:
+        return value
+    match = difflib.get_close_matches(str(value), options, n=1, cutoff=0.5)
+    hint = f"did you mean '{match[0]}'?" if match else "pick one of them"
+    raise ConfigError(f"{key}='{value}' (from {source}) is not one of {', '.join(options)}; {hint}")
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     """Coerces a YAML-parsed value to the field's type, or raises a ConfigError naming the key."""
     if key not in _FIELD_TYPES:
         raise ConfigError(f"unknown config key '{key}' (from {source}){_closest(key)}")
     kind = _FIELD_TYPES[key]
+    if get_origin(kind) is Literal:
+        return _choose(key, value, source)
     bad = ConfigError(f"{key}={value!r} (from {source}) is not a valid {kind.__name__}; "
                       f"give a {kind.__name__}, e.g. {key}={Config.__dataclass_fields__[key].default!r}")
     if kind is bool:
@@ -239,7 +262,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """Parses `key=value` arguments; values are read as YAML (so `true`, `8`, `0.5` get their types)."""
+    """Parses `key=value` arguments; values are read as YAML (so `true`, `8`, `0.5` get their types). A key given
+    twice keeps its last value, with a notice on stderr."""
     overrides: dict[str, Any] = {}
     for arg in args:
         if "=" not in arg:
@@ -250,8 +274,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
-        if key in overrides:
-            raise ConfigError(f"key '{key}' is given twice on the command line; keep one")
+        if key in overrides and overrides[key] != value:
+            print(f"notice: {key} is given twice on the command line; using the last, {key}={raw}", file=sys.stderr)
         overrides[key] = value
     return overrides
 
@@ -265,32 +289,41 @@ def available_models() -> list[str]:
     return sorted(f[:-4] for f in os.listdir(folder) if f.endswith(".yml"))
 
 
-def load_config(argv: list[str]) -> Config:
-    """Builds and validates a Config from `[config.yml] key=value ...` (the train.py command line)."""
-    from maxctx import validate  # local import: validate imports this module
+def parse_config(argv: list[str]) -> Config:
+    """Builds a Config from `[config.yml] key=value ...` (the train.py command line), without the cross-field
+    checks (`maxctx.validate.load_config` runs them)."""
+    from maxctx import compat
 
     args = list(argv)
-    yaml_path = os.path.join(REPO_CONFIG_DIR, "base.yml")
-    if args and "=" not in args[0]:
-        yaml_path = args.pop(0)
-    raw = _read_yaml(yaml_path)
-    overrides = parse_overrides(args)
-    values: dict[str, Any] = {k: _coerce(k, v, yaml_path) for k, v in raw.items()}
-    cli = {k: _coerce(k, v, "command line") for k, v in overrides.items()}
-    model_name = cli.get("model_name", values.get("model_name", Config.model_name))
-    preset = model_preset_path(model_name)
-    if not os.path.isfile(preset):
-        raise ConfigError(f"model_name='{model_name}' has no preset {preset}; "
-                          f"choose one of {', '.join(available_models())}")
-    for key, value in _read_yaml(preset).items():
+    base = os.path.join(REPO_CONFIG_DIR, "base.yml")
+    user = args.pop(0) if args and "=" not in args[0] else None
+    if user is not None and not os.path.isfile(user):
+        raise ConfigError(f"config file '{user}' does not exist; pass an existing YAML file, e.g. configs/base.yml")
+    if user is not None and os.path.samefile(user, base):
+        user = None
+    layers = [(base, _read_yaml(base))]
+    if user is not None:
+        layers.append((user, compat.translate(_read_yaml(user), user)))
+    layers.append(("command line", compat.translate(parse_overrides(args), "command line")))
+    values = {k: _coerce(k, v, source) for source, raw in layers for k, v in raw.items()}  # later layers win
+    preset = _preset(values.get("model_name", Config.model_name))
+    for _, raw in layers[1:]:  # the preset goes under the user's file and the command line
+        preset.update({k: values[k] for k in raw if k in preset})
+    values.update(preset)
+    return Config(**values)
+
+
+def _preset(model_name: str) -> dict[str, Any]:
+    path = model_preset_path(model_name)
+    if not os.path.isfile(path):
+        raise ConfigError(f"model_name='{model_name}' has no preset {path}; choose one of "
+                          f"{', '.join(available_models())}")
+    preset = _read_yaml(path)
+    for key in preset:
         if key not in MODEL_KEYS:
-            raise ConfigError(f"model preset {preset} sets '{key}', which is not a model-shape key; "
-                              f"presets may set only {', '.join(MODEL_KEYS)}")
-        values[key] = _coerce(key, value, preset)
-    values.update(cli)
-    config = Config(**values)
-    validate.validate(config)
-    return config
+            raise ConfigError(f"model preset {path} sets '{key}', which is not a model-shape key; presets may set "
+                              f"only {', '.join(MODEL_KEYS)}")
+    return {k: _coerce(k, v, path) for k, v in preset.items()}
 
 
 def save_config(config: Config, run_dir: str) -> None:

@@ -15,8 +15,10 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from maxctx.attention import strategies
 from maxctx.config import Config
-from maxctx.validate import a2a_degree, check_devices, mesh_sizes
+from maxctx.parallelism import context_degree as configured_context_degree, mesh_sizes, split_context
+from maxctx.validate import check_devices
 
 AXES = ("data", "fsdp", "context", "context_a2a", "tensor")
 CONTEXT_AXES = ("context", "context_a2a")
@@ -44,12 +46,13 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 
 
 def axis_sizes(config: Config, num_devices: int) -> dict[str, int]:
-    """Mesh axis sizes (ici x dcn) for `num_devices`, with context split into ring x a2a parts."""
-    ici, dcn = mesh_sizes(config, num_devices)
-    u = a2a_degree(config)
-    cp = ici["context"] * dcn["context"]
-    return {"data": ici["data"] * dcn["data"], "fsdp": ici["fsdp"] * dcn["fsdp"], "context": cp // u,
-            "context_a2a": u, "tensor": ici["tensor"] * dcn["tensor"]}
+    """Mesh axis sizes (ici x dcn) for `num_devices`, with context split into ring x a2a parts (AXES)."""
+    return split_context(config, num_devices, _a2a_degree(config, num_devices))
+
+
+def _a2a_degree(config: Config, num_devices: int) -> int:
+    cp = configured_context_degree(config, num_devices)
+    return strategies.a2a_degree(config, cp) if cp > 1 else 1
 
 
 def create_mesh(config: Config, devices: list | None = None) -> Mesh:
@@ -57,10 +60,7 @@ def create_mesh(config: Config, devices: list | None = None) -> Mesh:
     devices = list(jax.devices()) if devices is None else list(devices)
     check_devices(config, len(devices))
     ici, dcn = mesh_sizes(config, len(devices))
-    u = a2a_degree(config)
-    if ici["context"] % u:
-        raise ValueError(f"A2A degree {u} must divide ici_context_parallelism={ici['context']} "
-                         f"(all-to-all runs inside a slice)")
+    u = axis_sizes(config, len(devices))["context_a2a"]
     ici_shape = (ici["data"], ici["fsdp"], ici["context"] // u, u, ici["tensor"])
     dcn_shape = (dcn["data"], dcn["fsdp"], dcn["context"], 1, dcn["tensor"])
     if math.prod(dcn_shape) > 1:

@@ -24,29 +24,23 @@ from __future__ import annotations
 
 import math
 
+from maxctx.attention import strategies
+from maxctx.attention.strategy import AttentionShape
 from maxctx.config import Config
 
 
 def cp_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: int) -> tuple[float, float]:
-    """(forward, backward) bytes one device sends for attention per layer: the formulas in maxctx/attention/*.py,
-    with t = tokens per device (B S / C)."""
-    c, u, r = mesh["context"] * mesh["context_a2a"], mesh["context_a2a"], mesh["context"]
+    """(forward, backward) bytes one device sends for attention per layer, t = tokens per device (B S / C): the
+    strategy module's `collectives` formulas (maxctx.attention.strategy), counted on the wire."""
+    c = mesh["context"] * mesh["context_a2a"]
     if c == 1:
         return 0.0, 0.0
-    tp = mesh["tensor"]
-    h, k, d = config.base_num_query_heads // tp, max(1, config.base_num_kv_heads // tp), config.head_dim
-    kk = math.lcm(k, u)  # kv heads after the a2a strategies' repetition
-    strategy = config.cp_strategy
-    if strategy == "all_gather":
-        return (c - 1) * (2 * t * k * d * b + 8 * t), (c - 1) * 2 * t * k * d * b
-    if strategy == "p2p":
-        hop = 2 * t * k * d * b + 8 * t
-        return (c - 1) * hop, (c - 1) * hop + c * 2 * t * k * d * 4
-    a2a = (u - 1) / u * (2 * h + 2 * kk) * t * d * b
-    if strategy == "a2a":
-        return a2a + (u - 1) * 8 * t, a2a
-    hop = 2 * t * kk * d * b + 8 * t * u  # usp: ring over R blocks of S/R tokens with K'/U heads
-    return a2a + (u - 1) * 8 * t + (r - 1) * hop, a2a + (r - 1) * hop + r * 2 * t * kk * d * 4
+    tp, seq = mesh["tensor"], config.max_target_length
+    shape = AttentionShape(batch=t * c / seq, seq=seq, heads=config.base_num_query_heads // tp,
+                           kv_heads=max(1, config.base_num_kv_heads // tp), head_dim=config.head_dim, itemsize=b,
+                           cp=c, a2a=mesh["context_a2a"])
+    fwd, bwd = strategies.for_config(config).collectives(shape)
+    return sum(x.sent_bytes for x in fwd), sum(x.sent_bytes for x in bwd)
 
 
 def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params: int, chip) -> dict:

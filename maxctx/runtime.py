@@ -13,7 +13,7 @@ import os
 import jax
 
 from maxctx.config import Config, ConfigError
-from maxctx.validate import num_processes
+from maxctx.parallelism import num_processes
 
 
 def configure_devices(config: Config) -> None:

@@ -16,8 +16,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from maxctx.config import Config, ConfigError, load_config, save_config
+from maxctx.config import Config, ConfigError, save_config
 from maxctx.out_of_memory import is_out_of_memory, out_of_memory_advice
+from maxctx.validate import load_config
 
 if TYPE_CHECKING:
     from maxctx.metrics import MetricsWriter, StepLogger

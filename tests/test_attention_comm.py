@@ -1,11 +1,10 @@
-"""Collective bytes of one attention layer's forward and backward, from the compiled HLO, against the formulas in
-each strategy's docstring (within 10%). Per device; B batch per device, S sequence, C CP degree, H/K heads, D head
-dim, b bytes per element, ids int32."""
+"""Collective bytes of one attention layer's forward and backward, from the compiled HLO, against each strategy
+module's `collectives` formulas, the ones the roofline uses (within 10%). Per device; B batch per device, S
+sequence, C CP degree, H/K heads, D head dim, b bytes per element, ids int32."""
 
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter
 
 import jax
@@ -14,13 +13,15 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxctx.attention import strategies
 from maxctx.attention.collectives import shard_map
 from maxctx.attention.dispatch import AttentionSpec, attend
+from maxctx.attention.strategy import KINDS, AttentionShape, by_kind
 from tests.support.hlo import collective_bytes
 from tests.support.meshes import make_mesh
 
 B, S, H, K, D, b = 2, 64, 8, 2, 16, 4
-OPS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+OPS = KINDS
 
 
 def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool) -> Counter:
@@ -43,23 +44,10 @@ def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool) -> Counte
 
 
 def expected(strategy: str, ring: int, a2a: int) -> tuple[dict, dict]:
-    """The docstring formulas: (forward, backward) bytes per collective kind."""
-    c = ring * a2a
-    if strategy == "all_gather":
-        return ({"all-gather": 2 * B * S * K * D * b + 2 * B * S * 4}, {"reduce-scatter": 2 * B * S * K * D * b})
-    if strategy == "p2p":
-        hop = 2 * B * (S // c) * K * D * b + 2 * B * (S // c) * 4
-        return ({"collective-permute": (c - 1) * hop},
-                {"collective-permute": (c - 1) * hop + c * 2 * B * (S // c) * K * D * 4})
-    kr = math.lcm(K, a2a)
-    a2a_bytes = (2 * H + 2 * kr) * B * (S // c) * D * b
-    if strategy == "a2a":
-        return ({"all-to-all": a2a_bytes, "all-gather": 2 * B * S * 4}, {"all-to-all": a2a_bytes})
-    blk = S // ring
-    hop = 2 * B * blk * (kr // a2a) * D * b + 2 * B * blk * 4
-    return ({"all-to-all": a2a_bytes, "all-gather": 2 * B * blk * 4, "collective-permute": (ring - 1) * hop},
-            {"all-to-all": a2a_bytes,
-             "collective-permute": (ring - 1) * hop + ring * 2 * B * blk * (kr // a2a) * D * 4})
+    """The strategy's own formulas (what the roofline uses): (forward, backward) bytes per collective kind."""
+    shape = AttentionShape(batch=B, seq=S, heads=H, kv_heads=K, head_dim=D, itemsize=b, cp=ring * a2a, a2a=a2a)
+    fwd, bwd = strategies.get(strategy).collectives(shape)
+    return by_kind(fwd), by_kind(bwd)
 
 
 @pytest.mark.parametrize("strategy,ring,a2a", [("all_gather", 4, 1), ("p2p", 4, 1), ("p2p", 8, 1), ("a2a", 1, 4),

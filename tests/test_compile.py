@@ -17,11 +17,12 @@ import sys
 
 import pytest
 
-from maxctx.config import ConfigError, load_config
+from maxctx.config import ConfigError
 from maxctx.metrics import training_flops_per_device
 from maxctx.out_of_memory import fit, xla_out_of_memory
 from maxctx.roofline import cp_bytes_per_layer, roofline
 from maxctx.topology import CHIPS, parse, standard_shape
+from maxctx.validate import load_config
 from tests.support.processes import ROOT, python, tpu_env
 
 GIB = 1024 ** 3

@@ -4,9 +4,12 @@ import dataclasses
 import os
 
 import pytest
+import yaml
 
-from maxctx.config import Config, ConfigError, available_models, load_config, parse_overrides
+from maxctx.config import Config, ConfigError, available_models, choices, parse_overrides
+from maxctx.parallelism import context_degree
 from maxctx.train import main
+from maxctx.validate import load_config
 from tests.support.processes import run, train_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +40,22 @@ def test_base_yml_documents_every_key():
     assert all("#" in line for line in lines), "every key in base.yml needs a one-line comment"
 
 
+def test_base_yml_values_are_the_schema_defaults():
+    # One source of defaults: base.yml states them for users, the schema holds them for code (AttentionSpec and
+    # ModelConfig take theirs from the schema); they must not drift apart.
+    with open(BASE) as f:
+        written = yaml.safe_load(f)
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    differ = {k: (v, defaults[k]) for k, v in written.items() if (v if v is not None else "") != defaults[k]}
+    assert not differ, f"base.yml value vs schema default: {differ}"
+
+
+def test_fixed_choice_keys_are_literals():
+    assert choices("attention") == ("auto", "dot_product", "flash", "splash", "cudnn")
+    assert "custom" in choices("remat_policy") and choices("decoder_layer_input") == ("remat", "device", "offload")
+    assert choices("steps") == ()
+
+
 def test_presets_exist():
     assert {"tiny", "llama2-7b", "llama3-8b", "llama3.1-70b", "mistral-7b"} <= set(available_models())
 
@@ -49,8 +68,8 @@ def test_config_is_frozen():
 
 def test_aliases_and_derived_values():
     config = load_config([BASE, "context_parallel_strategy=ring", "ici_context_parallelism=2", "cpu_devices=2"])
-    assert config.cp_strategy == "p2p" and config.context_parallelism == 2
-    assert load_config([BASE, "context_parallel_strategy=ulysses"]).cp_strategy == "a2a"
+    assert config.context_parallel_strategy == "p2p" and context_degree(config, 2) == 2
+    assert load_config([BASE, "context_parallel_strategy=ulysses"]).context_parallel_strategy == "a2a"
     assert load_config([BASE, "steps=30"]).schedule_steps == 30
     assert load_config([BASE, "steps=30", "learning_rate_schedule_steps=50"]).schedule_steps == 50
 
@@ -78,9 +97,12 @@ BAD_CONFIGS = [
     (["cpu_devices=2", "ici_context_parallelism=2", "max_target_length=6"],
      "max_target_length=6 is not divisible by 4"),
     (["cpu_devices=8", "ici_tensor_parallelism=8"], "tensor parallelism 8"),
-    (["attention=magic"], "attention='magic' is not one of"),
+    (["attention=magic"], "attention='magic' (from command line) is not one of"),
+    (["attention=flahs"], "did you mean 'flash'?"),
     (["context_parallel_strategy=spiral"], "context_parallel_strategy='spiral'"),
+    (["context_parallel_strategy=usb"], "did you mean 'usp'?"),
     (["remat_policy=sometimes"], "remat_policy='sometimes'"),
+    (["dtype=bfloat61"], "did you mean 'bfloat16'?"),
     (["max_target_length=0"], "max_target_length=0 must be > 0"),
     (["warmup_steps_fraction=1.5"], "warmup_steps_fraction=1.5"),
     (["load_parameters_path=/a", "load_full_state_path=/b"], "set only one"),

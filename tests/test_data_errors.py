@@ -4,12 +4,13 @@ documents of zero tokens, unknown TFDS datasets and splits, bad data keys."""
 import numpy as np
 import pytest
 
-from maxctx.config import ConfigError, load_config
+from maxctx.config import ConfigError
 from maxctx.data import DataError
 from maxctx.data.global_batch import HostLayout
 from maxctx.data.pipeline import build_host_dataset, create_data_iterator
 from maxctx.data.sources import ArrayRecordSource, TextSource, TfdsSource, encode_tokens, expand_files
 from maxctx.mesh import create_mesh
+from maxctx.validate import load_config
 from tests.support import fixtures as F
 
 

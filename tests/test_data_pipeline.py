@@ -9,13 +9,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxctx.attention.load_balance import restore_order
-from maxctx.config import load_config
 from maxctx.data import BATCH_KEYS, DataError
 from maxctx.data.pipeline import create_data_iterator
 from maxctx.data.prepare import prepare_shards
 from maxctx.data.sources import encode_tokens
 from maxctx.data.tokenizer import Tokenizer
 from maxctx.mesh import BATCH_AXES, CONTEXT_AXES, create_mesh
+from maxctx.validate import load_config
 from tests.support import fixtures as F
 
 SEQ = 64

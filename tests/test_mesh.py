@@ -4,8 +4,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from maxctx.config import ConfigError, load_config
+from maxctx.config import ConfigError
 from maxctx.mesh import axis_sizes, batch_sharding, create_mesh, logical_to_spec
+from maxctx.validate import load_config
 
 
 def _config(*overrides):

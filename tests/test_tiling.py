@@ -16,10 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from maxctx.config import ConfigError, load_config
+from maxctx.config import ConfigError
 from maxctx.mesh import create_mesh
 from maxctx.train_step import compile_train_step, init_state, jit_train_step, loss_sums, make_setup
-from maxctx.validate import validate
+from maxctx.validate import load_config, validate
 from tests.support.processes import python, tpu_env
 
 S = 256
@@ -111,7 +111,7 @@ def test_tiled_loss_removes_the_logits_from_temp_memory():
 TPU_SCRIPT = r"""
 import json, sys
 from maxctx.compile import compile_report
-from maxctx.config import load_config
+from maxctx.validate import load_config
 results = {}
 for name, extra in [("full", ["remat_policy=full"]),
                     ("offload", ["remat_policy=custom", "decoder_layer_input=offload"])]:
@@ -141,7 +141,7 @@ def test_offload_moves_layer_inputs_to_host_on_tpu():
      "num_vocab_tiling=3 does not divide the 16 tokens"),
     (["mlp_sequence_chunks=5", "cpu_devices=4", "ici_context_parallelism=4"], "mlp_sequence_chunks=5 does not divide"),
     (["decoder_layer_input=offload"], "only applies with remat_policy=custom"),
-    (["remat_policy=custom", "mlpwi=host"], "mlpwi='host' is not one of remat, device, offload"),
+    (["remat_policy=custom", "mlpwi=host"], r"mlpwi='host' \(from command line\) is not one of remat, device, offload"),
     (["num_vocab_tiling=0"], "num_vocab_tiling=0 must be > 0"),
 ])
 def test_tiling_and_custom_remat_config_errors(overrides, message):

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from maxctx.config import ConfigError, load_config
+from maxctx.config import ConfigError
 from maxctx.data import DataError
 from maxctx.data.tokenizer import EncodeDocument, Tokenizer, load_tokenizer
+from maxctx.validate import load_config
 from tests.support import fixtures as F
 
 

@@ -8,63 +8,71 @@ fewer kv heads than U (or K not divisible by U), kv heads are first repeated to 
 every device gets the kv heads of its query heads; autodiff of the repeat sums their gradients back. Only H not
 divisible by U is refused (maxctx.validate, before compile).
 
-Collective bytes per layer (all-to-all operands on one device; the wire carries (U-1)/U of them):
-    forward   all-to-all  q, k, v in and out back:   (2 H + 2 K') B (S/U) D b
-              all-gather  positions, segment ids:    2 B S 4
-    backward  all-to-all  dout in, dq, dk, dv back:  (2 H + 2 K') B (S/U) D b
-Attention activation memory per device: saved q, out (2 H/U) B S D b, k, v (2 K'/U) B S D b, lse B (H/U) S 4
-= the same O(S/U) bytes as the sharded inputs; the kernel's temp on top (flash: one score block).
+Cost (the formulas: `collectives` and `activation_bytes` below, shared with usp): q, K, V there and the output
+back, the same in the backward; memory O(S/U), the same bytes as the sharded inputs; the kernel's temp on top
+(flash: one score block).
 """
 
 from __future__ import annotations
 
-import math
+from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
+from maxctx.config import Config, ConfigError
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh
-
-from maxctx.attention.collectives import context_shard_map
-from maxctx.attention.kernels import make_local, stored_order
-
-A2A_AXIS = "context_a2a"
+NAME, ALIASES = "a2a", ("ulysses",)
 
 
-def seq_to_heads(x_BSHD, axis=A2A_AXIS):
-    """[B, S/U, H, D] -> [B, S, H/U, D] over `axis`."""
-    return jax.lax.all_to_all(x_BSHD, axis, split_axis=2, concat_axis=1, tiled=True)
+def a2a_degree(config: Config, cp: int) -> int:
+    return cp
 
 
-def heads_to_seq(x_BSHD, axis=A2A_AXIS):
-    """[B, S, H/U, D] -> [B, S/U, H, D] over `axis`."""
-    return jax.lax.all_to_all(x_BSHD, axis, split_axis=1, concat_axis=2, tiled=True)
+def check_heads(config: Config, a2a: int, tensor: int) -> None:
+    """Every device gets H / U whole query heads (kv heads are repeated as needed)."""
+    if (config.base_num_query_heads // tensor) % a2a:
+        raise ConfigError(f"base_num_query_heads={config.base_num_query_heads} / tensor {tensor} is not divisible "
+                          f"by the A2A degree {a2a} (context_parallel_strategy={config.context_parallel_strategy}); "
+                          f"use a head count divisible by {a2a}, or context_parallel_strategy=p2p or all_gather")
 
 
-def replicated_kv_heads(kv_heads: int, degree: int) -> int:
-    """K' = lcm(K, U): kv heads after repetition, so that U divides them."""
-    return math.lcm(kv_heads, degree)
+def check(config: Config, cp: int, tensor: int) -> None:
+    check_heads(config, cp, tensor)
 
 
-def repeat_kv(x_BSKD, degree: int):
-    kv_heads = x_BSKD.shape[2]
-    reps = replicated_kv_heads(kv_heads, degree) // kv_heads
-    return jnp.repeat(x_BSKD, reps, axis=2) if reps > 1 else x_BSKD
+def query_rows(seq: int, cp: int, a2a: int) -> int:
+    return seq  # after the all-to-all a device holds the whole sequence for its heads
 
 
-def a2a_attention(q, k, v, pos, seg, degree: int, inner):
-    """Sequence-to-heads over A2A_AXIS, then inner(q, k, v, pos, seg) on [B, S_block, heads/U, D]."""
-    k, v = repeat_kv(k, degree), repeat_kv(v, degree)
-    q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-    pos, seg = (jax.lax.all_gather(x, A2A_AXIS, axis=1, tiled=True) for x in (pos, seg))
-    return heads_to_seq(inner(q, k, v, pos, seg))
+def a2a_collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
+    """The all-to-all part over U devices, K' = lcm(K, U): all-to-all of q, k, v in and out back
+    (2 H + 2 K') B (S/C) D b in the forward and again in the backward (dout in; dq, dk, dv back); all-gather of
+    positions and segment ids 2 B (S/R) 4 in the forward."""
+    kv = replicated_kv_heads(s.kv_heads, s.a2a)
+    moved = (2 * s.heads + 2 * kv) * s.batch * (s.seq / s.cp) * s.head_dim * s.itemsize
+    return ([Collective("all-to-all", moved, s.a2a), Collective("all-gather", 2 * s.batch * s.seq / s.ring * 4,
+                                                                 s.a2a)],
+            [Collective("all-to-all", moved, s.a2a)])
 
 
-def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh: Mesh, load_balance: bool,
+def collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
+    return a2a_collectives(s)
+
+
+def activation_bytes(s: AttentionShape) -> float:
+    """Saved for the backward, rows = S / R (S for a2a), heads / U: q, out 2 B rows (H/U) D b, k, v
+    2 B rows (K'/U) D b, lse B (H/U) rows 4."""
+    rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
+    return (2 * s.batch * rows * (s.heads + kv) / s.a2a * s.head_dim * s.itemsize
+            + s.batch * s.heads / s.a2a * rows * 4)
+
+
+def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
            block_q: int, block_kv: int):
-    if mesh.shape["context"] > 1:  # a ring part as well: that is usp
-        from maxctx.attention import usp
-        return usp.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
-                          load_balance=load_balance, block_q=block_q, block_kv=block_kv)
+    from maxctx.attention.alltoall import A2A_AXIS, a2a_attention
+    from maxctx.attention.collectives import context_shard_map
+    from maxctx.attention.kernels import make_local, stored_order
+
+    if mesh.shape["context"] > 1:
+        raise ConfigError(f"context_parallel_strategy=a2a puts the whole context degree on the all-to-all, but the "
+                          f"mesh has a ring part of {mesh.shape['context']}; use context_parallel_strategy=usp")
     u = mesh.shape[A2A_AXIS]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     group = h // replicated_kv_heads(kv_heads, u)

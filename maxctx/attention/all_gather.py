@@ -4,28 +4,55 @@ Legend (per device): B batch per device (global / (data x fsdp)), S the whole se
 (context x context_a2a), H and K query and kv heads per tensor shard, D head dim, b bytes per activation element.
 Positions and segment ids are int32.
 
-Collective bytes per layer (size of each collective's full result/operand on one device; the wire carries
-(C-1)/C of it):
-    forward   all-gather   K, V:                 2 B S K D b
-              all-gather   positions, seg ids:   2 B S 4
-    backward  reduce-scatter dK, dV (autodiff of the gather):   2 B S K D b
-Attention activation memory per device (saved for backward): q and out 2 B (S/C) H D b, the gathered K and V
-2 B S K D b (O(S), not O(S/C): the price of this strategy), lse B H (S/C) 4 (flash); the kernel's temp on top
-(flash: one [B, H, block_q, block_kv] fp32 score block; dot_product: B H (S/C) S 4).
+Cost (the formulas: `collectives` and `activation_bytes` below): the K/V gather and its reduce-scatter in the
+backward are O(S) per device, and so are the saved, gathered K and V: the price of this strategy. The kernel's
+temp comes on top (flash: one [B, H, block_q, block_kv] fp32 score block; dot_product: B H (S/C) S 4).
 Works with any token order: masks come from the gathered positions and segment ids.
 """
 
 from __future__ import annotations
 
-import jax
-from jax.sharding import Mesh
+from maxctx.attention.strategy import AttentionShape, Collective
+from maxctx.config import Config
 
-from maxctx.attention.collectives import CONTEXT, context_shard_map
-from maxctx.attention.kernels import make_local, stored_order
+NAME, ALIASES = "all_gather", ()
 
 
-def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh: Mesh, load_balance: bool,
+def a2a_degree(config: Config, cp: int) -> int:
+    return 1
+
+
+def check(config: Config, cp: int, tensor: int) -> None:
+    """Any head count and token order works."""
+
+
+def query_rows(seq: int, cp: int, a2a: int) -> int:
+    return seq // cp
+
+
+def collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
+    """forward: all-gather of K, V (2 B S K D b) and of positions, segment ids (2 B S 4);
+    backward: reduce-scatter of dK, dV, the autodiff of the gather (2 B S K D b). Groups of C devices."""
+    kv = 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize
+    return ([Collective("all-gather", kv + 2 * s.batch * s.seq * 4, s.cp)],
+            [Collective("reduce-scatter", kv, s.cp)])
+
+
+def activation_bytes(s: AttentionShape) -> float:
+    """Saved for the backward: q and out 2 B (S/C) H D b, the gathered K and V 2 B S K D b (O(S)), lse
+    B H (S/C) 4."""
+    rows = s.seq / s.cp
+    return (2 * s.batch * rows * s.heads * s.head_dim * s.itemsize
+            + 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize + s.batch * s.heads * rows * 4)
+
+
+def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
            block_q: int, block_kv: int):
+    import jax
+
+    from maxctx.attention.collectives import CONTEXT, context_shard_map
+    from maxctx.attention.kernels import make_local, stored_order
+
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),

@@ -9,32 +9,39 @@ kernel runs on the arrays as they are.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import a2a, all_gather, p2p, usp
-from maxctx.attention.kernels import KERNELS, make_local
-
-STRATEGIES = {"all_gather": all_gather.attend, "a2a": a2a.attend, "p2p": p2p.attend, "usp": usp.attend}
-ALIASES = {"ring": "p2p", "ulysses": "a2a"}
+from maxctx.attention import strategies
+from maxctx.attention.kernels import make_local
+from maxctx.config import AttentionKernel, Config, ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    kernel: str = "dot_product"  # dot_product | flash | splash | cudnn | auto
-    strategy: str = "all_gather"  # all_gather | a2a | p2p | usp (aliases ring, ulysses)
-    load_balance: bool = True
-    block_q: int = 512
-    block_kv: int = 512
+    """The attention keys of the run config (defaults: maxctx.config.Config's)."""
+
+    kernel: AttentionKernel = Config.attention
+    strategy: str = Config.context_parallel_strategy
+    load_balance: bool = Config.context_parallel_load_balance
+    block_q: int = Config.flash_block_q
+    block_kv: int = Config.flash_block_kv
+
+    @classmethod
+    def from_config(cls, config: Config) -> AttentionSpec:
+        return cls(kernel=config.attention, strategy=config.context_parallel_strategy,
+                   load_balance=config.context_parallel_load_balance, block_q=config.flash_block_q,
+                   block_kv=config.flash_block_kv)
 
 
 def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
     """`auto` -> the best kernel the platform has: splash on TPU, cuDNN on GPU for bf16/fp16, flash otherwise."""
     if name != "auto":
-        if name not in KERNELS:
-            raise ValueError(f"attention='{name}' is not one of auto, {', '.join(KERNELS)}")
+        if name not in typing.get_args(AttentionKernel):
+            raise ConfigError(f"attention='{name}' is not one of {', '.join(typing.get_args(AttentionKernel))}")
         return name
     platform = platform or jax.default_backend()
     if platform == "tpu":
@@ -42,13 +49,6 @@ def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
     if platform == "gpu" and dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "flash"
-
-
-def resolve_strategy(name: str) -> str:
-    name = ALIASES.get(name, name)
-    if name not in STRATEGIES:
-        raise ValueError(f"context_parallel_strategy='{name}' is not one of {', '.join(STRATEGIES)}, ring, ulysses")
-    return name
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh=None):
@@ -62,9 +62,9 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
         return local.attend(0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
                             segment_ids_BS)[0]
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
-    strategy = STRATEGIES[resolve_strategy(spec.strategy) if cp > 1 else "all_gather"]
-    return strategy(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
+    strategy = strategies.get(spec.strategy if cp > 1 else "all_gather")
+    return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
                     load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv)
 
 
-__all__ = ["AttentionSpec", "attend", "resolve_kernel", "resolve_strategy"]
+__all__ = ["AttentionSpec", "attend", "resolve_kernel"]

@@ -57,13 +57,17 @@ def _tie(*arrays):
     return jax.lax.optimization_barrier(arrays)
 
 
+def _dims(q_BSHD, k_BTKD, block_q: int, block_kv: int) -> tuple[int, ...]:
+    """(B, S, H, D, T, K, query heads per kv head, query blocks, key blocks)."""
+    b, s, h, d = q_BSHD.shape
+    t, k = k_BTKD.shape[1], k_BTKD.shape[2]
+    return b, s, h, d, t, k, h // k, s // block_size(s, block_q), t // block_size(t, block_kv)
+
+
 def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512):
     """Returns (out[B, S, H, D] fp32, lse[B, H, S] fp32); rows with no visible key give out 0, lse -inf."""
     q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg = _tie(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg)
-    b, s, h, d = q_BSHD.shape
-    t, k = k_BTKD.shape[1], k_BTKD.shape[2]
-    g = h // k
-    nq, nk = s // block_size(s, block_q), t // block_size(t, block_kv)
+    b, s, h, d, t, k, g, nq, nk = _dims(q_BSHD, k_BTKD, block_q, block_kv)
     scale = d ** -0.5
     q_blocks = _blocks(q_BSHD.reshape(b, s, k, g, d), nq)
     qp_blocks, qs_blocks = _blocks(q_pos, nq), _blocks(q_seg, nq)
@@ -114,10 +118,7 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
     gradient of one key/value block's contribution.
     """
     q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg = _tie(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg)
-    b, s, h, d = q_BSHD.shape
-    t, k = k_BTKD.shape[1], k_BTKD.shape[2]
-    g = h // k
-    nq, nk = s // block_size(s, block_q), t // block_size(t, block_kv)
+    b, s, h, d, t, k, g, nq, nk = _dims(q_BSHD, k_BTKD, block_q, block_kv)
     scale = d ** -0.5
     delta = jnp.einsum("BSHD,BSHD->BHS", dout_BSHD.astype(jnp.float32), out_BSHD.astype(jnp.float32))
     if dlse_BHS is not None:

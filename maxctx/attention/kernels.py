@@ -26,8 +26,6 @@ from maxctx.attention import cudnn, flash, splash
 from maxctx.attention.dot_product import dot_product_attention, dot_product_block_backward
 from maxctx.attention.load_balance import zigzag_permutation
 
-KERNELS = ("dot_product", "flash", "splash", "cudnn")
-
 
 def stored_order(seq_len: int, cp: int, load_balance: bool) -> np.ndarray:
     """Original index of every stored token (the zig-zag permutation, or the identity)."""

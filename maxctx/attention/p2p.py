@@ -3,121 +3,61 @@
 Legend (per device): B batch per device, S the whole sequence, C the CP degree (ring size R = C for p2p), H and K
 heads per tensor shard, D head dim, b bytes per activation element; positions and segment ids are int32.
 
-Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mod R, sends it on with ppermute
-(issued before the hop's compute, so XLA can overlap them) and merges the hop's (out, lse) into fp32 accumulators
-with a stable log-add-exp. Backward (custom VJP): the same hops in the same order, each computing the hop's
-(dq, dk, dv) from the *merged* out and lse; dq stays home, dK/dV accumulators (fp32) travel with their block and
-reach its owner after the last hop, so nothing of size O(S) is saved or held. The hops are one loop
-(`lax.fori_loop` over the first R - 1, which send, and the last one peeled off, which has nothing to send), so the
-program and its compile time do not grow with R; splash picks its hop's kernel by the traced hop index.
+The ring itself (hops, merging, the custom backward, skipping) is maxctx.attention.ring.
 
-Skipping: a hop whose keys all start after the rows' last position is skipped whole (`lax.cond`); inside a hop the
-flash and splash kernels skip every (query block, key block) pair the mask hides. With zig-zag load balance each
-off-diagonal hop keeps exactly half of the block pairs (one query chunk against both key chunks, or both query
-chunks against one key chunk), so every hop does equal work.
-
-Collective bytes per layer (collective-permute operands on one device, s = S / C):
-    forward   (R - 1) x (2 B s K D b + 2 B s 4)                     K, V, positions, segment ids
-    backward  (R - 1) x (2 B s K D b + 2 B s 4) + R x 2 B s K D 4   re-sent K/V, then the fp32 dK/dV accumulators
-Attention activation memory per device: saved q, k, v, out (2 H + 2 K) B s D b and lse B H s 4; during a hop the
-fp32 out accumulator B s H D 4 and two K/V blocks in flight 4 B s K D b: all O(S/C).
+Cost (the formulas: `collectives` and `activation_bytes` below): R - 1 hops of the local K/V block and ids in the
+forward, the same again plus the travelling fp32 dK/dV accumulators in the backward; memory O(S/C). During a hop
+the fp32 out accumulator B s H D 4 and two K/V blocks in flight 4 B s K D b (s = S / C) come on top.
 """
 
 from __future__ import annotations
 
-import functools
+from maxctx.attention.strategy import AttentionShape, Collective
+from maxctx.config import Config
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh
-
-from maxctx.attention.collectives import CONTEXT, context_shard_map, ring_shift
-from maxctx.attention.kernels import LocalKernel, make_local, stored_order
+NAME, ALIASES = "p2p", ("ring",)
 
 
-def _merge(out_BSHD, lse_BHS, o_BSHD, l_BHS):
-    new = jnp.logaddexp(lse_BHS, l_BHS)
-    safe = jnp.where(jnp.isfinite(new), new, 0.0)
-    w_old = jnp.exp(lse_BHS - safe).transpose(0, 2, 1)[..., None]
-    w_new = jnp.exp(l_BHS - safe).transpose(0, 2, 1)[..., None]
-    return out_BSHD * w_old + o_BSHD * w_new, new
+def a2a_degree(config: Config, cp: int) -> int:
+    return 1
 
 
-def _tie(*arrays):
-    """Ties the ids to the activations. Inside the model's differentiated, rematerialised layer scan, partial
-    evaluation otherwise computes everything that depends on the ids alone (each hop's skip test, the skipped
-    branch's fp32 zeros, the kernels' mask set-up) once for all layers and keeps it alive through the step:
-    (R - 1) fp32 outputs of B s H D 4 bytes, more than the rest of attention at long context."""
-    return jax.lax.optimization_barrier(arrays)
+def check(config: Config, cp: int, tensor: int) -> None:
+    """Any head count works."""
 
 
-def _maybe(q_pos, kv_pos, skipped, compute, *operands):
-    """compute(*operands), or `skipped` for a hop whose keys all come after every query (causal; conservative
-    with packed documents, where the kernels' own block skipping does the rest)."""
-    return jax.lax.cond(kv_pos.min() <= q_pos.max(), compute, lambda *_: skipped, *operands)
+def query_rows(seq: int, cp: int, a2a: int) -> int:
+    return seq // cp
 
 
-def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
-    q, k, v, qp, qs, kp, ks = _tie(q, k, v, qp, qs, kp, ks)
-    b, s, h, d = q.shape
-
-    def compute(hop, out, lse, kv, ids):
-        empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
-        o_hop, lse_hop = _maybe(qp, ids[0], empty, functools.partial(local.block_forward, hop),
-                                q, kv[0], kv[1], qp, qs, ids[0], ids[1])
-        return _merge(out, lse, o_hop, lse_hop)
-
-    def hop_with_send(hop, carry):
-        out, lse, kv, ids = carry
-        following = ring_shift((kv, ids), axis, size)  # no data dependence on the compute: XLA overlaps them
-        return (*compute(hop, out, lse, kv, ids), *following)
-
-    init = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
-            jnp.stack([k, v]), jnp.stack([kp, ks]))  # one permute each for K/V and for the ids
-    out, lse, kv, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
-    out, lse = compute(size - 1, out, lse, kv, ids)
-    return out.astype(q.dtype), lse
+def ring_collectives(batch: float, rows: float, kv_heads: int, head_dim: int, itemsize: int, ring: int
+                     ) -> tuple[list[Collective], list[Collective]]:
+    """A ring of R devices, each holding `rows` tokens of K/V (K heads): collective-permute operands
+    forward   (R - 1) x (2 B rows K D b + 2 B rows 4)                        K, V, positions, segment ids
+    backward  (R - 1) x (2 B rows K D b + 2 B rows 4) + R x 2 B rows K D 4   re-sent K/V, then fp32 dK/dV."""
+    hop = 2 * batch * rows * kv_heads * head_dim * itemsize + 2 * batch * rows * 4
+    grads = ring * 2 * batch * rows * kv_heads * head_dim * 4
+    return ([Collective("collective-permute", (ring - 1) * hop, ring)],
+            [Collective("collective-permute", (ring - 1) * hop + grads, ring)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def ring_attention(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
-    """Ring attention of local q against the K/V blocks of all `size` ranks of `axis`; call inside shard_map."""
-    return _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)[0]
+def collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
+    """The ring over all C devices, S / C tokens each (`ring_collectives`)."""
+    return ring_collectives(s.batch, s.seq / s.cp, s.kv_heads, s.head_dim, s.itemsize, s.cp)
 
 
-def _ring_fwd(local, axis, size, q, k, v, qp, qs, kp, ks):
-    out, lse = _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)
-    return out, (q, k, v, qp, qs, kp, ks, out, lse)
+def activation_bytes(s: AttentionShape) -> float:
+    """Saved for the backward: q, k, v, out (2 H + 2 K) B s D b and lse B H s 4, s = S / C."""
+    rows = s.seq / s.cp
+    return (2 * s.heads + 2 * s.kv_heads) * s.batch * rows * s.head_dim * s.itemsize + s.batch * s.heads * rows * 4
 
 
-def _ring_bwd(local, axis, size, res, dout):
-    q, k, v, qp, qs, kp, ks, out, lse = res
-
-    def compute(hop, dq, dkv, vk, ids):
-        zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
-        dq_h, dk_h, dv_h = _maybe(qp, ids[1], zeros, functools.partial(local.block_backward, hop),
-                                  q, vk[1], vk[0], qp, qs, ids[1], ids[0], out, lse, dout)
-        return dq + dq_h, ring_shift(dkv + jnp.stack([dk_h, dv_h]), axis, size)  # after R shifts: at the owner
-
-    def hop_with_send(hop, carry):
-        dq, dkv, vk, ids = carry
-        following = ring_shift((vk, ids), axis, size)
-        return (*compute(hop, dq, dkv, vk, ids), *following)
-
-    # The blocks are stacked in the other order than in the forward: XLA would otherwise merge the backward's
-    # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((2, *k.shape), jnp.float32), jnp.stack([v, k]),
-            jnp.stack([ks, kp]))
-    dq, dkv, vk, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
-    dq, dkv = compute(size - 1, dq, dkv, vk, ids)
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None
-
-
-ring_attention.defvjp(_ring_fwd, _ring_bwd)
-
-
-def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh: Mesh, load_balance: bool,
+def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
            block_q: int, block_kv: int):
+    from maxctx.attention.collectives import CONTEXT, context_shard_map
+    from maxctx.attention.kernels import make_local, stored_order
+    from maxctx.attention.ring import ring_attention
+
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),

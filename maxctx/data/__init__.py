@@ -8,6 +8,14 @@
 
 laid out as x[B_(data,fsdp), S_(context,context_a2a)] global arrays, already in the zig-zag order when
 context_parallel_load_balance is on and the context parallelism C > 1.
+
+    pipeline.py        create_data_iterator: source -> tokenize -> pack -> zig-zag -> global arrays
+    sources.py         ArrayRecord, TFDS and local text sources (random access, picklable)
+    tokenizer.py       sentencepiece, and documents -> (input, target) pairs
+    packing.py         first-fit and concat packing into rows with segment ids and positions
+    synthetic.py       dataset_type=synthetic: learnable packed Markov-chain documents
+    global_batch.py    per-host numpy batches -> global jax arrays
+    prepare.py         offline: train a tokenizer, write tokenized ArrayRecord shards (scripts/)
 """
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "weights")

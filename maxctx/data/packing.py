@@ -16,7 +16,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from maxctx.config import ConfigError
+from maxctx.config import ConfigError, choices
 
 PACKED = ("inputs", "targets")
 
@@ -74,4 +74,4 @@ def pack(ds: grain.IterDataset, packing: str, seq_len: int, num_bins: int) -> gr
         return grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths).map(to_row)
     if packing == "none":
         return ds.map(PadOrTrim(seq_len))
-    raise ConfigError(f"packing='{packing}' is not one of first_fit, concat, none")
+    raise ConfigError(f"packing='{packing}' is not one of {', '.join(choices('packing'))}")

@@ -1,0 +1,6 @@
+"""The Llama-family decoder in Flax NNX.
+
+    layers.py          ModelConfig (the model's view of the run config), RMSNorm, RoPE, attention, SwiGLU
+    decoder.py         embedding, scanned and rematerialised layers, the tiled loss
+    tiling.py          map_chunks / sum_chunks: per-token work over chunks of each device's tokens
+"""

@@ -18,7 +18,7 @@ from maxctx.mesh import BATCH_AXES, CONTEXT_AXES
 from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, param
 from maxctx.model.tiling import sum_chunks
 
-REMAT_POLICIES = {
+POLICIES = {  # remat_policy -> jax checkpoint policy; custom: remat_policy() below
     "none": None,
     # Save the outputs of matmuls without batch dims (projections); recompute the cheap elementwise rest.
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -28,12 +28,12 @@ REMAT_POLICIES = {
 
 
 def remat_policy(cfg: ModelConfig):
-    """The layer's checkpoint policy. `custom` (MaxText's): each named tensor (maxctx.validate.REMAT_NAMES)
+    """The layer's checkpoint policy. `custom` (MaxText's): each named tensor (maxctx.config.REMAT_NAMES)
     is recomputed (`remat`), kept in device memory (`device`) or moved to pinned host memory during the forward
     and back for the backward (`offload`). Offloading `decoder_layer_input` takes the one [B, S, D] every layer
     must keep under full remat off the device: L x B x S/C x D x b bytes per device."""
     if cfg.remat_policy != "custom":
-        return REMAT_POLICIES[cfg.remat_policy]
+        return POLICIES[cfg.remat_policy]
     saved = [name for name, where in cfg.remat_custom if where == "device"]
     offloaded = [name for name, where in cfg.remat_custom if where == "offload"]
     return jax.checkpoint_policies.save_and_offload_only_these_names(

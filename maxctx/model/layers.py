@@ -15,13 +15,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.attention.dispatch import AttentionSpec, attend
+from maxctx.config import REMAT_NAMES, Config
 from maxctx.model.tiling import map_chunks
-from maxctx.validate import REMAT_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The model's narrow view of the run config."""
+    """The model's narrow view of the run config (defaults: maxctx.config.Config's)."""
 
     emb_dim: int
     num_heads: int
@@ -30,21 +30,21 @@ class ModelConfig:
     mlp_dim: int
     num_layers: int
     vocab_size: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tied_embedding: bool = False
-    dtype: str = "bfloat16"
-    weight_dtype: str = "float32"
-    remat_policy: str = "full"
+    rope_theta: float = Config.rope_max_timescale
+    norm_eps: float = Config.normalization_layer_epsilon
+    tied_embedding: bool = Config.logits_via_embedding
+    dtype: str = Config.dtype
+    weight_dtype: str = Config.weight_dtype
+    remat_policy: str = Config.remat_policy
     # remat_policy=custom: (name, "remat" | "device" | "offload") for each of REMAT_NAMES.
     remat_custom: tuple[tuple[str, str], ...] = ()
-    scan_layers: bool = True
-    num_vocab_tiling: int = 1
-    mlp_sequence_chunks: int = 1
+    scan_layers: bool = Config.scan_layers
+    num_vocab_tiling: int = Config.num_vocab_tiling
+    mlp_sequence_chunks: int = Config.mlp_sequence_chunks
     attention: AttentionSpec = AttentionSpec()
 
     @classmethod
-    def from_config(cls, config) -> ModelConfig:
+    def from_config(cls, config: Config) -> ModelConfig:
         # `attention=auto` stays unresolved here: `attend` picks the kernel from the mesh's platform, so a step
         # compiled for a TPU topology on a CPU host gets splash.
         return cls(
@@ -56,9 +56,7 @@ class ModelConfig:
             remat_policy=config.remat_policy, scan_layers=config.scan_layers,
             remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
-            attention=AttentionSpec(kernel=config.attention, strategy=config.cp_strategy,
-                                    load_balance=config.context_parallel_load_balance,
-                                    block_q=config.flash_block_q, block_kv=config.flash_block_kv),
+            attention=AttentionSpec.from_config(config),
         )
 
 

@@ -1,0 +1,109 @@
+"""Ring attention: K/V blocks travel around a ring of devices while each attends to the one it holds (the machinery
+of the p2p and usp strategies; call inside shard_map).
+
+Legend (per device): B batch, s rows of the local block, H and K heads, D head dim, R ring size.
+
+Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mod R, sends it on with ppermute
+(issued before the hop's compute, so XLA can overlap them) and merges the hop's (out, lse) into fp32 accumulators
+with a stable log-add-exp. Backward (custom VJP): the same hops in the same order, each computing the hop's
+(dq, dk, dv) from the *merged* out and lse; dq stays home, dK/dV accumulators (fp32) travel with their block and
+reach its owner after the last hop, so nothing of size O(S) is saved or held. The hops are one loop
+(`lax.fori_loop` over the first R - 1, which send, and the last one peeled off, which has nothing to send), so the
+program and its compile time do not grow with R; splash picks its hop's kernel by the traced hop index.
+
+Skipping: a hop whose keys all start after the rows' last position is skipped whole (`lax.cond`); inside a hop the
+flash and splash kernels skip every (query block, key block) pair the mask hides. With zig-zag load balance each
+off-diagonal hop keeps exactly half of the block pairs (one query chunk against both key chunks, or both query
+chunks against one key chunk), so every hop does equal work.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from maxctx.attention.collectives import ring_shift
+from maxctx.attention.kernels import LocalKernel
+
+
+def _merge(out_BSHD, lse_BHS, o_BSHD, l_BHS):
+    new = jnp.logaddexp(lse_BHS, l_BHS)
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    w_old = jnp.exp(lse_BHS - safe).transpose(0, 2, 1)[..., None]
+    w_new = jnp.exp(l_BHS - safe).transpose(0, 2, 1)[..., None]
+    return out_BSHD * w_old + o_BSHD * w_new, new
+
+
+def _tie(*arrays):
+    """Ties the ids to the activations. Inside the model's differentiated, rematerialised layer scan, partial
+    evaluation otherwise computes everything that depends on the ids alone (each hop's skip test, the skipped
+    branch's fp32 zeros, the kernels' mask set-up) once for all layers and keeps it alive through the step:
+    (R - 1) fp32 outputs of B s H D 4 bytes, more than the rest of attention at long context."""
+    return jax.lax.optimization_barrier(arrays)
+
+
+def _maybe(q_pos, kv_pos, skipped, compute, *operands):
+    """compute(*operands), or `skipped` for a hop whose keys all come after every query (causal; conservative
+    with packed documents, where the kernels' own block skipping does the rest)."""
+    return jax.lax.cond(kv_pos.min() <= q_pos.max(), compute, lambda *_: skipped, *operands)
+
+
+def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
+    q, k, v, qp, qs, kp, ks = _tie(q, k, v, qp, qs, kp, ks)
+    b, s, h, d = q.shape
+
+    def compute(hop, out, lse, kv, ids):
+        empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
+        o_hop, lse_hop = _maybe(qp, ids[0], empty, functools.partial(local.block_forward, hop),
+                                q, kv[0], kv[1], qp, qs, ids[0], ids[1])
+        return _merge(out, lse, o_hop, lse_hop)
+
+    def hop_with_send(hop, carry):
+        out, lse, kv, ids = carry
+        following = ring_shift((kv, ids), axis, size)  # no data dependence on the compute: XLA overlaps them
+        return (*compute(hop, out, lse, kv, ids), *following)
+
+    init = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
+            jnp.stack([k, v]), jnp.stack([kp, ks]))  # one permute each for K/V and for the ids
+    out, lse, kv, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
+    out, lse = compute(size - 1, out, lse, kv, ids)
+    return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def ring_attention(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
+    """Ring attention of local q against the K/V blocks of all `size` ranks of `axis`; call inside shard_map."""
+    return _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)[0]
+
+
+def _ring_fwd(local, axis, size, q, k, v, qp, qs, kp, ks):
+    out, lse = _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)
+    return out, (q, k, v, qp, qs, kp, ks, out, lse)
+
+
+def _ring_bwd(local, axis, size, res, dout):
+    q, k, v, qp, qs, kp, ks, out, lse = res
+
+    def compute(hop, dq, dkv, vk, ids):
+        zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
+        dq_h, dk_h, dv_h = _maybe(qp, ids[1], zeros, functools.partial(local.block_backward, hop),
+                                  q, vk[1], vk[0], qp, qs, ids[1], ids[0], out, lse, dout)
+        return dq + dq_h, ring_shift(dkv + jnp.stack([dk_h, dv_h]), axis, size)  # after R shifts: at the owner
+
+    def hop_with_send(hop, carry):
+        dq, dkv, vk, ids = carry
+        following = ring_shift((vk, ids), axis, size)
+        return (*compute(hop, dq, dkv, vk, ids), *following)
+
+    # The blocks are stacked in the other order than in the forward: XLA would otherwise merge the backward's
+    # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((2, *k.shape), jnp.float32), jnp.stack([v, k]),
+            jnp.stack([ks, kp]))
+    dq, dkv, vk, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
+    dq, dkv = compute(size - 1, dq, dkv, vk, ids)
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)

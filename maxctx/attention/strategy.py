@@ -1,0 +1,76 @@
+"""What a context-parallel strategy is: one module per strategy (all_gather.py, a2a.py, p2p.py, usp.py), listed
+once in maxctx.attention.strategies, each providing
+
+    NAME, ALIASES                          the config value and MaxText's other names for it
+    a2a_degree(config, cp) -> int          the all-to-all part U of the CP degree C (the ring part is C / U)
+    check(config, cp, tensor)              the strategy's own config rules (raise ConfigError); run before JAX starts
+    query_rows(seq, cp, a2a) -> int        query rows one device's kernel call tiles (the splash 128-row rule)
+    collectives(shape) -> (fwd, bwd)       the collectives of one layer, as formulas of `AttentionShape`
+    activation_bytes(shape) -> int         attention activations saved per device for the backward
+    attend(q, k, v, positions, segment_ids, *, kernel, mesh, load_balance, block_q, block_kv) -> out
+
+The formulas are the single statement of each strategy's cost: the roofline in maxctx.roofline sums their bytes on
+the wire, and tests/test_attention_comm.py checks them against the compiled HLO. A strategy module imports JAX only
+inside `attend` (its machinery: ring.py, alltoall.py, kernels.py, collectives.py), so config validation reads the
+registry without starting JAX. This module has no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# The HLO ops the strategies use. Counted per device as XLA shows them: the result of all-gather, all-to-all and
+# collective-permute, the operand of reduce-scatter.
+KINDS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """One attention layer on one device. B batch per device (global / (data x fsdp)), S the whole sequence, H and
+    K query and kv heads per tensor shard, D head dim, b bytes per activation element, C = R x U the CP degree
+    (U the all-to-all part, R the ring part). Positions and segment ids are int32. Sizes may be fractional
+    (the roofline's tokens per device)."""
+
+    batch: float
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    cp: int
+    a2a: int = 1
+
+    @property
+    def ring(self) -> int:
+        return self.cp // self.a2a
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """`bytes` of HLO op `kind` on one device per layer (summed over its calls), over groups of `group` devices."""
+
+    kind: str
+    bytes: float
+    group: int
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device puts on the wire: a collective-permute sends its whole operand; all-gather, all-to-all
+        and reduce-scatter send (group - 1) / group of theirs."""
+        if self.kind == "collective-permute":
+            return self.bytes
+        return self.bytes * (self.group - 1) / self.group
+
+
+def replicated_kv_heads(kv_heads: int, degree: int) -> int:
+    """K' = lcm(K, U): kv heads after the all-to-all strategies repeat them, so that U divides them."""
+    return math.lcm(kv_heads, degree)
+
+
+def by_kind(collectives: list[Collective]) -> dict[str, float]:
+    """Bytes per HLO op kind (what tests/support/hlo.py reads from a compiled program)."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        out[c.kind] = out.get(c.kind, 0.0) + c.bytes
+    return out

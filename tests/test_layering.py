@@ -1,0 +1,109 @@
+"""The import graph of maxctx/: no cycle, and no import from a lower layer to a higher one (function-local imports
+count too). The layers are the module map of the README's "Layout" section."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Lowest first; a module may import from its own layer and the ones before it. A package name covers its modules.
+LAYERS = [
+    ["maxctx", "maxctx.compat", "maxctx.config"],
+    ["maxctx.parallelism", "maxctx.topology", "maxctx.optimizer", "maxctx.metrics"],
+    ["maxctx.attention"],
+    ["maxctx.validate"],
+    ["maxctx.mesh", "maxctx.runtime"],
+    ["maxctx.model", "maxctx.data"],
+    ["maxctx.train_step"],
+    ["maxctx.checkpoint", "maxctx.roofline", "maxctx.out_of_memory"],
+    ["maxctx.compile", "maxctx.train"],
+]
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in (ROOT / "maxctx").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{name}: relative import; write `from maxctx...`")
+            targets = ([f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom)
+                       and node.module else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for target in targets:
+                while target and target not in modules:  # `from pkg import module` or `from module import name`
+                    target = target.rpartition(".")[0]
+                if target.startswith("maxctx") and target != name:
+                    deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def layer_of(module: str) -> int:
+    best = max(((i, prefix) for i, layer in enumerate(LAYERS) for prefix in layer
+                if module == prefix or module.startswith(prefix + ".")), key=lambda x: len(x[1]), default=None)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS (and the README's Layout)"
+    return best[0]
+
+
+def test_graph_is_read():
+    graph = import_graph()
+    assert "maxctx.attention.strategies" in graph["maxctx.validate"]
+    assert "maxctx.parallelism" in graph["maxctx.mesh"]
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1 on the DFS stack, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_no_upward_import():
+    upward = [f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+              for m, deps in sorted(import_graph().items()) for d in sorted(deps) if layer_of(d) > layer_of(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_parallelism_is_jax_free():
+    source = (ROOT / "maxctx" / "parallelism.py").read_text()
+    imported = {a.name.split(".")[0] for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(ast.parse(source))
+                 if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"jax", "jaxlib", "numpy", "flax"}, imported
+
+
+def test_config_checks_run_without_importing_jax():
+    # Validation (the strategies' rules included) and the entry points' imports come before JAX: a bad config is
+    # reported without paying for JAX's import. A fresh interpreter, since this one has JAX loaded.
+    code = ("import sys; from maxctx import compile, train; from maxctx.validate import load_config; "
+            "load_config(['configs/base.yml', 'cpu_devices=8', 'ici_context_parallelism=8', 'per_device_batch_size=1', "
+            "'context_parallel_strategy=usp', 'base_num_query_heads=8', 'attention=splash', "
+            "'max_target_length=4096']); "
+            "assert train.main(['configs/base.yml', 'context_parallel_strategy=ulysses', 'cpu_devices=8', "
+            "'ici_context_parallelism=8', 'base_num_query_heads=6']) == 2; "
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'numpy')); "
+            "assert not loaded, loaded")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "not divisible by the A2A degree 8" in result.stderr
