@@ -9,6 +9,10 @@ includes everything a save costs the loop: waiting for the step's metrics (the N
 device-to-host copy, starting the write, waiting for the previous save, and deleting the checkpoint that falls out
 of max_num_checkpoints_to_keep. Prints the three step times and the ratios to the no-save run. Extra key=value
 words go to every run (e.g. a larger model_name).
+
+Then the integrity record's share (maxctx.checkpoint_integrity): on the sync run's last checkpoint, the time to
+checksum every file of its items (what a save adds, in Orbax's commit) and to verify the step (what a resume
+adds), next to a sync save's cost (sync step time minus the no-save step time) and the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {
@@ -55,12 +60,39 @@ def main() -> None:
             subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
             times = step_times(os.path.join(out, run), args.warmup)
             results[name] = (statistics.mean(times), statistics.median(times))
+        integrity = integrity_times(os.path.join(out, "save_every_step_sync", "checkpoints", str(args.steps)))
     base = results["no checkpoints"][0]
     print(f"{args.steps} steps, {args.devices} CPU devices, timed after step {args.warmup}; "
           f"overrides: {' '.join(args.overrides) or '(none)'}")
     print(f"{'variant':<26} {'mean s/step':>12} {'median s/step':>14} {'ratio (mean)':>13}")
     for name, (mean, median) in results.items():
         print(f"{name:<26} {mean:>12.4f} {median:>14.4f} {mean / base:>13.2f}")
+    save = results["save every step, sync"][1] - results["no checkpoints"][1]
+    size, record, verify = integrity
+    print(f"integrity of one checkpoint ({size / 2**20:.1f} MiB): checksums at save {record * 1e3:.1f} ms, "
+          f"verification at resume {verify * 1e3:.1f} ms; a sync save costs the loop {save * 1e3:.1f} ms "
+          f"(median step, sync minus none)")
+
+
+def integrity_times(step_dir: str, repeats: int = 5) -> tuple[int, float, float]:
+    """(bytes, seconds to checksum every item's files, seconds to verify the step), best of `repeats`."""
+    from etils import epath
+
+    from maxctx.checkpoint import ITEMS
+    from maxctx.checkpoint_integrity import check_step, digest
+
+    step = epath.Path(step_dir)
+    size = sum(size for item in ITEMS for size, _ in digest(step / item).values())
+    record, verify = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for item in ITEMS:
+            digest(step / item)
+        record.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert check_step(step, ITEMS) is None
+        verify.append(time.perf_counter() - start)
+    return size, min(record), min(verify)
 
 
 if __name__ == "__main__":

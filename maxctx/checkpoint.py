@@ -26,9 +26,13 @@ Restores pass the new run's abstract state (ShapeDtypeStructs with their target 
 device's shard straight into the new layout: a checkpoint saved under one mesh or device count resumes under
 another.
 
-Complete checkpoints only. Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` (or
+Verified checkpoints only. Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` (or
 writes commit_success.txt, on object stores) only once every item of every process is written; a save cut off
 by a crash or `kill -9` leaves a tmp directory, which is never listed as a step and is deleted at the next start.
+Just before that commit, each item records the size and CRC-32 of its files (maxctx.checkpoint_integrity).
+Resuming verifies the newest step; one that is incomplete, unreadable or fails verification (or that Orbax then
+fails to restore) is reported in one line, renamed aside to `<step>.corrupt` (never deleted) and the next older
+step is tried. With none left, or a load path at a damaged step, a CheckpointError (exit 2) says what to do.
 
 Preemption (SIGTERM): the run finishes its current step, saves it, waits for the save to commit and exits 0.
 Single process: a signal handler sets a flag read after each step. Multi-process: processes get the signal at
@@ -47,14 +51,51 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from maxctx.checkpoint_integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
 from maxctx.config import Config, ConfigError
 from maxctx.train_step import TrainSetup, init_state
 
 STATE, DATA, META = "state", "data", "meta"
+ITEMS = (STATE, DATA, META)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (damaged, or no good one left); the message says which and what to do."""
+
+
+def step_dirs(directory: epath.Path) -> list[epath.Path]:
+    """The step directories (`<step>/`, whatever they hold) of a checkpoints directory, newest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), key=lambda p: -int(p.name))
+
+
+def set_aside(step_dir: epath.Path, suffix: str) -> epath.Path:
+    """Renames `<step>` to `<step>.<suffix>` (or `.<suffix>2`, ...: never over an earlier one); returns the new path."""
+    target, n = step_dir.parent / f"{step_dir.name}.{suffix}", 1
+    while target.exists():
+        n += 1
+        target = step_dir.parent / f"{step_dir.name}.{suffix}{n}"
+    step_dir.rename(target)
+    return target
+
+
+def _from_primary(value: int) -> int:
+    """Process 0's `value` on every process (a barrier too)."""
+    if jax.process_count() == 1:
+        return value
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def _any_process(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def rng_key(seed: int, step: int) -> jax.Array:
@@ -104,17 +145,21 @@ def resolve_step_dir(path: str, key: str) -> epath.Path:
     if not where.exists():
         raise ConfigError(f"{key}='{path}' does not exist; give a checkpoint step directory "
                           f"(<run>/checkpoints/<step>) or a run's checkpoints directory")
-    if (where / STATE).is_dir():
-        if not ocp.utils.is_checkpoint_finalized(where):
-            raise ConfigError(f"{key}='{path}' is an incomplete checkpoint (its save was cut off); give a "
-                              f"complete step directory")
-        return where
-    steps = ocp.utils.checkpoint_steps(where) if where.is_dir() else []
-    steps = [s for s in steps if (where / str(s) / STATE).is_dir()]
-    if not steps:
-        raise ConfigError(f"{key}='{path}' holds no complete maxctx checkpoint (no <step>/{STATE} directory); give "
-                          f"a checkpoint step directory (<run>/checkpoints/<step>) or a run's checkpoints directory")
-    return where / str(max(steps))
+    if not (where / STATE).is_dir():
+        steps = [p for p in step_dirs(where) if (p / STATE).is_dir()]
+        if not steps:
+            raise ConfigError(f"{key}='{path}' holds no complete maxctx checkpoint (no <step>/{STATE} directory); "
+                              f"give a checkpoint step directory (<run>/checkpoints/<step>) or a run's checkpoints "
+                              f"directory")
+        where = steps[0]
+    if not ocp.utils.is_checkpoint_finalized(where):
+        raise ConfigError(f"{key}='{path}' is an incomplete checkpoint (its save was cut off); give a "
+                          f"complete step directory")
+    problem = check_step(where, (STATE,))
+    if problem:
+        raise CheckpointError(f"{key}='{path}': checkpoint {where} is damaged: {problem}; give another step "
+                              f"directory (<run>/checkpoints/<step>)")
+    return where
 
 
 def _state_metadata(state_dir: epath.Path) -> Any:
@@ -166,10 +211,9 @@ class Checkpointer:
         self.preempted = False
         self.manager: ocp.CheckpointManager | None = None
         self.source, self.source_dir = "init", None
-        directory = epath.Path(config.checkpoint_dir)
-        own_steps = ocp.utils.checkpoint_steps(directory) if config.enable_checkpointing else []
-        if own_steps:
-            self.source, self.source_dir = "resume", directory / str(max(own_steps))
+        self.directory = directory = epath.Path(config.checkpoint_dir)
+        if config.enable_checkpointing and step_dirs(directory):
+            self.source, self.source_dir = "resume", self._newest_good()
             self._check_resume(self.source_dir)
         elif config.load_full_state_path:
             self.source = "full_state"
@@ -189,6 +233,30 @@ class Checkpointer:
             self.watch = PreemptionWatch()
             atexit.register(self.close)
 
+    def _newest_good(self) -> epath.Path:
+        """The newest step that verifies; newer ones are set aside, each reported in one line. Process 0 checks
+        (the checkpoint directory is shared) and tells the others."""
+        chosen = -1
+        if self.primary:
+            for step_dir in step_dirs(self.directory):
+                problem = check_step(step_dir, ITEMS)
+                if problem is None:
+                    chosen = int(step_dir.name)
+                    break
+                self._set_aside(step_dir, problem)
+        chosen = _from_primary(chosen)
+        if chosen < 0:
+            aside = sorted(p.name for p in self.directory.iterdir() if ".corrupt" in p.name)
+            raise CheckpointError(f"no good checkpoint left in {self.directory} (set aside: {', '.join(aside)}); "
+                                  f"re-running the same command starts this run over from step 0, or start a new "
+                                  f"run_name with load_parameters_path=<an older, good step directory>")
+        return self.directory / str(chosen)
+
+    def _set_aside(self, step_dir: epath.Path, problem: str) -> None:
+        target = set_aside(step_dir, "corrupt")
+        self._say(f"checkpoint step {step_dir.name} is unusable: {problem}; set aside as {target.name} (nothing "
+                  f"deleted)")
+
     def _check_resume(self, step_dir: epath.Path) -> None:
         check_shapes(_state_metadata(step_dir / STATE), self.setup.abstract_state, f"checkpoint {step_dir}",
                      "use a new run_name for the new model")
@@ -206,28 +274,28 @@ class Checkpointer:
 
     def _make_manager(self, directory: epath.Path) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.config.max_num_checkpoints_to_keep,
+            max_to_keep=self.config.max_num_checkpoints_to_keep or None,  # 0: keep all
             enable_async_checkpointing=self.config.async_checkpointing,
             create=True, cleanup_tmp_directories=True)
         every_process = ocp.options.MultiprocessingOptions(primary_host=None)  # each process writes its own file
-        handlers = {
-            STATE: ocp.StandardCheckpointHandler(),
-            DATA: ocp.JsonCheckpointHandler(filename=data_filename(jax.process_index(), jax.process_count()),
-                                            multiprocessing_options=every_process),
-            META: ocp.JsonCheckpointHandler(),
-        }
-        return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+        # Each handler records its files' sizes and checksums just before Orbax commits the step.
+        handlers = {STATE: VerifiedStandardHandler(),
+                    DATA: VerifiedJsonHandler(filename=data_filename(jax.process_index(), jax.process_count()),
+                                              multiprocessing_options=every_process),
+                    META: VerifiedJsonHandler()}
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for item, handler in handlers.items():
+            save, restore = ((ocp.args.StandardSave, ocp.args.StandardRestore) if item == STATE else
+                             (ocp.args.JsonSave, ocp.args.JsonRestore))
+            registry.add(item, save, handler)
+            registry.add(item, restore, handler)
+        return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
 
     def restore_or_init(self, data) -> dict:
         """The starting state (see the module docstring for the order); on resume also sets `data`'s state."""
         abstract = self.setup.abstract_state
         if self.source == "resume":
-            step = int(self.source_dir.name)
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                **{STATE: ocp.args.StandardRestore(abstract), DATA: ocp.args.JsonRestore()}))
-            data.set_state(restored[DATA])
-            state = restored[STATE]
-            self._say(f"resuming from checkpoint step {step} ({self.source_dir})")
+            state = self._restore_own(data)
         elif self.source == "full_state":
             state = ocp.StandardCheckpointer().restore(self.source_dir / STATE, abstract)
             self._say(f"loaded the full training state of step {int(state['step'])} from {self.source_dir}; "
@@ -245,6 +313,34 @@ class Checkpointer:
         else:
             state = init_state(self.setup)
         return state
+
+    def _restore_own(self, data) -> dict:
+        """Restores the verified step chosen at construction; should Orbax still fail to read it, sets it aside and
+        falls back like a step that failed verification."""
+        from maxctx.out_of_memory import is_out_of_memory
+
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(self.setup.abstract_state),
+                                     DATA: ocp.args.JsonRestore()})
+        while True:
+            step, error = int(self.source_dir.name), None
+            try:
+                restored = self.manager.restore(step, args=args)
+            except Exception as e:  # noqa: BLE001 - any failure to read a step makes it unusable
+                if is_out_of_memory(e):
+                    raise
+                error = e
+            if not _any_process(error is not None):
+                break
+            if self.primary:
+                lines = str(error).strip().splitlines() or [""]
+                self._set_aside(self.source_dir, "another process could not restore it" if error is None else
+                                f"Orbax cannot restore it ({type(error).__name__}: {lines[0][:200]})")
+            self.manager.reload()
+            self.source_dir = self._newest_good()
+            self._check_resume(self.source_dir)
+        data.set_state(restored[DATA])
+        self._say(f"resuming from checkpoint step {step} ({self.source_dir})")
+        return restored[STATE]
 
     def should_save(self, step: int) -> bool:
         """True when `step` (steps completed) is due: the period, the last step, or an agreed preemption notice.

@@ -5,8 +5,8 @@ AOT-compiled step (memory and FLOPs logged before step 0) -> init or resume -> f
 dispatch the step, log the previous step's metrics (one step late, so the host never blocks the device),
 evaluate and checkpoint on their periods.
 
-Exit status: 0 done, 2 configuration error, 3 non-finite loss (the last good checkpoint is kept), 4 out of device
-memory (HBM, or a kernel's on-chip memory), with what to change (maxctx.out_of_memory).
+Exit status: 0 done, 2 configuration, data or checkpoint error, 3 non-finite loss (the last good checkpoint is
+kept), 4 out of device memory (HBM, or a kernel's on-chip memory), with what to change (maxctx.out_of_memory).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     from maxctx import runtime  # imports JAX; device settings must come before its first use
+    from maxctx.checkpoint import CheckpointError
     from maxctx.data import DataError
     from maxctx.metrics import NonFiniteLossError
 
@@ -43,6 +44,9 @@ def main(argv: list[str]) -> int:
         return train(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)

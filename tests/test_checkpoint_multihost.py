@@ -35,7 +35,7 @@ def test_two_processes_agree_on_sigterm_step_and_resume(tmp_path):
     assert len(saved) == 1 and 3 <= int(saved[0]) < 12, saved
     assert f"preemption notice (SIGTERM): saved step {saved[0]}" in logs[0]
     data_files = sorted(os.listdir(tmp_path / "two/checkpoints" / saved[0] / "data"))
-    assert data_files == ["commit_success.txt", "process_0-of-2.json", "process_1-of-2.json"]
+    assert data_files == ["commit_success.txt", "maxctx_integrity.json", "process_0-of-2.json", "process_1-of-2.json"]
     logs = launch()
     assert f"resuming from checkpoint step {saved[0]}" in logs[0]
     assert steps_on_disk(tmp_path / "two") == sorted([saved[0], "12"])
