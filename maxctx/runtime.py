@@ -8,6 +8,8 @@ or the environment variable JAX_COORDINATOR_ADDRESS (which JAX itself reads), th
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 
 import jax
@@ -18,8 +20,9 @@ from maxctx.parallelism import num_processes
 
 def configure_devices(config: Config) -> None:
     """Must run before the first JAX computation or device query."""
-    if config.cpu_devices > 0:
+    if config.cpu_devices > 0 or config.hardware == "cpu" or _cpu_only_machine(config):
         jax.config.update("jax_platforms", "cpu")
+    if config.cpu_devices > 0:
         if "jax_num_cpu_devices" in jax.config.values:
             jax.config.update("jax_num_cpu_devices", config.cpu_devices)
         else:
@@ -28,6 +31,17 @@ def configure_devices(config: Config) -> None:
     if config.dtype == "float32":
         # fp32 runs mean exact fp32 matmuls on every backend (TPU and GPU default to bf16 passes for fp32 dots).
         jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _cpu_only_machine(config: Config) -> bool:
+    """No TPU (no /dev/accel* or /dev/vfio device files), no GPU plugin and no platform chosen: JAX would otherwise
+    try libtpu (installed with the test extra) and log its failure to find a TPU before falling back to the CPU."""
+    if os.environ.get("JAX_PLATFORMS") or config.compile_topology:
+        return False
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return False
+    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                                                          "jax_rocm7_plugin"))
 
 
 def distributed_settings(config: Config) -> dict | None:
@@ -58,11 +72,23 @@ def initialize(config: Config) -> None:
     """Devices, then (for multi-process runs) jax.distributed, with CPU collectives over gloo."""
     configure_devices(config)
     settings = distributed_settings(config)
-    if settings is None:
+    if settings is not None:
+        if config.cpu_devices > 0 and "jax_cpu_collectives_implementation" in jax.config.values:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(**settings)
+    check_hardware(config)
+
+
+def check_hardware(config: Config) -> None:
+    """MaxText's `hardware` key: the devices JAX found must be that kind (not checked for an AOT compile, whose
+    devices come from compile_topology)."""
+    if not config.hardware or config.compile_topology:
         return
-    if config.cpu_devices > 0 and "jax_cpu_collectives_implementation" in jax.config.values:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**settings)
+    want = "gpu" if config.hardware.startswith("gpu") else config.hardware
+    found = jax.devices()[0].platform
+    if found != want:
+        raise ConfigError(f"hardware={config.hardware}, but JAX found {found} devices; drop hardware or run on "
+                          f"{want} (cpu_devices=N gives simulated CPU devices)")
 
 
 def is_primary() -> bool:

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from maxctx.config import Config, ConfigError, save_config
+from maxctx.config import Config, ConfigError, save_config, usage
 from maxctx.out_of_memory import is_out_of_memory, out_of_memory_advice
 from maxctx.validate import load_config
 
@@ -27,8 +27,15 @@ if TYPE_CHECKING:
 EXIT_CONFIG, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY = 2, 3, 4
 
 
+USAGE = ("Trains the configured model (python train.py, python -m maxctx.train and maxctx-train are the same).\n"
+         "Exit status: 0 done, 2 bad config or data, 3 non-finite loss, 4 out of device memory.")
+
+
 def main(argv: list[str]) -> int:
     """Entry point; returns the process exit status."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage("python train.py", USAGE))
+        return 0
     try:
         config = load_config(argv)
     except ConfigError as e:
@@ -118,7 +125,7 @@ def _open_outputs(config: Config, primary: bool) -> MetricsWriter:
 
     if primary:
         save_config(config, config.run_dir)
-    return MetricsWriter(config.run_dir, config.enable_tensorboard, primary)
+    return MetricsWriter(config.run_dir, config.enable_tensorboard, primary, metrics_file=config.metrics_file)
 
 
 def _compile(config: Config, setup: TrainSetup, flops_per_step: float, writer: MetricsWriter) -> tuple[Any, float]:
@@ -128,12 +135,15 @@ def _compile(config: Config, setup: TrainSetup, flops_per_step: float, writer: M
 
     from maxctx.metrics import compile_record, peak_flops_per_device
     from maxctx.model.decoder import count_params
-    from maxctx.train_step import compile_train_step
+    from maxctx.train_step import compile_train_step, load_compiled
 
     device, num_devices = jax.devices()[0], setup.mesh.devices.size
     peak, peak_source = peak_flops_per_device(device, config)
     start = time.perf_counter()
-    compiled = compile_train_step(setup)
+    if config.compiled_trainstep_file:  # compiled ahead of time by maxctx.compile (MaxText's key)
+        compiled = load_compiled(config.compiled_trainstep_file, setup)
+    else:
+        compiled = compile_train_step(setup)
     record = compile_record(compiled, analytic_flops_per_device=flops_per_step / num_devices)
     record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(setup.mesh.shape),
                   compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch,
@@ -192,3 +202,12 @@ def _print_header(config: Config, record: dict, platform: str, num_devices: int)
           f" MiB); {record['analytic_flops_per_device'] / 1e9:.3f} model GFLOP per device per step; "
           f"peak {record['peak_flops_per_device'] / 1e12:.3f} TFLOP/s per device ({record['peak_source']})",
           flush=True)
+
+
+def cli() -> None:
+    """The `maxctx-train` console script."""
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

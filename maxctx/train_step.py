@@ -11,6 +11,7 @@ gradient accumulation together), whatever the mesh: sums are reduced first, divi
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxctx.config import Config
+from maxctx.config import Config, ConfigError
 from maxctx.data import BATCH_KEYS
 from maxctx.mesh import batch_sharding, logical_to_spec
 from maxctx.model.decoder import Decoder, param_axes
@@ -144,3 +145,32 @@ def jit_eval_step(setup: TrainSetup):
 def compile_train_step(setup: TrainSetup):
     """AOT-compiles the step for the abstract state and batch; returns the `Compiled` (callable like the step)."""
     return jit_train_step(setup).lower(setup.abstract_state, setup.abstract_batch()).compile()
+
+
+def save_compiled(compiled, path: str) -> None:
+    """MaxText's compiled_trainstep_file: the serialized executable (written by `python -m maxctx.compile`, also for
+    a TPU topology from a CPU machine), loaded by training instead of compiling at start."""
+    from etils import epath
+    from jax.experimental.serialize_executable import serialize
+
+    epath.Path(path).write_bytes(pickle.dumps(serialize(compiled)))
+
+
+def load_compiled(path: str, setup: TrainSetup):
+    """The step saved by `save_compiled`, checked against this run's state and batch (shapes and dtypes)."""
+    from etils import epath
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    file = epath.Path(path)
+    redo = f"write it with python -m maxctx.compile <this run's config> compiled_trainstep_file={path}"
+    if not file.exists():
+        raise ConfigError(f"compiled_trainstep_file={path} does not exist; {redo}, or drop the key")
+    try:
+        compiled = deserialize_and_load(*pickle.loads(file.read_bytes()))
+    except Exception as e:  # a different platform, jax version or topology; a damaged file
+        raise ConfigError(f"compiled_trainstep_file={path} cannot be loaded here ({str(e).splitlines()[0][:200]}); "
+                          f"{redo}") from None
+    spec = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)  # noqa: E731
+    if spec(compiled.args_info[0]) != spec((setup.abstract_state, setup.abstract_batch())):
+        raise ConfigError(f"compiled_trainstep_file={path} was compiled for another model, batch or mesh; {redo}")
+    return compiled

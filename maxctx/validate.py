@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 
 from maxctx import topology
 from maxctx.attention import strategies
 from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, parse_config
+from maxctx.files import check_tokenizer_path, expand_files
 from maxctx.parallelism import axis_sizes, num_processes, num_slices, split_context
 
 
@@ -68,7 +70,8 @@ def check_devices(config: Config, num_devices: int) -> None:
         strategy = strategies.for_config(config)
         strategy.check(config, cp, tp)
         split_context(config, num_devices, strategy.a2a_degree(config, cp))
-    if config.attention == "splash":
+    # splash: asked for, or what auto/flash pick when compiling for a TPU topology
+    if config.attention == "splash" or config.attention in ("auto", "flash") and config.compile_topology:
         _check_splash_rows(config, cp)
 
 
@@ -78,10 +81,11 @@ def _check_splash_rows(config: Config, cp: int) -> None:
     rows = strategy.query_rows(config.max_target_length, cp, strategy.a2a_degree(config, cp)) if cp > 1 else (
         config.max_target_length)
     if rows % 128:
-        raise ConfigError(f"attention=splash with max_target_length={config.max_target_length} and "
-                          f"context_parallel_strategy={config.context_parallel_strategy} over {cp} devices gives "
-                          f"{rows} query rows per device, not a multiple of 128; choose max_target_length a "
-                          f"multiple of {128 * config.max_target_length // rows}, or attention=flash")
+        raise ConfigError(f"attention={config.attention} (splash on TPU) with max_target_length="
+                          f"{config.max_target_length} and context_parallel_strategy="
+                          f"{config.context_parallel_strategy} over {cp} devices gives {rows} query rows per device, "
+                          f"not a multiple of 128; choose max_target_length a multiple of "
+                          f"{128 * config.max_target_length // rows}, or attention=blockwise")
 
 
 def _check_custom_remat(config: Config) -> None:
@@ -121,14 +125,15 @@ def validate(config: Config) -> None:
     _check_custom_remat(config)
     if not config.run_name or "/" in config.run_name:
         raise ConfigError(f"run_name='{config.run_name}' must be a non-empty name without '/'")
-    _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", allow_zero=True)
+    _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "max_num_checkpoints_to_keep",
+              allow_zero=True)
     _positive(config, "jax_heartbeat_timeout_seconds", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
               "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
-              "checkpoint_period", "gradient_accumulation_steps", "max_num_checkpoints_to_keep", "eval_steps",
+              "checkpoint_period", "gradient_accumulation_steps", "eval_steps",
               "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale", "num_vocab_tiling",
               "mlp_sequence_chunks")
-    if config.learning_rate < 0:
-        raise ConfigError(f"learning_rate={config.learning_rate} must be >= 0")
+    if not 0 <= config.learning_rate <= 3.4e38:  # float32's largest finite value: above it the schedule is inf
+        raise ConfigError(f"learning_rate={config.learning_rate} must be >= 0 and finite in float32 (<= 3.4e38)")
     if not 0 <= config.warmup_steps_fraction < 1:
         raise ConfigError(f"warmup_steps_fraction={config.warmup_steps_fraction} must be in [0, 1)")
     if config.base_num_query_heads % config.base_num_kv_heads:
@@ -141,16 +146,30 @@ def validate(config: Config) -> None:
                           "(parameters only, or a whole training state)")
     if config.attention == "cudnn" and config.dtype == "float32":
         raise ConfigError("attention=cudnn needs dtype=bfloat16 or float16 (cuDNN flash attention has no float32); "
-                          "set dtype=bfloat16, or attention=flash")
+                          "set dtype=bfloat16, or attention=blockwise")
     if config.context_parallel_a2a_degree < 0:
         raise ConfigError(f"context_parallel_a2a_degree={config.context_parallel_a2a_degree} must be >= 0 "
                           f"(0 picks the default)")
     _check_paths(config)
     _check_data(config)
+    _check_files(config)
     if config.cpu_devices:
         check_devices(config, config.cpu_devices * max(1, num_processes(config)))
     elif config.compile_topology:  # an AOT compile: the topology's name says how many devices
         check_devices(config, topology.parse(config.compile_topology).num_devices * num_slices(config))
+
+
+def _check_files(config: Config) -> None:
+    """The input files themselves: found here, before JAX starts, rather than after the mesh and the compile."""
+    if config.dataset_type in ("arrayrecord", "text"):
+        expand_files(config.grain_train_files, "grain_train_files")
+        if config.eval_interval > 0:
+            expand_files(config.grain_eval_files, "grain_eval_files")
+    if config.tokenizer_path:
+        check_tokenizer_path(config.tokenizer_path)
+    if config.dataset_type == "tfds" and config.tfds_data_dir and not os.path.isdir(config.tfds_data_dir):
+        raise ConfigError(f"tfds_data_dir='{config.tfds_data_dir}' does not exist (or is not a directory); give "
+                          f"the folder TFDS prepared the dataset in, or leave it empty for TFDS's default")
 
 
 def _check_paths(config: Config) -> None:

@@ -51,7 +51,7 @@ def test_base_yml_values_are_the_schema_defaults():
 
 
 def test_fixed_choice_keys_are_literals():
-    assert choices("attention") == ("auto", "dot_product", "flash", "splash", "cudnn")
+    assert choices("attention") == ("auto", "flash", "dot_product", "blockwise", "splash", "cudnn")
     assert "custom" in choices("remat_policy") and choices("decoder_layer_input") == ("remat", "device", "offload")
     assert choices("steps") == ()
 

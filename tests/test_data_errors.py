@@ -8,7 +8,8 @@ from maxctx.config import ConfigError
 from maxctx.data import DataError
 from maxctx.data.global_batch import HostLayout
 from maxctx.data.pipeline import build_host_dataset, create_data_iterator
-from maxctx.data.sources import ArrayRecordSource, TextSource, TfdsSource, encode_tokens, expand_files
+from maxctx.data.sources import ArrayRecordSource, TextSource, TfdsSource, encode_tokens
+from maxctx.files import expand_files
 from maxctx.mesh import create_mesh
 from maxctx.validate import load_config
 from tests.support import fixtures as F
@@ -129,7 +130,7 @@ def test_tfds_errors_name_dataset_split_and_dir(tfds_dir, tmp_path):
     (["max_target_length=0"], "max_target_length=0 must be > 0"),
     (["dataset_type=text", "grain_train_files=x.txt"], "dataset_type=text needs tokenizer_path"),
     (["dataset_type=arrayrecord", "grain_train_files=x", "eval_interval=5"], "needs grain_eval_files"),
-    (["dataset_type=tfds", "dataset_name=x", "eval_interval=5"], "needs eval_split"),
+    (["dataset_type=tfds", "dataset_name=x", "eval_interval=5", "eval_split="], "needs eval_split"),
     (["grain_worker_count=-1"], "grain_worker_count=-1 must be >= 0"),
 ])
 def test_config_level_data_errors(args, match):

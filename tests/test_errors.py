@@ -48,7 +48,7 @@ def test_attention_dispatch_errors_are_config_errors():
     from maxctx.config import ConfigError
     from tests.support.meshes import make_mesh
 
-    with pytest.raises(ConfigError, match="attention='magic' is not one of auto, dot_product"):
+    with pytest.raises(ConfigError, match="attention='magic' is not one of auto, flash, dot_product, blockwise"):
         resolve_kernel("magic")
     x = jnp.zeros((1, 16, 4, 8))
     ids = jnp.zeros((1, 16), jnp.int32)

@@ -11,8 +11,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first; a module may import from its own layer and the ones before it. A package name covers its modules.
 LAYERS = [
-    ["maxctx", "maxctx.compat", "maxctx.config"],
-    ["maxctx.parallelism", "maxctx.topology", "maxctx.optimizer", "maxctx.metrics"],
+    ["maxctx", "maxctx.errors", "maxctx.compat", "maxctx.config"],
+    ["maxctx.parallelism", "maxctx.files", "maxctx.topology", "maxctx.optimizer", "maxctx.metrics"],
     ["maxctx.attention"],
     ["maxctx.validate"],
     ["maxctx.mesh", "maxctx.runtime"],

@@ -38,8 +38,9 @@ class AttentionSpec:
 
 
 def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
-    """`auto` -> the best kernel the platform has: splash on TPU, cuDNN on GPU for bf16/fp16, flash otherwise."""
-    if name != "auto":
+    """`auto` and `flash` (MaxText's meaning) -> the platform's fast kernel: splash on TPU, cuDNN on GPU for
+    bf16/fp16, the blockwise JAX kernel otherwise."""
+    if name not in ("auto", "flash"):
         if name not in typing.get_args(AttentionKernel):
             raise ConfigError(f"attention='{name}' is not one of {', '.join(typing.get_args(AttentionKernel))}")
         return name
@@ -48,7 +49,7 @@ def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
         return "splash"
     if platform == "gpu" and dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
-    return "flash"
+    return "blockwise"
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh=None):

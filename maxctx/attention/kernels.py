@@ -6,9 +6,11 @@ A `LocalKernel` is built outside shard_map for one strategy's token layout and u
   attend(hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg)           -> (out, lse|None), differentiable in out
   block_forward(hop, ...)                                      -> (out fp32, lse fp32), for ring hops
   block_backward(hop, ..., out, lse, dout)                     -> (dq, dk, dv) fp32 given the merged out/lse
-`hop` (a Python int, or the ring loop's traced index) picks the ring hop's splash kernel; only splash needs it (its
-masks are index-based, see splash.py), the others mask from positions. cuDNN and splash rings run their backward
-hops with the flash backward (exact, pure JAX): neither exposes a backward that takes the ring's merged lse.
+Kernels: dot_product (reference, O(S T) memory), blockwise (flash.py: the flash-attention algorithm in plain
+JAX, every platform), splash (TPU Pallas), cudnn (GPU). `hop` (a Python int, or the ring loop's traced index) picks
+the ring hop's splash kernel; only splash needs it (its masks are index-based, see splash.py), the others mask from
+positions. cuDNN and splash rings run their backward hops with the blockwise backward (exact, pure JAX): neither
+exposes a backward that takes the ring's merged lse.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class LocalKernel:
     def attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
             return dot_product_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
-        if self.name == "flash":
+        if self.name == "blockwise":
             return flash.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv)
         if self.name == "cudnn":
             return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
@@ -64,7 +66,7 @@ class LocalKernel:
         if self.name == "dot_product":
             f32 = [x.astype(jnp.float32) for x in (q, k, v)]
             return dot_product_attention(*f32, q_pos, q_seg, kv_pos, kv_seg)
-        if self.name == "flash":
+        if self.name == "blockwise":
             return flash.flash_forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv)
         if self.name == "cudnn":
             out, lse = cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, return_lse=True)

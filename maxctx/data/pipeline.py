@@ -140,7 +140,7 @@ def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int) 
         raise DataError(f"{source.name} has {len(source)} documents, fewer than the "
                         f"{layout.shard_count} data-loading process groups that each need a disjoint part")
     ds = grain.MapDataset.source(source)[layout.shard_index::layout.shard_count]
-    if split == "train":
+    if split == "train" and config.enable_data_shuffling:
         ds = ds.shuffle(seed=config.data_shuffle_seed)
     ds = ds.repeat().map(EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos))
     rows = layout.local_rows

@@ -12,8 +12,9 @@ import io
 import os
 from collections.abc import Iterator
 
-from maxctx.data.sources import TextSource, encode_tokens, expand_files
+from maxctx.data.sources import TextSource, encode_tokens
 from maxctx.data.tokenizer import Tokenizer
+from maxctx.files import expand_files
 
 SPECIAL_IDS = {"pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3}
 

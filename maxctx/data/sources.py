@@ -12,7 +12,6 @@ skipped in both.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 
 from maxctx.config import Config, ConfigError
 from maxctx.data import DataError
+from maxctx.files import expand_files
 
 TOKENS_MAGIC = b"MXTK"
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -43,22 +43,6 @@ def decode_record(record: bytes, where: str) -> str | np.ndarray:
         return record.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{where} is corrupt: neither UTF-8 text nor token ids ({e})") from None
-
-
-def expand_files(pattern: str, key: str) -> list[str]:
-    """Files matching a glob (or a comma-separated list of globs), sorted; ConfigError naming `key` if none."""
-    if not pattern:
-        fix = ", or set eval_interval=0" if key == "grain_eval_files" else ""
-        raise ConfigError(f"{key} is empty; give a file glob, e.g. {key}=/data/shard-*.array_record{fix}")
-    files: set[str] = set()
-    for part in pattern.split(","):
-        matches = glob.glob(os.path.expanduser(part.strip()))
-        if not matches:
-            raise ConfigError(f"{key}='{pattern}': '{part.strip()}' matches no files; check the path")
-        files.update(m for m in matches if os.path.isfile(m))
-    if not files:
-        raise ConfigError(f"{key}='{pattern}' matches only directories; give a glob of files")
-    return sorted(files)
 
 
 class ArrayRecordSource:

@@ -6,13 +6,12 @@ of the synthetic data and of models trained by scripts/train_tokenizer.py (PAD=0
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from maxctx.config import Config, ConfigError
 from maxctx.data import DataError
 from maxctx.data.synthetic import BOS, EOS
+from maxctx.files import check_tokenizer_path
 
 
 class Tokenizer:
@@ -21,9 +20,7 @@ class Tokenizer:
     def __init__(self, path: str, vocab_size: int):
         import sentencepiece as spm
 
-        if not os.path.isfile(path):
-            raise ConfigError(f"tokenizer_path='{path}' does not exist; give a sentencepiece .model file "
-                              f"(scripts/train_tokenizer.py trains one)")
+        check_tokenizer_path(path)
         try:
             self.processor = spm.SentencePieceProcessor(model_file=path)
         except (RuntimeError, OSError) as e:

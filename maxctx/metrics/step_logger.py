@@ -70,6 +70,8 @@ class StepLogger:
         if seconds is not None:
             self._window_seconds += seconds
             self._window_steps += 1
+        rates = throughput(seconds, **self._rates) if seconds is not None else {}
+        self.writer.write_maxtext_step(done.step, {**done.metrics, **rates})
         if not (completed % self.log_period == 0 or force or first) or not self._window_steps:
             return
         seconds = self._window_seconds / self._window_steps

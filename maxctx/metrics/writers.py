@@ -6,7 +6,9 @@ Record kinds in metrics.jsonl, told apart by the "event" field:
     {"event": "eval", "step": n, ...}  after each evaluation
 
 TensorBoard tags follow MaxText (`learning/loss`, `perf/step_time_seconds`, ...) so existing dashboards work;
-maxctx adds `perf/mfu`. Only the primary process (jax.process_index() == 0) writes anything.
+maxctx adds `perf/mfu`. Only the primary process (jax.process_index() == 0) writes anything. With
+`metrics_file=PATH` (MaxText's key) every step also goes to PATH as MaxText writes it: one JSON object per step keyed
+by those tags, plus "step" (the step's 0-based index), so scripts written for MaxText's output read it.
 
 A remote run_dir (`gs://...`, any path with "://"): both are written to a local staging folder and mirrored to
 run_dir through etils.epath (on a background thread) every `sync_period_s` and at close, because object stores
@@ -89,14 +91,19 @@ class MetricsWriter:
     Use as a context manager, or call close(). Lines are flushed as written, so a crashed run keeps its log.
     """
 
-    def __init__(self, run_dir: str, enable_tensorboard: bool, is_primary: bool, *, sync_period_s: float = 60.0):
+    def __init__(self, run_dir: str, enable_tensorboard: bool, is_primary: bool, *, sync_period_s: float = 60.0,
+                 metrics_file: str = ""):
         self.run_dir = run_dir
         self.is_primary = is_primary
         self._jsonl = None
         self._tb = None
+        self._maxtext = None
         self._mirror: RemoteMirror | None = None
         if not is_primary:
             return
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            self._maxtext = open(metrics_file, "a")  # noqa: SIM115 (open for the run)
         local_dir = run_dir
         if "://" in run_dir:
             self._mirror = RemoteMirror(run_dir, sync_period_s)
@@ -142,6 +149,14 @@ class MetricsWriter:
         self._scalars(step, metrics, TAGS, "learning")
         self._sync()
 
+    def write_maxtext_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """Every step, when metrics_file is set: {"learning/loss": ..., "step": step} as MaxText writes it."""
+        if self._maxtext is None:
+            return
+        line = {TAGS.get(k, f"learning/{k}"): _jsonable(v) for k, v in metrics.items()}
+        self._maxtext.write(json.dumps({**line, "step": int(step)}) + "\n")
+        self._maxtext.flush()
+
     def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
         """An evaluation at `step`: 'loss' goes to eval/avg_loss (MaxText), other keys to eval/<key>."""
         if not self.is_primary:
@@ -155,6 +170,9 @@ class MetricsWriter:
             self._mirror.sync()
 
     def close(self) -> None:
+        if self._maxtext is not None:
+            self._maxtext.close()
+            self._maxtext = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

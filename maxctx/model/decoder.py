@@ -18,24 +18,42 @@ from maxctx.mesh import BATCH_AXES, CONTEXT_AXES
 from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, param
 from maxctx.model.tiling import sum_chunks
 
-POLICIES = {  # remat_policy -> jax checkpoint policy; custom: remat_policy() below
-    "none": None,
-    # Save the outputs of matmuls without batch dims (projections); recompute the cheap elementwise rest.
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Save nothing inside a layer: only its input is kept, the layer is recomputed in the backward pass.
-    "full": jax.checkpoint_policies.nothing_saveable,
+_QKV = ("query_proj", "key_proj", "value_proj")
+_MATMULS = (*_QKV, "out_proj", "mlpwi", "mlpwo")
+# MaxText's remat policies: the tensors (checkpoint_name tags, maxctx.config.REMAT_NAMES) each keeps on the device
+# and each moves to pinned host memory; every other tensor inside the layer is recomputed in the backward.
+NAMED_POLICIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "full": ((), ()),  # only the layer's input is kept; the layer runs again in the backward
+    "minimal": (_MATMULS, ()),  # every projection's output: the cheap elementwise rest is recomputed
+    "minimal_with_context": ((*_MATMULS, "context"), ()),
+    "minimal_flash": ((*_MATMULS, "context"), ()),  # MaxText's older name of minimal_with_context
+    "save_dot_with_context_except_mlp": ((*_QKV, "context", "out_proj"), ()),
+    "save_dot_except_mlpwi": ((*_QKV, "out_proj", "mlpwo"), ()),
+    "save_dot_except_mlp": ((*_QKV, "out_proj"), ()),
+    "save_qkv_proj": (_QKV, ()),
+    "qkv_proj_offloaded": ((), _QKV),
+    "minimal_offloaded": ((), _MATMULS),
+    "save_out_proj": (("out_proj",), ()),
 }
 
 
 def remat_policy(cfg: ModelConfig):
-    """The layer's checkpoint policy. `custom` (MaxText's): each named tensor (maxctx.config.REMAT_NAMES)
-    is recomputed (`remat`), kept in device memory (`device`) or moved to pinned host memory during the forward
-    and back for the backward (`offload`). Offloading `decoder_layer_input` takes the one [B, S, D] every layer
-    must keep under full remat off the device: L x B x S/C x D x b bytes per device."""
-    if cfg.remat_policy != "custom":
-        return POLICIES[cfg.remat_policy]
-    saved = [name for name, where in cfg.remat_custom if where == "device"]
-    offloaded = [name for name, where in cfg.remat_custom if where == "offload"]
+    """The layer's checkpoint policy: None for remat_policy=none, else one of NAMED_POLICIES, or `custom`
+    (MaxText's): each named tensor (maxctx.config.REMAT_NAMES) is recomputed (`remat`), kept in device memory
+    (`device`) or moved to pinned host memory during the forward and back for the backward (`offload`). Offloading
+    `decoder_layer_input` takes the one [B, S, D] every layer must keep under full remat off the device:
+    L x B x S/C x D x b bytes per device."""
+    if cfg.remat_policy == "none":
+        return None
+    if cfg.remat_policy == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if cfg.remat_policy == "custom":
+        saved = [name for name, where in cfg.remat_custom if where == "device"]
+        offloaded = [name for name, where in cfg.remat_custom if where == "offload"]
+    else:
+        saved, offloaded = NAMED_POLICIES[cfg.remat_policy]
+    if not offloaded:
+        return jax.checkpoint_policies.save_only_these_names(*saved)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded, offload_src="device",
         offload_dst="pinned_host")
@@ -90,7 +108,13 @@ class Decoder(nnx.Module):
     def hidden(self, inputs_BS, positions_BS, segment_ids_BS):
         """The final-normed hidden states x[B, S, D] (before the output projection)."""
         cfg = self.cfg
-        x = self._constrain(jnp.take(self.embed[...], inputs_BS, axis=0).astype(cfg.dtype))
+        embed_VD = self.embed[...]
+        if cfg.use_iota_embed:  # MaxText's option: a one-hot matmul instead of a gather (exact: one 1 per row)
+            one_hot_BSV = jax.nn.one_hot(inputs_BS, cfg.vocab_size, dtype=embed_VD.dtype)
+            x = jnp.einsum("BSV,VD->BSD", one_hot_BSV, embed_VD, precision=jax.lax.Precision.HIGHEST)
+        else:
+            x = jnp.take(embed_VD, inputs_BS, axis=0)
+        x = self._constrain(x.astype(cfg.dtype))
         graphdef, stacked = nnx.split(self.layers)
 
         def layer_fn(x_BSD, layer_state):

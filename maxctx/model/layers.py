@@ -39,6 +39,7 @@ class ModelConfig:
     # remat_policy=custom: (name, "remat" | "device" | "offload") for each of REMAT_NAMES.
     remat_custom: tuple[tuple[str, str], ...] = ()
     scan_layers: bool = Config.scan_layers
+    use_iota_embed: bool = Config.use_iota_embed
     num_vocab_tiling: int = Config.num_vocab_tiling
     mlp_sequence_chunks: int = Config.mlp_sequence_chunks
     attention: AttentionSpec = AttentionSpec()
@@ -53,7 +54,7 @@ class ModelConfig:
             num_layers=config.base_num_decoder_layers, vocab_size=config.vocab_size,
             rope_theta=config.rope_max_timescale, norm_eps=config.normalization_layer_epsilon,
             tied_embedding=config.logits_via_embedding, dtype=config.dtype, weight_dtype=config.weight_dtype,
-            remat_policy=config.remat_policy, scan_layers=config.scan_layers,
+            remat_policy=config.remat_policy, scan_layers=config.scan_layers, use_iota_embed=config.use_iota_embed,
             remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
             attention=AttentionSpec.from_config(config),

@@ -1,0 +1,31 @@
+"""Local input files named by the config: globs expanded, missing files reported as config errors. No JAX, so the
+checks run before it starts (maxctx.validate) and again where the data pipeline opens the files."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from maxctx.config import ConfigError
+
+
+def expand_files(pattern: str, key: str) -> list[str]:
+    """Files matching a glob (or a comma-separated list of globs), sorted; ConfigError naming `key` if none."""
+    if not pattern:
+        fix = ", or set eval_interval=0" if key == "grain_eval_files" else ""
+        raise ConfigError(f"{key} is empty; give a file glob, e.g. {key}=/data/shard-*.array_record{fix}")
+    files: set[str] = set()
+    for part in pattern.split(","):
+        matches = glob.glob(os.path.expanduser(part.strip()))
+        if not matches:
+            raise ConfigError(f"{key}='{pattern}': '{part.strip()}' matches no files; check the path")
+        files.update(m for m in matches if os.path.isfile(m))
+    if not files:
+        raise ConfigError(f"{key}='{pattern}' matches only directories; give a glob of files")
+    return sorted(files)
+
+
+def check_tokenizer_path(path: str) -> None:
+    if not os.path.isfile(path):
+        raise ConfigError(f"tokenizer_path='{path}' does not exist; give a sentencepiece .model file "
+                          f"(scripts/train_tokenizer.py trains one)")

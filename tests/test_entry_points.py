@@ -1,0 +1,69 @@
+"""Entry points: `python -m maxctx.train`, `python train.py`, `python -m maxctx.compile` and their console scripts
+answer --help; an installed package (not the source tree) finds its bundled configs from any directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.processes import BASE_YML, ROOT, cpu_env, losses, run, train_command
+
+
+@pytest.mark.parametrize("command", [["-m", "maxctx.train"], ["train.py"], ["-m", "maxctx.compile"]])
+def test_help(command):
+    result = subprocess.run([sys.executable, *command, "model_name=llama3-8b", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ") and "base.yml" in result.stdout, result.stdout
+
+
+def test_module_entry_point_reports_config_errors():
+    result = subprocess.run([sys.executable, "-m", "maxctx.train", "configs/base.yml", "stpes=3"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "did you mean 'steps'" in result.stderr, result.stderr
+
+
+def test_console_scripts_are_declared():
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    assert "maxctx-train=maxctx.train:cli" in setup and "maxctx-compile=maxctx.compile:cli" in setup
+    from maxctx import compile, train
+
+    assert callable(train.cli) and callable(compile.cli)
+
+
+def test_built_package_carries_its_configs(tmp_path):
+    # What `pip install .` puts in site-packages: setup.py's build_py copies configs/ into the package.
+    build = tmp_path / "build"
+    result = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (build / "maxctx" / "configs" / "base.yml").is_file()
+    assert (build / "maxctx" / "configs" / "models" / "llama3-8b.yml").is_file()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = ("import maxctx; from maxctx.validate import load_config; "
+            "c = load_config(['configs/base.yml', 'model_name=llama3-8b']); print(maxctx.__file__, c.base_emb_dim)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(build)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(build / "maxctx" / "__init__.py"), "4096"]
+
+
+def test_compiled_trainstep_file_is_loaded_instead_of_compiling(tmp_path):
+    # MaxText's AOT flow: maxctx.compile writes the compiled step, training loads it; same losses as compiling.
+    step_file = tmp_path / "step.pickle"
+    common = ["cpu_devices=2", "ici_fsdp_parallelism=2", "steps=3", "log_period=1", "enable_checkpointing=false",
+              "dtype=float32", f"base_output_directory={tmp_path}"]
+    made = run([sys.executable, "-m", "maxctx.compile", str(BASE_YML), *common,
+                f"compiled_trainstep_file={step_file}"], env=cpu_env())
+    assert made.returncode == 0 and step_file.is_file(), made.stderr[-2000:]
+    for name, extra in (("compiled", []), ("loaded", [f"compiled_trainstep_file={step_file}"])):
+        done = run(train_command(*common, f"run_name={name}", *extra), env=cpu_env())
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert losses(tmp_path / "loaded") == losses(tmp_path / "compiled") and len(losses(tmp_path / "loaded")) == 3
+    other = run(train_command(*common, "run_name=other", "base_num_decoder_layers=3",
+                              f"compiled_trainstep_file={step_file}"), env=cpu_env())
+    assert other.returncode == 2 and "was compiled for another model, batch or mesh" in other.stderr, other.stderr
