@@ -3,6 +3,7 @@ answer --help; an installed package (not the source tree) finds its bundled conf
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,10 +61,17 @@ def test_compiled_trainstep_file_is_loaded_instead_of_compiling(tmp_path):
     made = run([sys.executable, "-m", "maxctx.compile", str(BASE_YML), *common,
                 f"compiled_trainstep_file={step_file}"], env=cpu_env())
     assert made.returncode == 0 and step_file.is_file(), made.stderr[-2000:]
-    for name, extra in (("compiled", []), ("loaded", [f"compiled_trainstep_file={step_file}"])):
+    metrics_file = tmp_path / "maxtext" / "metrics.txt"
+    for name, extra in (("compiled", [f"metrics_file={metrics_file}"]),
+                        ("loaded", [f"compiled_trainstep_file={step_file}"])):
         done = run(train_command(*common, f"run_name={name}", *extra), env=cpu_env())
         assert done.returncode == 0, done.stderr[-2000:]
     assert losses(tmp_path / "loaded") == losses(tmp_path / "compiled") and len(losses(tmp_path / "loaded")) == 3
+    # metrics_file: MaxText's per-step lines, keyed by its tags, step = the 0-based step index
+    lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert [line["learning/loss"] for line in lines] == [losses(tmp_path / "compiled")[s] for s in (1, 2, 3)]
+    assert {"perf/step_time_seconds", "learning/grad_norm", "learning/current_learning_rate"} <= set(lines[-1])
     other = run(train_command(*common, "run_name=other", "base_num_decoder_layers=3",
                               f"compiled_trainstep_file={step_file}"), env=cpu_env())
     assert other.returncode == 2 and "was compiled for another model, batch or mesh" in other.stderr, other.stderr

@@ -26,6 +26,7 @@ CASES = [  # overrides ({empty}: an ArrayRecord file of no records), the line's 
                   "base_num_kv_heads=2", "context_parallel_strategy=usp", "context_parallel_a2a_degree=8"],
                  "config error: ", "does not divide ici_context_parallelism=4", id="usp_a2a_degree_across_slices"),
     pytest.param(["compile_topology=v5p-9"], "config error: ", "v5p-9", id="unknown_topology"),
+    pytest.param(["hardware=tpu"], "config error: ", "hardware=tpu, but JAX found cpu devices", id="hardware"),
 ]
 
 

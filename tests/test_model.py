@@ -109,8 +109,11 @@ def test_golden_step(reference_losses):
     assert reference_losses[-1] < reference_losses[0]
 
 
-@pytest.mark.parametrize("overrides", [{"scan_layers": "false", "remat_policy": "none"}, {"remat_policy": "minimal"}])
-def test_scan_and_remat_do_not_change_training(reference_losses, overrides):
+@pytest.mark.parametrize("overrides", [
+    {"scan_layers": "false", "remat_policy": "none"}, {"remat_policy": "minimal"},
+    # MaxText's named policies, offload to pinned host memory included, and its one-hot embedding lookup.
+    {"remat_policy": "save_dot_except_mlpwi"}, {"remat_policy": "minimal_offloaded"}, {"use_iota_embed": "true"}])
+def test_scan_remat_and_embedding_lookup_do_not_change_training(reference_losses, overrides):
     np.testing.assert_allclose(_losses(**overrides), reference_losses, rtol=1e-5)
 
 
