@@ -26,9 +26,13 @@ class Recorder:
     def __init__(self, is_primary=True):
         self.is_primary = is_primary
         self.steps = []
+        self.every_step = []  # metrics_file's lines: every step, logged or not
 
     def write_step(self, step, values):
         self.steps.append((step, values))
+
+    def write_maxtext_step(self, step, values):
+        self.every_step.append((step, values))
 
 
 @pytest.fixture
@@ -64,6 +68,9 @@ def test_step_time_is_the_mean_over_the_log_period(clock, capsys):
     step, values = writer.steps[1]
     assert values["tokens_per_s"] == TOKENS / 2.5 and values["mfu"] == pytest.approx(FLOPS / DEVICES / 2.5 / PEAK)
     assert (logger.first_loss, logger.last_loss) == (6.0, 2.0)
+    # metrics_file (MaxText's format) gets every step, 0-based, each with its own step time
+    assert [(step, values["loss"], values["step_time_s"]) for step, values in writer.every_step] == [
+        (0, 6.0, 1.0), (1, 5.0, 2.0), (2, 4.0, 3.0), (3, 3.0, 4.0), (4, 2.0, 5.0)]
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" | ")[0] for line in lines] == ["step 1/6", "step 3/6", "step 5/6"]
     assert "2.500 s/step" in lines[1]
