@@ -242,21 +242,27 @@ def _xla_error(error: str) -> str:
     return (f"XLA check failed: {found.group(1).strip()}" if found else error.split(" | ")[-1][-160:]).replace("|", "/")
 
 
+def _short(error: str, most: int = 200) -> str:
+    """An error for a table cell: whole if short, else cut at a word boundary."""
+    return error if len(error) <= most else error[:most].rsplit(" ", 1)[0] + " ..."
+
+
 def row_line(row: tuple, results: dict) -> str:
     model, topology, strategy, offload = row
     name = f"| {model} | {topology} | {strategy} | {'on' if offload else 'off'} |"
     mine = sorted((r for k, r in results.items() if k[:4] == row and k[5] == "blockwise"), key=lambda r: r["seq"])
     top = best(row, results)
     if top is None:
-        note = "; ".join(f"S={_tokens(r['seq'])} {r['status']}" + (f" ({r['error'][-200:]})" if "error" in r else "")
+        note = "; ".join(f"S={_tokens(r['seq'])} {r['status']}" + (f" ({_short(r['error'])})" if "error" in r else "")
                          for r in mine) or "not run"
         return f"{name} - | - | - | - | - | - | - | {note.replace('|', '/')} |"
     rep, chips = top["report"], ROWS[(model, topology)]
     above = [r for r in mine if r["status"] != "fits" and r["seq"] > top["seq"]]
     first = min(above, key=lambda r: r["seq"], default=None)
     limit = ("; nothing longer probed" if first is None else f"; {_tokens(first['seq'])} does not fit"
-             if first["status"] == "over" else f"; {_tokens(first['seq'])}: {first['status']}, "
-             f"{_xla_error(first.get('error', ''))}")
+             if first["status"] == "over" else f"; {_tokens(first['seq'])}: compile over the time limit "
+             f"({first['wall_s']:.0f} s)" if first["status"] == "timeout" else f"; {_tokens(first['seq'])}: "
+             f"{first['status']}, {_xla_error(first.get('error', ''))}")
     parts = breakdown(top)
     head = max(parts, key=parts.get) if parts else "-"
     host = rep.get("host_temp_size_in_bytes", 0) / GIB
