@@ -37,6 +37,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 DatasetType = Literal["synthetic", "arrayrecord", "tfds", "text"]
 Packing = Literal["first_fit", "concat", "none"]
 Hardware = Literal["", "tpu", "gpu", "gpu_multiprocess", "cpu"]
+# Hugging Face's rope_scaling types, with its rules (maxctx.model.rope).
+RopeType = Literal["default", "linear", "llama3", "yarn"]
 # The tensors remat_policy=custom places (MaxText's names; maxctx.model.layers tags them with checkpoint_name).
 REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
                "mlpwo")
@@ -60,6 +62,16 @@ class Config:
     head_dim: int = 32
     vocab_size: int = 256
     rope_max_timescale: float = 10000.0
+    rope_type: RopeType = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_linear_scaling_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 0.0
     normalization_layer_epsilon: float = 1e-5
     logits_via_embedding: bool = False
     # Numerics and memory.
@@ -184,6 +196,8 @@ class Config:
 MODEL_KEYS = (
     "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers",
     "head_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "logits_via_embedding",
+    "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
+    "rope_linear_scaling_factor", "beta_fast", "beta_slow", "rope_truncate", "rope_attention_factor",
 )
 _FIELD_TYPES = get_type_hints(Config)
 # The repo's configs/ (a source checkout, `pip install -e`), or the copy a wheel carries in the package.

@@ -97,6 +97,28 @@ def _check_custom_remat(config: Config) -> None:
                               f"remat_policy={config.remat_policy}); add remat_policy=custom")
 
 
+def _check_rope(config: Config) -> None:
+    """The RoPE scaling keys (maxctx.model.rope has the rules they enter)."""
+    for key in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
+                "rope_linear_scaling_factor", "beta_fast", "beta_slow"):
+        if getattr(config, key) <= 0:
+            raise ConfigError(f"{key}={getattr(config, key)} must be > 0; set it to {key}="
+                              f"{getattr(Config, key)} (its default) or another positive value")
+    if config.rope_attention_factor < 0:
+        raise ConfigError(f"rope_attention_factor={config.rope_attention_factor} must be >= 0 (0: YaRN's "
+                          f"0.1 ln(rope_factor) + 1)")
+    if config.rope_type == "llama3" and config.rope_high_freq_factor <= config.rope_low_freq_factor:
+        raise ConfigError(f"rope_type=llama3 needs rope_high_freq_factor={config.rope_high_freq_factor} > "
+                          f"rope_low_freq_factor={config.rope_low_freq_factor}; Llama 3.1 uses 4 and 1")
+    if config.rope_type == "yarn" and config.beta_fast < config.beta_slow:
+        raise ConfigError(f"rope_type=yarn needs beta_fast={config.beta_fast} >= beta_slow={config.beta_slow}; "
+                          f"YaRN's defaults are 32 and 1")
+    # MaxText applies rope_linear_scaling_factor to plain RoPE; here it belongs to rope_type=linear.
+    if config.rope_linear_scaling_factor != 1 and config.rope_type != "linear":
+        raise ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor} only applies with "
+                          f"rope_type=linear (now rope_type={config.rope_type}); add rope_type=linear")
+
+
 def _check_data(config: Config) -> None:
     """Data keys that need no file access (paths, tokenizers and records are checked by maxctx.data)."""
     _positive(config, "grain_worker_count", "grain_prefetch_buffer_size", allow_zero=True)
@@ -141,6 +163,7 @@ def validate(config: Config) -> None:
                           f"base_num_kv_heads={config.base_num_kv_heads}; grouped-query attention needs a multiple")
     if config.head_dim % 2:
         raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
+    _check_rope(config)
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one "
                           "(parameters only, or a whole training state)")

@@ -1,4 +1,4 @@
-"""Llama-family building blocks in Flax NNX: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""Llama-family building blocks in Flax NNX: RMSNorm, grouped-query attention (RoPE: maxctx.model.rope), SwiGLU.
 
 Legend: B batch, S sequence, D model width, H query heads, K kv heads, E head dim, F mlp width, V vocab.
 Every parameter carries logical axis names (metadata `axes`), mapped to mesh axes by maxctx.mesh.LOGICAL_RULES.
@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.config import REMAT_NAMES, Config
+from maxctx.model.rope import RopeSpec, rotary
 from maxctx.model.tiling import map_chunks
 
 
@@ -30,7 +31,7 @@ class ModelConfig:
     mlp_dim: int
     num_layers: int
     vocab_size: int
-    rope_theta: float = Config.rope_max_timescale
+    rope: RopeSpec = RopeSpec()
     norm_eps: float = Config.normalization_layer_epsilon
     tied_embedding: bool = Config.logits_via_embedding
     dtype: str = Config.dtype
@@ -52,7 +53,7 @@ class ModelConfig:
             emb_dim=config.base_emb_dim, num_heads=config.base_num_query_heads,
             num_kv_heads=config.base_num_kv_heads, head_dim=config.head_dim, mlp_dim=config.base_mlp_dim,
             num_layers=config.base_num_decoder_layers, vocab_size=config.vocab_size,
-            rope_theta=config.rope_max_timescale, norm_eps=config.normalization_layer_epsilon,
+            rope=RopeSpec.from_config(config), norm_eps=config.normalization_layer_epsilon,
             tied_embedding=config.logits_via_embedding, dtype=config.dtype, weight_dtype=config.weight_dtype,
             remat_policy=config.remat_policy, scan_layers=config.scan_layers, use_iota_embed=config.use_iota_embed,
             remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
@@ -81,17 +82,6 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(x_BSD.dtype)
 
 
-def rotary(x_BSNE, positions_BS, theta: float):
-    """Rotary position embedding (rotate-half form) at the given token positions, computed in fp32."""
-    half = x_BSNE.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_BSE = positions_BS[..., None].astype(jnp.float32) * freqs
-    sin, cos = jnp.sin(angles_BSE)[:, :, None], jnp.cos(angles_BSE)[:, :, None]
-    x = x_BSNE.astype(jnp.float32)
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNE.dtype)
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention; the kernel and context-parallel strategy come from `cfg.attention`."""
 
@@ -108,8 +98,8 @@ class Attention(nnx.Module):
         q = checkpoint_name(jnp.einsum("BSD,DHE->BSHE", x_BSD, self.wq[...].astype(dt)), "query_proj")
         k = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wk[...].astype(dt)), "key_proj")
         v = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wv[...].astype(dt)), "value_proj")
-        q = rotary(q, positions_BS, self.cfg.rope_theta)
-        k = rotary(k, positions_BS, self.cfg.rope_theta)
+        q = rotary(q, positions_BS, self.cfg.rope)
+        k = rotary(k, positions_BS, self.cfg.rope)
         out_BSHE = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, self.cfg.attention, self.mesh),
                                    "context")
         return checkpoint_name(jnp.einsum("BSHE,HED->BSD", out_BSHE, self.wo[...].astype(dt)), "out_proj")
