@@ -19,8 +19,9 @@ Where the starting state comes from, first match wins:
   3. `load_parameters_path`: parameters only; fresh optimizer state, step 0,
   4. fresh initialisation.
 A load path is a checkpoint step directory (`<run>/checkpoints/<step>`) or a checkpoints directory (its latest
-complete step). Paths, shapes, seed and process count are checked when the Checkpointer is built, before anything
-is written; errors are ConfigErrors naming the path, or the parameter and both shapes.
+complete step). Paths, shapes, seed, process count and, on resume, the data source (maxctx.checkpoint_compat) are
+checked when the Checkpointer is built, before anything is restored; errors are ConfigErrors naming the path,
+the key and both values, or the parameter and both shapes.
 
 Restores pass the new run's abstract state (ShapeDtypeStructs with their target shardings), so Orbax reads each
 device's shard straight into the new layout: a checkpoint saved under one mesh or device count resumes under
@@ -39,13 +40,21 @@ Single process: a signal handler sets a flag read after each step. Multi-process
 different times and are at different steps, so they must agree on one step to save; JAX's preemption service
 (started by jax.distributed.initialize, with its own SIGTERM notifier) spreads the notice and
 `reached_preemption_sync_point(step)` turns True on every process at the same step (max step seen + 1). Both are
-checked in `should_save`, which every process calls after every step.
+checked in `should_save`, which every process calls after every step. Ctrl-C (SIGINT) does the same; a second
+Ctrl-C stops at once.
+
+Divergence (maxctx.divergence): a state with non-finite parameters or moments is never saved (the step's `finite`
+flag, checked before each save); retention keeps the newest checkpoint known good besides the latest
+max_num_checkpoints_to_keep, and when the NaN guard stops the run, the checkpoints saved since the divergence
+began are set aside (`<step>.suspect`) so that the command it prints resumes from the last good one.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -56,8 +65,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from maxctx.checkpoint_compat import check_resume_record, check_shapes, resume_record
 from maxctx.checkpoint_integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
 from maxctx.config import Config, ConfigError
+from maxctx.divergence import DivergenceWatch, KeepLastGood
 from maxctx.train_step import TrainSetup, init_state
 
 STATE, DATA, META = "state", "data", "meta"
@@ -107,38 +118,6 @@ def data_filename(process_index: int, process_count: int) -> str:
     return f"process_{process_index}-of-{process_count}.json"
 
 
-def _flat_shapes(tree: Any) -> dict[str, tuple]:
-    """{'params/layers/attention/wq': shape, ...} for a state tree or Orbax's metadata tree of one."""
-
-    def name(key) -> str:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
-
-
-def check_shapes(saved_tree: Any, target_tree: Any, where: str, other: str, prefix: str = "") -> None:
-    """ConfigError naming the first parameter whose shape differs (or that is missing) between a checkpoint and
-    this run's abstract state; only names under `prefix` are compared. `other`: the fix's alternative."""
-    saved = {k: v for k, v in _flat_shapes(saved_tree).items() if k.startswith(prefix)}
-    target = {k: v for k, v in _flat_shapes(target_tree).items() if k.startswith(prefix)}
-    fix = f"check model_name and the model-shape keys (base_emb_dim, base_num_*, head_dim, vocab_size, ...), or {other}"
-    for key, shape in sorted(target.items(), key=lambda item: not item[0].startswith("params/")):
-        if key not in saved:
-            raise ConfigError(f"{where} was saved for another model or optimizer: it has no '{key}' (shape {shape} "
-                              f"in this config); {fix}")
-        if saved[key] != shape:
-            raise ConfigError(f"{where} was saved for another model shape: '{key}' has shape {saved[key]} in the "
-                              f"checkpoint but {shape} in this config; {fix}")
-    extra = sorted(saved.keys() - target.keys())
-    if extra:
-        raise ConfigError(f"{where} was saved for another model or optimizer: it has '{extra[0]}' (shape "
-                          f"{saved[extra[0]]}) that this config does not; {fix}")
-
-
 def resolve_step_dir(path: str, key: str) -> epath.Path:
     """A load path (a step directory, or a checkpoints directory: its latest complete step) -> the step directory."""
     where = epath.Path(path)
@@ -167,18 +146,34 @@ def _state_metadata(state_dir: epath.Path) -> Any:
 
 
 class PreemptionWatch:
-    """Has a preemption notice (SIGTERM) arrived, agreed by every process for the same step? See the module
-    docstring for the single- and multi-process mechanisms."""
+    """Has a preemption notice (SIGTERM) or a Ctrl-C (SIGINT) arrived, agreed by every process for the same step?
+    See the module docstring for the single- and multi-process mechanisms. A Ctrl-C is handled like SIGTERM (in a
+    multi-process job, by sending SIGTERM to this process, which JAX's preemption service spreads); a second
+    Ctrl-C exits at once (status 130) without saving."""
 
     def __init__(self) -> None:
         self.multi_process = jax.process_count() > 1
         self.flag = False
-        self._previous = None
-        if not self.multi_process and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        self.reason = "preemption notice (SIGTERM)"
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            if not self.multi_process:
+                self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
 
     def _on_signal(self, signum, frame) -> None:
         self.flag = True
+
+    def _on_interrupt(self, signum, frame) -> None:
+        if self.reason.startswith("interrupt"):
+            print("second Ctrl-C: stopping now without saving", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.reason = "interrupt (Ctrl-C)"
+        print("Ctrl-C: saving a checkpoint after this step, then exiting (Ctrl-C again stops at once)", flush=True)
+        if self.multi_process:
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self.flag = True
 
     def reached(self, step: int) -> bool:
         if self.multi_process and not self.flag:
@@ -189,9 +184,9 @@ class PreemptionWatch:
         return self.flag
 
     def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
 
 class Checkpointer:
@@ -228,6 +223,7 @@ class Checkpointer:
                          f"load_parameters_path='{config.load_parameters_path}'", "give a checkpoint of this model",
                          prefix="params/")
         self.watch = None
+        self.divergence = DivergenceWatch(0)  # replaced at restore_or_init, from the starting step
         if config.enable_checkpointing:
             self.manager = self._make_manager(directory)
             self.watch = PreemptionWatch()
@@ -258,9 +254,10 @@ class Checkpointer:
                   f"deleted)")
 
     def _check_resume(self, step_dir: epath.Path) -> None:
+        meta = ocp.JsonCheckpointHandler().restore(step_dir / META)
+        check_resume_record(meta.get("config"), self.config, self.setup.global_batch, str(step_dir))
         check_shapes(_state_metadata(step_dir / STATE), self.setup.abstract_state, f"checkpoint {step_dir}",
                      "use a new run_name for the new model")
-        meta = ocp.JsonCheckpointHandler().restore(step_dir / META)
         if meta.get("seed") != self.config.seed:
             raise ConfigError(f"checkpoint {step_dir} was saved with seed={meta.get('seed')} but seed="
                               f"{self.config.seed}; resume with seed={meta.get('seed')}, or use a new run_name")
@@ -273,9 +270,12 @@ class Checkpointer:
                               f"load_full_state_path={step_dir}")
 
     def _make_manager(self, directory: epath.Path) -> ocp.CheckpointManager:
+        policies = ocp.checkpoint_managers
+        keep = policies.AnyPreservationPolicy([
+            policies.LatestN(self.config.max_num_checkpoints_to_keep or None),  # 0: keep all
+            KeepLastGood(lambda: self.divergence.good_until)])  # never only suspect ones (maxctx.divergence)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.config.max_num_checkpoints_to_keep or None,  # 0: keep all
-            enable_async_checkpointing=self.config.async_checkpointing,
+            preservation_policy=keep, enable_async_checkpointing=self.config.async_checkpointing,
             create=True, cleanup_tmp_directories=True)
         every_process = ocp.options.MultiprocessingOptions(primary_host=None)  # each process writes its own file
         # Each handler records its files' sizes and checksums just before Orbax commits the step.
@@ -312,6 +312,7 @@ class Checkpointer:
             self._say(f"loaded parameters from {self.source_dir}; fresh optimizer state, step 0")
         else:
             state = init_state(self.setup)
+        self.divergence = DivergenceWatch(int(jax.device_get(state["step"])))
         return state
 
     def _restore_own(self, data) -> dict:
@@ -356,14 +357,39 @@ class Checkpointer:
         async_checkpointing is on); after a preemption, waits until the save has committed."""
         meta = {"step": step, "seed": self.config.seed,
                 "rng_key": jax.random.key_data(rng_key(self.config.seed, step)).tolist(),
-                "mesh": dict(self.setup.mesh.shape), "process_count": jax.process_count()}
+                "mesh": dict(self.setup.mesh.shape), "process_count": jax.process_count(),
+                "learning_rate": self.config.learning_rate,
+                "config": resume_record(self.config, self.setup.global_batch)}
         self.manager.save(step, force=True, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data.get_state()),
             META: ocp.args.JsonSave(meta)}))
         if self.preempted:
             self.manager.wait_until_finished()
-            self._say(f"preemption notice (SIGTERM): saved step {step} to {self.config.checkpoint_dir}; "
+            self._say(f"{self.watch.reason}: saved step {step} to {self.config.checkpoint_dir}; "
                       f"re-run the same command to resume")
+
+    def after_divergence(self) -> tuple[str, float]:
+        """After the NaN guard stopped the run: waits for pending saves, sets aside the checkpoints newer than the
+        last state known good (`<step>.suspect`) and returns (where to resume from, ending in ':' for the command,
+        a lower learning rate: a tenth of this run's, at most the one the good checkpoint was trained with)."""
+        watch, lower = self.divergence, self.config.learning_rate / 10
+        since = f"suspect since step {watch.suspect_since} ({watch.reason}); " if watch.suspect_since else ""
+        if self.manager is None:
+            return f"{since}no checkpoints (enable_checkpointing=false); start over with a lower learning rate:", lower
+        self.manager.wait_until_finished()
+        suspect = [p for p in step_dirs(self.directory) if int(p.name) > watch.good_until]
+        if self.primary:
+            for step_dir in suspect:
+                set_aside(step_dir, "suspect")
+        aside = f"set aside {', '.join(p.name + '.suspect' for p in suspect)} (saved after it); " if suspect else ""
+        good = [p for p in step_dirs(self.directory) if int(p.name) <= watch.good_until]
+        if not good:
+            return (f"{since}{aside}no checkpoint predates the divergence; this command starts the run over from "
+                    f"step 0 with a lower learning rate:", lower)
+        meta = ocp.JsonCheckpointHandler().restore(good[0] / META)
+        lower = min(lower, meta.get("learning_rate", lower))
+        return (f"{since}{aside}checkpoint step {good[0].name} predates it; resume from it with a lower learning "
+                f"rate:", lower)
 
     def close(self) -> None:
         """Waits for pending saves to commit; idempotent."""

@@ -12,12 +12,15 @@ kept), 4 out of device memory (HBM, or a kernel's on-chip memory), with what to 
 from __future__ import annotations
 
 import functools
+import os
+import shlex
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from maxctx.config import Config, ConfigError, save_config, usage
 from maxctx.out_of_memory import is_out_of_memory, out_of_memory_advice
+from maxctx.run_dir import check_writable
 from maxctx.validate import load_config
 
 if TYPE_CHECKING:
@@ -38,6 +41,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         config = load_config(argv)
+        check_writable(config)  # the output directory, before JAX starts
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -58,8 +62,12 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt:  # only without checkpointing: with it, Ctrl-C saves and exits 0 (maxctx.checkpoint)
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
+        lower = getattr(e, "learning_rate", config.learning_rate / 10)
+        print(f"error: {e} {rerun_command(argv, learning_rate=f'{lower:.3g}')}", file=sys.stderr)
         return EXIT_NONFINITE
     except Exception as e:
         if not is_out_of_memory(e):
@@ -69,13 +77,24 @@ def main(argv: list[str]) -> int:
 
 
 def train(config: Config) -> int:
-    """The loop of the module doc, from step 0 or the run's last checkpoint; errors propagate to `main`."""
+    """The loop of the module doc, from step 0 or the run's last checkpoint, holding the run directory's lock;
+    errors propagate to `main`."""
+    from maxctx.run_dir import lock_run_dir
+
+    lock = lock_run_dir(config)  # one live run per run directory: a second one exits 2 here
+    try:
+        return _train(config)
+    finally:
+        lock.release()
+
+
+def _train(config: Config) -> int:
     import jax
 
     from maxctx.checkpoint import Checkpointer
     from maxctx.data.pipeline import create_data_iterator
     from maxctx.mesh import create_mesh
-    from maxctx.metrics import Profiler, StepLogger, training_flops_per_step
+    from maxctx.metrics import NonFiniteLossError, Profiler, StepLogger, training_flops_per_step
     from maxctx.runtime import is_primary
     from maxctx.train_step import make_setup
 
@@ -94,7 +113,8 @@ def train(config: Config) -> int:
         # Created just before the loop, which has no earlier fetch to time its first step against.
         logger = StepLogger(writer, total_steps=config.steps, log_period=config.log_period, peak_flops_per_device=peak,
                             tokens_per_step=setup.global_batch * config.max_target_length,
-                            flops_per_step=flops_per_step, num_devices=setup.mesh.devices.size)
+                            flops_per_step=flops_per_step, num_devices=setup.mesh.devices.size,
+                            on_step=checkpointer.divergence.observe)
         for step in range(start_step, config.steps):
             profiler.step(step, block_on=state)
             state, step_metrics = compiled(state, next(data))
@@ -110,6 +130,11 @@ def train(config: Config) -> int:
             if checkpointer.preempted:
                 break
         logger.flush(force=True)
+    except NonFiniteLossError as e:  # say which checkpoint predates the divergence, set newer ones aside
+        advice, lower = checkpointer.after_divergence()
+        error = NonFiniteLossError(f"{e} {advice}")
+        error.learning_rate = lower
+        raise error from None
     finally:
         checkpointer.close()
         profiler.stop(block_on=state)
@@ -117,6 +142,15 @@ def train(config: Config) -> int:
     if primary:
         _print_end(config, start_step, logger, checkpointer.preempted)
     return 0
+
+
+def rerun_command(argv: list[str], **changes: str) -> str:
+    """This process's command line (python and the entry point as launched) with `changes` to its keys."""
+    entry = [sys.argv[0]]
+    if sys.argv[0].endswith(os.path.join("maxctx", "train.py")):  # python -m maxctx.train
+        entry = ["-m", "maxctx.train"]
+    kept = [arg for arg in argv if arg.split("=", 1)[0] not in changes]
+    return shlex.join([sys.executable, *entry, *kept, *(f"{k}={v}" for k, v in changes.items())])
 
 
 def _open_outputs(config: Config, primary: bool) -> MetricsWriter:

@@ -94,6 +94,13 @@ def loss_sums(graphdef, params, batch) -> tuple[jax.Array, jax.Array]:
                            batch["weights"])
 
 
+def all_finite(tree: Any) -> jax.Array:
+    """bool[]: every floating-point value of `tree` is finite (one fused reduction per array; a state that fails
+    is never saved)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves))
+
+
 def train_step_fn(setup: TrainSetup):
     """The pure step `(state, batch) -> (state, metrics)` (unjitted)."""
     graphdef, optimizer = setup.graphdef, setup.optimizer
@@ -122,7 +129,7 @@ def train_step_fn(setup: TrainSetup):
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads),
                    "param_norm": optax.tree.norm(new_params), "learning_rate": schedule(state["step"]),
-                   "tokens": weight_sum}
+                   "tokens": weight_sum, "finite": all_finite((new_params, opt_state)).astype(jnp.float32)}
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return step

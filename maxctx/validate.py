@@ -145,8 +145,12 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{field.name}='{getattr(config, field.name)}' is not one of {', '.join(options)}")
     strategies.resolve(config.context_parallel_strategy)
     _check_custom_remat(config)
-    if not config.run_name or "/" in config.run_name:
-        raise ConfigError(f"run_name='{config.run_name}' must be a non-empty name without '/'")
+    if config.run_name in ("", ".", "..") or "/" in config.run_name or os.sep in config.run_name:
+        raise ConfigError(f"run_name='{config.run_name}' must be a name (not empty, '.' or '..', no '/'): outputs go "
+                          f"to <base_output_directory>/<run_name>")
+    if not config.base_output_directory.strip():
+        raise ConfigError("base_output_directory='' is empty; give the folder for runs' outputs (e.g. outputs) or "
+                          "gs://bucket/folder")
     _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "max_num_checkpoints_to_keep",
               allow_zero=True)
     _positive(config, "jax_heartbeat_timeout_seconds", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",

@@ -6,17 +6,16 @@ Runs are `python train.py` subprocesses on 2 simulated CPU devices with tiny sha
 cache. A damaged run is a copy of the straight run's checkpoints 6 and 8 (as if it had stopped at step 8) whose
 step 8 is damaged, resumed to step 10: it must set 8 aside and continue from 6."""
 
-import os
 import random
+import shlex
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import ROOT, cpu_env, losses, run, steps_on_disk, train_command
+from tests.support.faults import DAMAGE, copy_steps, kill_at_random_moment, overwrite_bytes, saved_steps, truncate
+from tests.support.processes import cpu_env, losses, run, steps_on_disk, train_command
 
 STEPS = 10
 COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=2",
@@ -56,36 +55,8 @@ def reference(env, tmp_path_factory):
 
 def stopped_at_8(reference: Path, run_dir: Path) -> Path:
     """A run directory holding the straight run's checkpoints 6 and 8; returns its checkpoint 8."""
-    for step in ("6", "8"):
-        shutil.copytree(reference / "checkpoints" / step, run_dir / "checkpoints" / step)
+    copy_steps(reference, run_dir, [6, 8])
     return run_dir / "checkpoints" / "8"
-
-
-def largest_array_file(step_dir: Path) -> Path:
-    return max((p for p in (step_dir / "state").rglob("*") if p.is_file() and "/d/" in str(p)),
-               key=lambda p: p.stat().st_size)
-
-
-def overwrite_bytes(step: Path) -> None:
-    with open(largest_array_file(step), "r+b") as f:
-        f.seek(f.seek(0, os.SEEK_END) // 2)
-        f.write(bytes(range(64)))
-
-
-def truncate(step: Path) -> None:
-    path = largest_array_file(step)
-    os.truncate(path, path.stat().st_size // 3)
-
-
-DAMAGE = {  # how to damage step 8 -> a phrase the one-line report holds
-    "bytes_overwritten": (overwrite_bytes, "fails its checksum"),
-    "array_file_truncated": (truncate, "bytes, "),
-    "array_file_deleted": (lambda step: largest_array_file(step).unlink(), "is missing"),
-    "state_metadata_deleted": (lambda step: (step / "state" / "_METADATA").unlink(), "state/_METADATA is missing"),
-    "meta_item_deleted": (lambda step: shutil.rmtree(step / "meta"), "'meta' item is missing"),
-    "integrity_record_deleted": (lambda step: (step / "data" / "maxctx_integrity.json").unlink(),
-                                 "has no integrity record"),
-}
 
 
 def assert_continues(reference: Path, run_dir: Path, first: int) -> None:
@@ -106,16 +77,6 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(env, referen
     assert_continues(reference, tmp_path / "run", first=7)
 
 
-def test_empty_newer_step_directory(env, reference, tmp_path):
-    """What a crash while Orbax creates a step directory leaves behind."""
-    stopped_at_8(reference, tmp_path / "run")
-    (tmp_path / "run/checkpoints/9").mkdir()
-    proc = train(env, tmp_path, "run")
-    assert "checkpoint step 9 is unusable: its directory is empty" in proc.stdout
-    assert "resuming from checkpoint step 8" in proc.stdout
-    assert_continues(reference, tmp_path / "run", first=9)
-
-
 def test_no_good_checkpoint_left_exits_2(env, reference, tmp_path):
     step_8 = stopped_at_8(reference, tmp_path / "run")
     overwrite_bytes(step_8)
@@ -124,6 +85,26 @@ def test_no_good_checkpoint_left_exits_2(env, reference, tmp_path):
     line = one_error_line(proc, "checkpoint error: no good checkpoint left")
     assert "6.corrupt" in line and "8.corrupt" in line and "step 0" in line, line
     assert steps_on_disk(tmp_path / "run") == ["6.corrupt", "8.corrupt"]
+
+
+@pytest.mark.parametrize("change", ["dataset_type", "model_shape", "global_batch"])
+def test_resume_with_another_data_source_or_model_exits_2_naming_the_key(env, reference, tmp_path, change):
+    stopped_at_8(reference, tmp_path / "run")
+    if change == "dataset_type":
+        from tests.support.fixtures import make_documents, tiny_tokenizer, write_txt
+
+        documents = make_documents(100)
+        overrides = ["dataset_type=text", f"grain_train_files={write_txt(str(tmp_path / 'docs.txt'), documents)}",
+                     f"tokenizer_path={tiny_tokenizer(str(tmp_path / 'tok.model'), documents, vocab_size=200)}"]
+        expected = "saved with dataset_type='synthetic' but this run has 'text'; resume with dataset_type=synthetic"
+    elif change == "model_shape":
+        overrides, expected = ["base_mlp_dim=256"], "saved with base_mlp_dim=384 but this run has 256"
+    else:
+        overrides, expected = ["per_device_batch_size=2"], "(per_device_batch_size x devices x gradient_accumulation"
+    proc = train(env, tmp_path, "run", *overrides, expect=2)
+    line = one_error_line(proc, "config error: checkpoint ")
+    assert expected in line and "load_full_state_path=" in line, line
+    assert steps_on_disk(tmp_path / "run") == ["6", "8"]
 
 
 @pytest.mark.parametrize("key", ["load_parameters_path", "load_full_state_path"])
@@ -136,29 +117,45 @@ def test_load_path_at_a_damaged_checkpoint_exits_2(env, reference, tmp_path, key
     assert not (tmp_path / "fresh").exists()
 
 
+def test_divergence_guard_names_the_last_good_checkpoint_and_its_command_works(env, reference, tmp_path):
+    """From the straight run's step 6, learning_rate=1e4 diverges: the loss jumps at step 8 (the state after step 7
+    is poisoned but finite) and turns NaN by step 10. Saving every step and keeping 1, retention still keeps 6; the
+    guard sets the checkpoints saved after the divergence aside and prints a command that resumes from 6 with a
+    lower learning rate; that command reproduces the straight run."""
+    shutil.copytree(reference / "checkpoints/6", tmp_path / "run/checkpoints/6")
+    proc = train(env, tmp_path, "run", "learning_rate=1e4", "checkpoint_period=1", "max_num_checkpoints_to_keep=1",
+                 expect=3)
+    line = one_error_line(proc, "error: step ")
+    assert "suspect since step 8" in line and "checkpoint step 6 predates it" in line, line
+    on_disk = steps_on_disk(tmp_path / "run")
+    assert "6" in on_disk and not [s for s in on_disk if s.isdigit() and s != "6"], on_disk  # nothing deleted: 6 kept
+    assert [s for s in on_disk if s.endswith(".suspect")], on_disk
+    advice = shlex.split(line.split("resume from it with a lower learning rate: ")[1])
+    assert advice[-1] == "learning_rate=0.003", advice  # the rate checkpoint 6 was trained with
+    proc = run(advice, env=env, timeout=300)
+    assert proc.returncode == 0 and "resuming from checkpoint step 6" in proc.stdout, proc.stderr[-3000:]
+    ref, after = losses(reference), losses(tmp_path / "run")
+    assert [after[s] for s in range(7, STEPS + 1)] == [ref[s] for s in range(7, STEPS + 1)]
+
+
+def test_non_finite_learning_rate_is_a_config_error():
+    from maxctx.config import ConfigError
+    from maxctx.validate import load_config
+    from tests.support.processes import BASE_YML
+
+    with pytest.raises(ConfigError, match=r"learning_rate=1e\+39 must be >= 0 and finite in float32"):
+        load_config([str(BASE_YML), "learning_rate=1e39"])
+
+
 @pytest.mark.parametrize("trial", range(3))
 def test_kill_9_during_async_saves_resumes_exactly(env, reference, tmp_path, trial):
     """Saves every step, so a kill at a random moment of the loop most likely cuts a save off midway."""
-    killed = kill_at_random_moment(env, tmp_path, "killed", random.Random(trial))
+    kill_at_random_moment(command(tmp_path, "killed", "checkpoint_period=1"), env, tmp_path / "killed",
+                          random.Random(trial))
+    saved = saved_steps(tmp_path / "killed")
     proc = train(env, tmp_path, "killed")
-    resumed_from = int(proc.stdout.split("resuming from checkpoint step ")[1].split()[0]) if killed else 0
+    if saved:
+        assert f"resuming from checkpoint step {saved[-1]}" in proc.stdout, proc.stdout[-2000:]
+    first = (saved[-1] if saved else 0) + 1
     ref, after = losses(reference), losses(tmp_path / "killed")
-    assert [after[s] for s in range(resumed_from + 1, STEPS + 1)] == [ref[s] for s in range(resumed_from + 1,
-                                                                                              STEPS + 1)]
-
-
-def kill_at_random_moment(env, out: Path, run_name: str, rng: random.Random) -> bool:
-    """Starts a run saving every step and kills it (SIGKILL) at a random moment after its first step; returns
-    whether a checkpoint was on disk by then."""
-    proc = subprocess.Popen(command(out, run_name, "checkpoint_period=1"), env=env, cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        for line in proc.stdout:
-            if line.startswith("step 1/"):
-                break
-        time.sleep(rng.uniform(0.0, 2.5))
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    return (out / run_name / "checkpoints").is_dir() and any(name.isdigit() for name in steps_on_disk(out / run_name))
+    assert [after[s] for s in range(first, STEPS + 1)] == [ref[s] for s in range(first, STEPS + 1)]

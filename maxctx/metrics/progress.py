@@ -77,14 +77,15 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def check_finite(step: int, metrics: dict[str, float], keys: tuple[str, ...] = ("loss", "grad_norm")) -> None:
-    """Raises NonFiniteLossError naming the step when any of `keys` present in metrics is NaN or Inf."""
+    """Raises NonFiniteLossError naming the step when any of `keys` present in metrics is NaN or Inf, or when the
+    step's `finite` flag (all parameters and optimizer moments finite after the update) is 0."""
     bad = {k: metrics[k] for k in keys if k in metrics and not math.isfinite(metrics[k])}
+    if metrics.get("finite", 1.0) != 1.0:
+        bad["parameters/moments"] = "non-finite"
     if bad:
         found = ", ".join(f"{k}={v}" for k, v in bad.items())
         lr = f" (learning_rate={metrics['learning_rate']:.3g})" if "learning_rate" in metrics else ""
-        raise NonFiniteLossError(
-            f"step {step}: {found}{lr}; stopping the run. Checkpoints before step {step} are intact; "
-            f"lower learning_rate or raise warmup_steps_fraction, then resume from the last checkpoint.")
+        raise NonFiniteLossError(f"step {step}: {found}{lr}; stopping the run (this step is not saved).")
 
 
 def _duration(seconds: float) -> str:

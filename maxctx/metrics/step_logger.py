@@ -19,6 +19,7 @@ no fetch came before it: the loop's first step is timed from the logger's creati
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from maxctx.metrics.flops import throughput
@@ -34,8 +35,9 @@ class StepLogger:
     """
 
     def __init__(self, writer: MetricsWriter, *, total_steps: int, log_period: int, tokens_per_step: int,
-                 flops_per_step: float, num_devices: int, peak_flops_per_device: float) -> None:
-        self.writer = writer
+                 flops_per_step: float, num_devices: int, peak_flops_per_device: float,
+                 on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        self.writer, self._on_step = writer, on_step  # on_step(steps completed, host metrics): every step, first
         self.total_steps, self.log_period = total_steps, log_period
         self._rates = {"tokens_per_step": tokens_per_step, "flops_per_step": flops_per_step,
                        "num_devices": num_devices, "peak_flops_per_device": peak_flops_per_device}
@@ -61,6 +63,8 @@ class StepLogger:
         if done is None:
             return
         completed = done.step + 1
+        if self._on_step is not None:
+            self._on_step(completed, done.metrics)
         check_finite(completed, done.metrics)
         if self.first_loss is None:
             self.first_loss = done.metrics["loss"]

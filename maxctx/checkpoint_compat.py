@@ -1,0 +1,76 @@
+"""Can a checkpoint be used by this config? Checked before anything is restored, each failure a ConfigError naming
+the key (or parameter) and both values, with the fix.
+
+- Resuming a run: the data source and everything its iterator state depends on (`RESUME_KEYS`, plus the global
+  batch in sequences, which may be spread over another mesh), the model-shape keys (config.MODEL_KEYS) and the
+  tokenizer must be what the checkpoint was saved with, as recorded in its meta item (`resume_record`); otherwise
+  the run would silently read other data from a position meant for the old source, or fail with a KeyError. The
+  alternative is `load_full_state_path`: the state of that step, with this config's data from its start.
+- Any load: every parameter's shape (`check_shapes`), from Orbax's metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from maxctx.config import MODEL_KEYS, Config, ConfigError
+
+RESUME_KEYS = ("dataset_type", "dataset_name", "dataset_split", "tfds_data_dir", "grain_train_files", "text_field",
+               "tokenizer_path", "add_bos", "add_eos", "packing", "data_shuffle_seed", "max_target_length",
+               "grain_worker_count")
+
+
+def resume_record(config: Config, global_batch: int) -> dict[str, Any]:
+    """What a resume must match, stored in each checkpoint's meta item under "config"."""
+    keys = (*RESUME_KEYS, *MODEL_KEYS)
+    return {**{key: getattr(config, key) for key in keys if hasattr(config, key)}, "global_batch": global_batch}
+
+
+def check_resume_record(saved: dict[str, Any] | None, config: Config, global_batch: int, step_dir: str) -> None:
+    """ConfigError naming the first key whose value differs from the one the checkpoint was saved with
+    (checkpoints without a record, from before it was kept, are not checked)."""
+    if not saved:
+        return
+    now = resume_record(config, global_batch)
+    for key, value in now.items():
+        if key in saved and saved[key] != value:
+            what = ("the global batch (per_device_batch_size x devices x gradient_accumulation_steps)"
+                    if key == "global_batch" else key)
+            was = f"{saved[key]!r}" if isinstance(saved[key], str) else saved[key]
+            raise ConfigError(f"checkpoint {step_dir} was saved with {what}={was} but this run has {value!r}; "
+                              f"resume with {key}={saved[key]}, or start a new run_name with load_full_state_path="
+                              f"{step_dir} (its parameters and optimizer state; data from the start)")
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple]:
+    """{'params/layers/attention/wq': shape, ...} for a state tree or Orbax's metadata tree of one."""
+
+    def name(key) -> str:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def check_shapes(saved_tree: Any, target_tree: Any, where: str, other: str, prefix: str = "") -> None:
+    """ConfigError naming the first parameter whose shape differs (or that is missing) between a checkpoint and
+    this run's abstract state; only names under `prefix` are compared. `other`: the fix's alternative."""
+    saved = {k: v for k, v in _flat_shapes(saved_tree).items() if k.startswith(prefix)}
+    target = {k: v for k, v in _flat_shapes(target_tree).items() if k.startswith(prefix)}
+    fix = f"check model_name and the model-shape keys (base_emb_dim, base_num_*, head_dim, vocab_size, ...), or {other}"
+    for key, shape in sorted(target.items(), key=lambda item: not item[0].startswith("params/")):
+        if key not in saved:
+            raise ConfigError(f"{where} was saved for another model or optimizer: it has no '{key}' (shape {shape} "
+                              f"in this config); {fix}")
+        if saved[key] != shape:
+            raise ConfigError(f"{where} was saved for another model shape: '{key}' has shape {saved[key]} in the "
+                              f"checkpoint but {shape} in this config; {fix}")
+    extra = sorted(saved.keys() - target.keys())
+    if extra:
+        raise ConfigError(f"{where} was saved for another model or optimizer: it has '{extra[0]}' (shape "
+                          f"{saved[extra[0]]}) that this config does not; {fix}")
