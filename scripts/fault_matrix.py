@@ -81,8 +81,12 @@ def main() -> int:
         for trial in range(args.trials):
             run_dir = out / f"kill_{trial}"
             delay = kill_at_random_moment(command(run_dir.name, "checkpoint_period=1"), env, run_dir, rng)
+            left = steps_on_disk(run_dir) if (run_dir / "checkpoints").is_dir() else []
+            cut = [s.split(".")[0] for s in left if ".orbax-checkpoint-tmp" in s]  # saves the kill cut off
             proc = run(command(run_dir.name), env=env)
-            rows.append((f"kill -9 #{trial + 1} at +{delay:.2f} s", *judge(proc, reference, run_dir, args.steps)))
+            passed, outcome, start = judge(proc, reference, run_dir, args.steps)
+            outcome += f" (the kill cut off the save of step {', '.join(cut)})" if cut else ""
+            rows.append((f"kill -9 #{trial + 1} at +{delay:.2f} s", passed, outcome, start))
             print(*rows[-1], sep=" | ", flush=True)
     width = max(len(r[0]) for r in rows)
     print(f"\n{'case':<{width}}  {'pass':<4}  {'from':>4}  outcome")
