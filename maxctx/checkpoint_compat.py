@@ -18,8 +18,8 @@ import jax
 from maxctx.config import MODEL_KEYS, Config, ConfigError
 
 RESUME_KEYS = ("dataset_type", "dataset_name", "dataset_split", "tfds_data_dir", "grain_train_files", "text_field",
-               "tokenizer_path", "add_bos", "add_eos", "packing", "data_shuffle_seed", "max_target_length",
-               "grain_worker_count")
+               "tokenizer_path", "tokenizer_type", "add_bos", "add_eos", "packing", "data_shuffle_seed",
+               "max_target_length", "grain_worker_count")
 
 
 def resume_record(config: Config, global_batch: int) -> dict[str, Any]:

@@ -65,7 +65,6 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "jax_cache_dir": (("~/jax_cache", ""), "set JAX_COMPILATION_CACHE_DIR in the environment instead"),
     "base_config": (("base.yml",), "configs/base.yml is always the first layer; put overrides in your YAML"),
     "grain_file_type": (("arrayrecord",), "grain files are ArrayRecord (scripts/prepare_data.py converts text)"),
-    "tokenizer_type": (("sentencepiece",), "the tokenizer is a sentencepiece model (tokenizer_path)"),
     "hf_path": (("",), "the HuggingFace datasets pipeline is not supported; convert to ArrayRecord with "
                 "scripts/prepare_data.py and use dataset_type=arrayrecord"),
     **{f"{group}_{axis}_parallelism": ((1,), _ONE_MESH) for group in ("ici", "dcn") for axis in (
@@ -147,9 +146,8 @@ def resolve(values: dict[str, Any], user_keys: set[str]) -> tuple[dict[str, Any]
     if v.get("eval_dataset_name") not in (None, "", v.get("dataset_name")):
         raise unsupported(f"eval_dataset_name={v['eval_dataset_name']}", "eval reads eval_split of dataset_name")
     v.pop("eval_dataset_name", None)
-    if str(v.get("tokenizer_path", "")).endswith(".tiktoken"):
-        raise unsupported(f"tokenizer_path={v['tokenizer_path']}", "tiktoken files (Llama 3's tokenizer) are not read "
-                          "yet; give a sentencepiece .model file")
+    if str(v.get("tokenizer_path", "")).endswith(".tiktoken") and "tokenizer_type" not in user_keys:
+        v["tokenizer_type"] = "tiktoken"  # as MaxText infers it
     if "dataset_type" not in user_keys:  # MaxText's default is TFDS: a command naming data never gets synthetic
         if "grain_train_files" in user_keys:
             v["dataset_type"] = "arrayrecord"

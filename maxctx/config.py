@@ -36,6 +36,7 @@ RematPlace = Literal["remat", "device", "offload"]
 DType = Literal["float32", "bfloat16", "float16"]
 DatasetType = Literal["synthetic", "arrayrecord", "tfds", "text"]
 Packing = Literal["first_fit", "concat", "none"]
+TokenizerType = Literal["sentencepiece", "tiktoken", "huggingface"]
 Hardware = Literal["", "tpu", "gpu", "gpu_multiprocess", "cpu"]
 # Hugging Face's rope_scaling types, with its rules (maxctx.model.rope).
 RopeType = Literal["default", "linear", "llama3", "yarn"]
@@ -133,6 +134,7 @@ class Config:
     grain_eval_files: str = ""
     text_field: str = "text"
     tokenizer_path: str = ""
+    tokenizer_type: TokenizerType = "sentencepiece"
     add_bos: bool = True
     add_eos: bool = True
     packing: Packing = "first_fit"

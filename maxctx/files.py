@@ -25,7 +25,18 @@ def expand_files(pattern: str, key: str) -> list[str]:
     return sorted(files)
 
 
-def check_tokenizer_path(path: str) -> None:
-    if not os.path.isfile(path):
-        raise ConfigError(f"tokenizer_path='{path}' does not exist; give a sentencepiece .model file "
-                          f"(scripts/train_tokenizer.py trains one)")
+# what tokenizer_path names, per tokenizer_type
+_TOKENIZER_FILES = {"sentencepiece": "a sentencepiece .model file (scripts/train_tokenizer.py trains one)",
+                    "tiktoken": "a tiktoken BPE file (Llama 3's tokenizer.model)",
+                    "huggingface": "a tokenizer.json file or the directory holding it"}
+
+
+def check_tokenizer_path(path: str, tokenizer_type: str = "sentencepiece") -> None:
+    if tokenizer_type == "huggingface" and os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise ConfigError(f"tokenizer_path='{path}' is a directory without a tokenizer.json; give "
+                              f"{_TOKENIZER_FILES[tokenizer_type]}")
+    elif not os.path.isfile(path):
+        problem = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise ConfigError(f"tokenizer_path='{path}' {problem}; with tokenizer_type={tokenizer_type} give "
+                          f"{_TOKENIZER_FILES[tokenizer_type]}")

@@ -127,8 +127,8 @@ def _check_data(config: Config) -> None:
     if config.dataset_type == "tfds" and not config.dataset_name:
         raise ConfigError("dataset_type=tfds needs dataset_name, e.g. dataset_name=my_dataset:1.0.0")
     if config.dataset_type == "text" and not config.tokenizer_path:
-        raise ConfigError("dataset_type=text needs tokenizer_path (a sentencepiece model; scripts/train_tokenizer.py "
-                          "trains one)")
+        raise ConfigError("dataset_type=text needs tokenizer_path (read as tokenizer_type; a sentencepiece model by "
+                          "default, which scripts/train_tokenizer.py trains)")
     if config.eval_interval > 0 and config.dataset_type in ("arrayrecord", "text") and not config.grain_eval_files:
         raise ConfigError(f"eval_interval={config.eval_interval} with dataset_type={config.dataset_type} needs "
                           f"grain_eval_files (a file glob); set it, or eval_interval=0")
@@ -193,7 +193,7 @@ def _check_files(config: Config) -> None:
         if config.eval_interval > 0:
             expand_files(config.grain_eval_files, "grain_eval_files")
     if config.tokenizer_path:
-        check_tokenizer_path(config.tokenizer_path)
+        check_tokenizer_path(config.tokenizer_path, config.tokenizer_type)
     if config.dataset_type == "tfds" and config.tfds_data_dir and not os.path.isdir(config.tfds_data_dir):
         raise ConfigError(f"tfds_data_dir='{config.tfds_data_dir}' does not exist (or is not a directory); give "
                           f"the folder TFDS prepared the dataset in, or leave it empty for TFDS's default")

@@ -88,11 +88,10 @@ LOADS = {
            "base_num_query_heads=4 base_num_kv_heads=4 max_target_length=128 attention=flash "
            "ici_context_parallelism=2 ici_context_usp_ulysses_parallelism=2 context_parallel_strategy=usp "
            "context_parallel_load_balance=false packing=false",
+    "tiktoken": "tokenizer_path=assets/tokenizer_llama3.tiktoken tokenizer_type=tiktoken packing=false",
 }
 # ... and what maxctx refuses, each with its one line.
 REFUSED = {
-    "tiktoken": ("tokenizer_path=assets/tokenizer_llama3.tiktoken tokenizer_type=tiktoken packing=false",
-                 "MaxText's tokenizer_type=tiktoken is not supported by maxctx"),
     "fp8": ("quantization=fp8 dataset_type=synthetic", "MaxText's quantization=fp8 is not supported by maxctx"),
     "fsdp_transpose": ("ici_fsdp_transpose_parallelism=16", "MaxText's ici_fsdp_transpose_parallelism=16 is not"),
     "splash_blocks": ("attention='flash' sa_block_q=1024 sa_block_q_dkv=2048",
@@ -124,6 +123,10 @@ def test_maxtext_meanings(place):
     assert c.dataset_type == "arrayrecord" and c.grain_worker_count == 2
     c = load_config(maxtext(LOADS["usp"], place))  # MaxText: ring 2 x ulysses 2 = our C = 4, A2A degree 2
     assert (c.ici_context_parallelism, c.context_parallel_a2a_degree, c.packing) == (4, 2, "none")
+    c = load_config([BASE, "tokenizer_path=assets/tokenizer_llama3.tiktoken"])  # MaxText infers tiktoken
+    assert c.tokenizer_type == "tiktoken"
+    assert load_config([BASE, "tokenizer_path=assets/tokenizer_llama3.tiktoken",
+                        "tokenizer_type=huggingface"]).tokenizer_type == "huggingface"
     # global_parameter_scale=16 on MaxText's default model: heads and MLP x4, width x2, layers x2.
     c = load_config(maxtext(LOADS["aot_scaled_default"], place) + ["model_name=default"])
     assert (c.base_emb_dim, c.base_num_query_heads, c.base_mlp_dim, c.base_num_decoder_layers) == (

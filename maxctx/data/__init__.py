@@ -11,7 +11,8 @@ context_parallel_load_balance is on and the context parallelism C > 1.
 
     pipeline.py        create_data_iterator: source -> tokenize -> pack -> zig-zag -> global arrays
     sources.py         ArrayRecord, TFDS and local text sources (random access, picklable)
-    tokenizer.py       sentencepiece, and documents -> (input, target) pairs
+    tokenizer.py       the tokenizer's checks, and documents -> (input, target) pairs
+    tokenizer_types.py tokenizer_type readers: sentencepiece, tiktoken (Llama 3), huggingface (tokenizer.json)
     packing.py         first-fit and concat packing into rows with segment ids and positions
     synthetic.py       dataset_type=synthetic: learnable packed Markov-chain documents
     global_batch.py    per-host numpy batches -> global jax arrays

@@ -1,4 +1,5 @@
-"""sentencepiece tokenizer and the step that turns a source's document into (input, target) pairs.
+"""The tokenizer (tokenizer_type: sentencepiece, tiktoken or huggingface; readers in tokenizer_types.py) and the
+step that turns a source's document into (input, target) pairs.
 
 Special ids: a tokenizer's own BOS/EOS ids; without a tokenizer (sources of token ids) BOS=1 and EOS=2, the ids
 of the synthetic data and of models trained by scripts/train_tokenizer.py (PAD=0, BOS=1, EOS=2, UNK=3).
@@ -11,44 +12,41 @@ import numpy as np
 from maxctx.config import Config, ConfigError
 from maxctx.data import DataError
 from maxctx.data.synthetic import BOS, EOS
+from maxctx.data.tokenizer_types import READERS
 from maxctx.files import check_tokenizer_path
 
 
 class Tokenizer:
-    """A sentencepiece model; ConfigError naming tokenizer_path when it is missing, invalid or too large."""
+    """A tokenizer of any tokenizer_type; ConfigError naming tokenizer_path when it is missing, invalid or larger
+    than the model's vocabulary. bos_id/eos_id are -1 when it has none."""
 
-    def __init__(self, path: str, vocab_size: int):
-        import sentencepiece as spm
-
-        check_tokenizer_path(path)
-        try:
-            self.processor = spm.SentencePieceProcessor(model_file=path)
-        except (RuntimeError, OSError) as e:
-            raise ConfigError(f"tokenizer_path='{path}' is not a valid sentencepiece model ({e})") from None
-        self.path = path
-        self.vocab_size = self.processor.vocab_size()
+    def __init__(self, path: str, vocab_size: int, tokenizer_type: str = "sentencepiece"):
+        check_tokenizer_path(path, tokenizer_type)
+        self.reader = READERS[tokenizer_type](path)
+        self.path, self.vocab_size = path, self.reader.vocab_size
         if self.vocab_size > vocab_size:
             raise ConfigError(f"tokenizer_path='{path}' has {self.vocab_size} tokens, more than the model's "
                               f"vocab_size={vocab_size}; set vocab_size={self.vocab_size} or more, or use a "
                               f"smaller tokenizer")
-        self.bos_id, self.eos_id = self.processor.bos_id(), self.processor.eos_id()
+        self.bos_id, self.eos_id = self.reader.bos_id, self.reader.eos_id
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.processor.encode(text), np.int32)
+        return np.asarray(self.reader.encode(text), np.int32)
 
     def decode(self, ids) -> str:
-        return self.processor.decode([int(i) for i in ids])
+        return self.reader.decode([int(i) for i in ids])
 
 
 def load_tokenizer(config: Config) -> Tokenizer | None:
     """The config's tokenizer (None when tokenizer_path is empty), with its BOS/EOS checked against add_*."""
     if not config.tokenizer_path:
         return None
-    tokenizer = Tokenizer(config.tokenizer_path, config.vocab_size)
+    tokenizer = Tokenizer(config.tokenizer_path, config.vocab_size, config.tokenizer_type)
     for key, token_id in (("add_bos", tokenizer.bos_id), ("add_eos", tokenizer.eos_id)):
         if getattr(config, key) and token_id < 0:
-            raise ConfigError(f"{key}=true but tokenizer_path='{config.tokenizer_path}' has no "
-                              f"{key[4:].upper()} token; set {key}=false or train the tokenizer with one")
+            raise ConfigError(f"{key}=true but tokenizer_path='{config.tokenizer_path}' "
+                              f"(tokenizer_type={config.tokenizer_type}) has no {key[4:].upper()} token; set "
+                              f"{key}=false or use a tokenizer with one")
     return tokenizer
 
 
@@ -70,7 +68,7 @@ class EncodeDocument:
         if isinstance(value, str):
             if self.tokenizer is None:
                 raise DataError(f"{self.source.describe(index)} holds text but tokenizer_path is empty; set "
-                                f"tokenizer_path to a sentencepiece model, or store token ids "
+                                f"tokenizer_path (and tokenizer_type), or store token ids "
                                 f"(scripts/prepare_data.py)")
             ids = self.tokenizer.encode(value)
         else:
