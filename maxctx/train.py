@@ -31,7 +31,8 @@ EXIT_CONFIG, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY = 2, 3, 4
 
 
 USAGE = ("Trains the configured model (python train.py, python -m maxctx.train and maxctx-train are the same).\n"
-         "Exit status: 0 done, 2 bad config or data, 3 non-finite loss, 4 out of device memory.")
+         "Exit status: 0 done (also after Ctrl-C or SIGTERM, saved), 2 bad config, data or checkpoint, or the run "
+         "directory in use, 3 non-finite loss, 4 out of device memory.")
 
 
 def main(argv: list[str]) -> int:
