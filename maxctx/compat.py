@@ -42,7 +42,6 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "monitor_goodput": ((False,), "goodput recording needs Google's ml-goodput-measurement service"),
     "gcs_metrics": ((False, True), ""),  # maxctx always writes metrics.jsonl into the run directory (gs:// too)
     "upload_all_profiler_results": ((False,), "the profile is written by process 0 into the run's tensorboard dir"),
-    "reuse_example_batch": ((0,), "every step draws a new batch"),
     "dropout_rate": ((0, 0.0), "the model has no dropout"),
     "enable_dropout": ((False, True), ""),  # dropout_rate is 0: no dropout either way
     "opt_type": (("adamw",), "the optimizer is AdamW"),

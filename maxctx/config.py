@@ -141,6 +141,7 @@ class Config:
     grain_worker_count: int = 0
     grain_prefetch_buffer_size: int = 16
     data_shuffle_seed: int = 0
+    reuse_example_batch: int = 0
     enable_data_shuffling: bool = True
     eval_interval: int = 0
     eval_steps: int = 4

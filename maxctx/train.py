@@ -12,6 +12,7 @@ kept), 4 out of device memory (HBM, or a kernel's on-chip memory), with what to 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import shlex
 import sys
@@ -95,7 +96,7 @@ def _train(config: Config) -> int:
     from maxctx.checkpoint import Checkpointer
     from maxctx.data.pipeline import create_data_iterator
     from maxctx.mesh import create_mesh
-    from maxctx.metrics import NonFiniteLossError, Profiler, StepLogger, training_flops_per_step
+    from maxctx.metrics import NonFiniteLossError, Profiler, training_flops_per_step
     from maxctx.runtime import is_primary
     from maxctx.train_step import make_setup
 
@@ -111,14 +112,11 @@ def _train(config: Config) -> int:
         compiled, peak = _compile(config, setup, flops_per_step, writer)
         state = checkpointer.restore_or_init(data)
         start_step = int(jax.device_get(state["step"]))
-        # Created just before the loop, which has no earlier fetch to time its first step against.
-        logger = StepLogger(writer, total_steps=config.steps, log_period=config.log_period, peak_flops_per_device=peak,
-                            tokens_per_step=setup.global_batch * config.max_target_length,
-                            flops_per_step=flops_per_step, num_devices=setup.mesh.devices.size,
-                            on_step=checkpointer.divergence.observe)
+        batches = itertools.repeat(next(data)) if config.reuse_example_batch else data  # MaxText's perf test
+        logger = _step_logger(config, setup, writer, flops_per_step, peak, checkpointer)  # just before the loop
         for step in range(start_step, config.steps):
             profiler.step(step, block_on=state)
-            state, step_metrics = compiled(state, next(data))
+            state, step_metrics = compiled(state, next(batches))
             logger.push(step, step_metrics)
             completed = step + 1
             if evaluate is not None and completed % config.eval_interval == 0:
@@ -131,11 +129,8 @@ def _train(config: Config) -> int:
             if checkpointer.preempted:
                 break
         logger.flush(force=True)
-    except NonFiniteLossError as e:  # say which checkpoint predates the divergence, set newer ones aside
-        advice, lower = checkpointer.after_divergence()
-        error = NonFiniteLossError(f"{e} {advice}")
-        error.learning_rate = lower
-        raise error from None
+    except NonFiniteLossError as e:
+        raise _diverged(e, checkpointer) from None
     finally:
         checkpointer.close()
         profiler.stop(block_on=state)
@@ -143,6 +138,28 @@ def _train(config: Config) -> int:
     if primary:
         _print_end(config, start_step, logger, checkpointer.preempted)
     return 0
+
+
+def _step_logger(config: Config, setup: TrainSetup, writer: MetricsWriter, flops_per_step: float, peak: float,
+                 checkpointer: Any) -> Any:
+    """The loop's StepLogger; made just before the loop, which has no earlier fetch to time its first step
+    against."""
+    from maxctx.metrics import StepLogger
+
+    return StepLogger(writer, total_steps=config.steps, log_period=config.log_period, peak_flops_per_device=peak,
+                      tokens_per_step=setup.global_batch * config.max_target_length, flops_per_step=flops_per_step,
+                      num_devices=setup.mesh.devices.size, on_step=checkpointer.divergence.observe)
+
+
+def _diverged(error: Exception, checkpointer: Any) -> Exception:
+    """The NaN guard's error, saying which checkpoint predates the divergence (newer ones are set aside) and the
+    lower learning rate to resume with."""
+    from maxctx.metrics import NonFiniteLossError
+
+    advice, lower = checkpointer.after_divergence()
+    diverged = NonFiniteLossError(f"{error} {advice}")
+    diverged.learning_rate = lower
+    return diverged
 
 
 def rerun_command(argv: list[str], **changes: str) -> str:

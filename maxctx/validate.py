@@ -151,8 +151,8 @@ def validate(config: Config) -> None:
     if not config.base_output_directory.strip():
         raise ConfigError("base_output_directory='' is empty; give the folder for runs' outputs (e.g. outputs) or "
                           "gs://bucket/folder")
-    _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "max_num_checkpoints_to_keep",
-              allow_zero=True)
+    _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "reuse_example_batch",
+              "max_num_checkpoints_to_keep", allow_zero=True)
     _positive(config, "jax_heartbeat_timeout_seconds", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
               "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
               "checkpoint_period", "gradient_accumulation_steps", "eval_steps",

@@ -75,3 +75,16 @@ def test_compiled_trainstep_file_is_loaded_instead_of_compiling(tmp_path):
     other = run(train_command(*common, "run_name=other", "base_num_decoder_layers=3",
                               f"compiled_trainstep_file={step_file}"), env=cpu_env())
     assert other.returncode == 2 and "was compiled for another model, batch or mesh" in other.stderr, other.stderr
+
+
+def test_reuse_example_batch_trains_on_one_batch(tmp_path):
+    # MaxText's performance-test mode: every step sees the first batch. Step 1 is the same as a normal run's; from
+    # then on the runs see different data, so their losses part.
+    for name, reuse in (("reuse", 1), ("normal", 0)):
+        done = run(train_command("cpu_devices=1", "steps=4", "log_period=1", "enable_checkpointing=false",
+                                 "dtype=float32", f"reuse_example_batch={reuse}", f"base_output_directory={tmp_path}",
+                                 f"run_name={name}"), env=cpu_env())
+        assert done.returncode == 0, done.stderr[-2000:]
+    reuse, normal = losses(tmp_path / "reuse"), losses(tmp_path / "normal")
+    assert len(reuse) == len(normal) == 4 and reuse[1] == normal[1]
+    assert all(reuse[s] != normal[s] for s in (2, 3, 4)), (reuse, normal)
