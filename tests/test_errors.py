@@ -9,13 +9,15 @@ from maxctx.train import EXIT_CONFIG, main
 from tests.support import fixtures as F
 from tests.support.processes import BASE_YML
 
-TINY = ["steps=1", "per_device_batch_size=1", "max_target_length=32", "base_num_decoder_layers=1",
+TINY = ["steps=1", "per_device_batch_size=1", "base_num_decoder_layers=1",
         "enable_checkpointing=false", "enable_tensorboard=false"]
 
 CASES = [  # overrides ({empty}: an ArrayRecord file of no records), the line's prefix, text the line holds
     pytest.param(["vocab_size=4"], "config error: ", "vocab_size=4 is too small for dataset_type=synthetic",
                  id="synthetic_vocab_too_small"),
     pytest.param(["packing=first_fits"], "config error: ", "packing='first_fits'", id="packing_unknown"),
+    pytest.param(["max_target_length=2"], "config error: ", "max_target_length=2 is too short for dataset_type="
+                 "synthetic", id="synthetic_length_too_short"),
     pytest.param(["dataset_type=arrayrecord", "grain_train_files={empty}"], "data error: ", "hold no records",
                  id="dataset_without_records"),
     # All-to-all stays inside a slice: an explicit A2A degree larger than the slice's context part (was a

@@ -17,6 +17,7 @@ from maxctx.config import ConfigError
 PAD, BOS, EOS = 0, 1, 2
 FIRST_CONTENT = 3
 MIN_VOCAB = FIRST_CONTENT + 2  # the chain needs two content tokens to walk between
+MIN_LENGTH = 3  # documents of 4 to seq_len + 1 tokens (a row holds seq_len + 1 of them: inputs plus the last target)
 SUCCESSORS = 4
 SUCCESSOR_PROBS = np.array([0.7, 0.1, 0.1, 0.1])
 
@@ -71,6 +72,9 @@ class SyntheticSource:
         if vocab_size < MIN_VOCAB:
             raise ConfigError(f"vocab_size={vocab_size} is too small for dataset_type=synthetic (ids 0-2 are PAD, BOS "
                               f"and EOS, and the chain needs two content tokens); set vocab_size >= {MIN_VOCAB}")
+        if seq_len < MIN_LENGTH:
+            raise ConfigError(f"max_target_length={seq_len} is too short for dataset_type=synthetic (a document is "
+                              f"BOS, two or more content tokens and EOS); set max_target_length >= {MIN_LENGTH}")
         self.seq_len, self.global_batch, self.seed, self.stream = seq_len, global_batch, seed, stream
         self.table = transition_table(vocab_size, seed)
 
