@@ -14,7 +14,6 @@ Nothing writes into a Config after loading: derived values are properties.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import sys
@@ -23,7 +22,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from maxctx import compat
-from maxctx.errors import ConfigError
+from maxctx.errors import ConfigError, did_you_mean
 
 # flash (MaxText's meaning) and auto: the platform's fast kernel, splash on TPU, cuDNN on GPU (bf16/fp16), else the
 # blockwise JAX kernel, which `blockwise` names on every platform.
@@ -210,8 +209,7 @@ REPO_CONFIG_DIR = (_PACKAGED_CONFIG_DIR if os.path.isdir(_PACKAGED_CONFIG_DIR) e
 
 
 def _closest(key: str) -> str:
-    match = difflib.get_close_matches(key, list(_FIELD_TYPES), n=1, cutoff=0.75)
-    return f"; did you mean '{match[0]}'?" if match else "; see configs/base.yml for the valid keys"
+    return "; " + did_you_mean(key, _FIELD_TYPES, cutoff=0.75, otherwise="see configs/base.yml for the valid keys")
 
 
 def choices(key: str) -> tuple[str, ...]:
@@ -223,9 +221,8 @@ def _choose(key: str, value: Any, source: str) -> str:
     options = choices(key)
     if isinstance(value, str) and value in options:
         return value
-    match = difflib.get_close_matches(str(value), options, n=1, cutoff=0.5)
-    hint = f"did you mean '{match[0]}'?" if match else "pick one of them"
-    raise ConfigError(f"{key}='{value}' (from {source}) is not one of {', '.join(options)}; {hint}")
+    raise ConfigError(f"{key}='{value}' (from {source}) is not one of {', '.join(options)}; "
+                      f"{did_you_mean(str(value), options)}")
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:

@@ -3,11 +3,11 @@ maxctx.attention.strategy). A new strategy is a new module plus one entry in STR
 
 from __future__ import annotations
 
-import difflib
 from types import ModuleType
 
 from maxctx.attention import a2a, all_gather, p2p, usp
-from maxctx.config import Config, ConfigError
+from maxctx.config import Config
+from maxctx.errors import ConfigError, did_you_mean
 
 STRATEGIES: dict[str, ModuleType] = {m.NAME: m for m in (all_gather, a2a, p2p, usp)}
 ALIASES: dict[str, str] = {alias: m.NAME for m in STRATEGIES.values() for alias in m.ALIASES}
@@ -18,9 +18,8 @@ def resolve(name: str) -> str:
     name = ALIASES.get(name, name)
     if name not in STRATEGIES:
         known = [*STRATEGIES, *ALIASES]
-        match = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-        hint = f"did you mean '{match[0]}'?" if match else "pick one of them"
-        raise ConfigError(f"context_parallel_strategy='{name}' is not one of {', '.join(known)}; {hint}")
+        raise ConfigError(f"context_parallel_strategy='{name}' is not one of {', '.join(known)}; "
+                          f"{did_you_mean(name, known)}")
     return name
 
 
