@@ -20,7 +20,7 @@ LAYERS = [
     ["maxctx.model", "maxctx.data"],
     ["maxctx.train_step"],
     ["maxctx.checkpoint", "maxctx.checkpoint_compat", "maxctx.roofline", "maxctx.out_of_memory"],
-    ["maxctx.compile", "maxctx.train"],
+    ["maxctx.compile", "maxctx.train", "maxctx.convert"],
 ]
 
 

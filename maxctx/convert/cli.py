@@ -1,0 +1,63 @@
+"""The converter's command line:
+
+    python -m maxctx.convert from_hf --hf_path DIR --output_path DIR [model_name=... key=value ...]
+    python -m maxctx.convert to_hf --checkpoint_path DIR --output_path DIR [--dtype bf16|fp32] [key=value ...]
+
+Exit status: 0 converted, 2 a bad input (one line naming the file or key and the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from maxctx.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m maxctx.convert", description=__doc__.split("\n\n")[0],
+                                     epilog="Exit status: 0 converted, 2 bad input.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    importer = commands.add_parser("from_hf", help="Hugging Face directory -> maxctx checkpoint")
+    importer.add_argument("--hf_path", required=True, help="config.json and *.safetensors (with their index)")
+    importer.add_argument("--output_path", required=True,
+                          help="new directory: the checkpoint (load_parameters_path=DIR) and DIR/model.yml")
+    exporter = commands.add_parser("to_hf", help="maxctx checkpoint -> Hugging Face directory")
+    exporter.add_argument("--checkpoint_path", required=True,
+                          help="a step directory (<run>/checkpoints/<step>) or a checkpoints directory (latest step)")
+    exporter.add_argument("--output_path", required=True)
+    exporter.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    exporter.add_argument("--architecture", choices=("llama", "mistral"), default="",
+                          help="default: the imported model's, else llama")
+    exporter.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors shard size (GB, 10^9)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    bad = [o for o in overrides if "=" not in o or o.startswith("-")]
+    if bad:
+        print(f"convert error: unknown argument '{bad[0]}'; options are --flags, model keys are key=value",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    # The converter uses no accelerator; on a TPU VM it must not take the chips from a training run.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from maxctx.checkpoint import CheckpointError
+
+    try:
+        if args.command == "from_hf":
+            from maxctx.convert.from_hf import import_hf
+
+            import_hf(args.hf_path, args.output_path, overrides)
+        else:
+            from maxctx.convert.to_hf import export_hf
+
+            export_hf(args.checkpoint_path, args.output_path, args.dtype, overrides, args.architecture,
+                      int(args.max_shard_gb * 1e9))
+    except (ConfigError, CheckpointError) as e:
+        print(f"convert error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0

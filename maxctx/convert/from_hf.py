@@ -1,0 +1,175 @@
+"""Hugging Face model directory -> maxctx parameter checkpoint (`load_parameters_path`).
+
+Steps: config.json -> maxctx model keys (or a preset and overrides, checked against it); every tensor's presence,
+shape and dtype checked from the safetensors headers before anything is written; then one parameter at a time
+(a stacked [L, ...] array filled layer by layer from the files) into an Orbax checkpoint:
+
+    <output_path>/0/state   {"params": ...} as a training checkpoint holds them (with maxctx's integrity record)
+    <output_path>/0/meta    {"config": model keys, "architecture", "hf_config"}: what to_hf needs to go back
+    <output_path>/model.yml the model keys, for `python train.py <output_path>/model.yml ...`
+
+Peak host memory: the largest stacked parameter in weight_dtype, one HF tensor being read, and what Orbax
+buffers while writing that parameter; never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import yaml
+from etils import epath
+
+from maxctx.config import MODEL_KEYS, Config, parse_config
+from maxctx.convert import hf_layout, safetensors
+from maxctx.convert.hf_layout import DIM_KEYS, Tensor
+from maxctx.convert.streaming import Deferred, save_deferred, save_json
+from maxctx.errors import ConfigError
+
+STEP = "0"
+# Source dtypes each weight_dtype holds exactly; anything else (quantized, fp64) is refused, never rounded.
+EXACT = {"float32": ("F32", "BF16", "F16"), "bfloat16": ("BF16",), "float16": ("F16",)}
+NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+             "float16": np.dtype(np.float16)}
+# Buffers some exports carry that are no parameters (recomputed from the config).
+IGNORED = (".rotary_emb.inv_freq",)
+
+
+def read_hf_config(hf_path: str) -> dict[str, Any]:
+    path = os.path.join(hf_path, "config.json")
+    if not os.path.isdir(hf_path):
+        raise ConfigError(f"--hf_path {hf_path} is not a directory; give a Hugging Face model directory "
+                          f"(config.json and *.safetensors)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing; a Hugging Face model directory has config.json next to its "
+                          f"*.safetensors: download it too") from None
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); download it again") from None
+
+
+def target_config(hf_keys: dict[str, Any], overrides: list[str]) -> Config:
+    """The maxctx config to convert into: config.json's keys, or with model_name=... that preset; the key=value
+    overrides win either way."""
+    from_json = [] if any(o.startswith("model_name=") for o in overrides) else [f"{k}={v}" for k, v in
+                                                                              hf_keys.items()]
+    return parse_config([*from_json, *overrides])
+
+
+def _key_to_change(t: Tensor, hf_keys: dict, keys: dict) -> str:
+    changes = [f"{DIM_KEYS[c]}={hf_keys[DIM_KEYS[c]]}" for group in t.hf for c in group
+               if hf_keys[DIM_KEYS[c]] != keys[DIM_KEYS[c]]]
+    return (f"set {' '.join(dict.fromkeys(changes))} (config.json's value)" if changes else
+            "check model_name and the shape keys " + ", ".join(sorted(set(DIM_KEYS.values()))))
+
+
+def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list[safetensors.TensorInfo]]]:
+    """Each parameter with its HF tensors (one per layer), all checked: present, of the expected shape, of a
+    dtype weight_dtype holds exactly; and no HF tensor left over."""
+    keys = {k: getattr(config, k) for k in MODEL_KEYS}
+    files = safetensors.model_tensors(hf_path)
+    used, result = set(), []
+    for t in hf_layout.tensors(keys):
+        infos = []
+        for i in range(keys["base_num_decoder_layers"]) if t.per_layer else [None]:
+            name = t.name(i)
+            if name == "lm_head.weight" and name not in files and hf_keys["logits_via_embedding"]:
+                name = "model.embed_tokens.weight"  # tied in the checkpoint, untied in this config
+            info = files.get(name)
+            if info is None:
+                raise ConfigError(f"{hf_path}: tensor '{name}' is missing from its *.safetensors; the download is "
+                                  f"incomplete (download it again) or the model differs from this config "
+                                  f"({'num_hidden_layers' if t.per_layer else 'tie_word_embeddings'} in config.json)")
+            if info.shape != t.hf_shape(keys):
+                raise ConfigError(f"{info.path}: tensor '{name}' has shape {list(info.shape)} but this config gives "
+                                  f"{list(t.hf_shape(keys))}; {_key_to_change(t, hf_keys, keys)}")
+            if info.dtype not in EXACT[config.weight_dtype]:
+                fix = ("it is quantized or not a float the model uses: give the bf16 or fp32 release" if
+                       info.dtype not in EXACT["float32"] else "convert with weight_dtype=float32")
+                raise ConfigError(f"{info.path}: tensor '{name}' is {info.dtype}, which weight_dtype="
+                                  f"{config.weight_dtype} cannot hold exactly; {fix}")
+            used.add(name)
+            infos.append(info)
+        result.append((t, infos))
+    if keys["logits_via_embedding"] and not hf_keys["logits_via_embedding"]:
+        raise ConfigError(f"{hf_path}: the checkpoint has its own lm_head.weight but logits_via_embedding=true "
+                          f"would drop it; set logits_via_embedding=false")
+    extra = sorted(n for n in files if n not in used and not n.endswith(IGNORED)
+                   and not (n == "lm_head.weight" and hf_keys["logits_via_embedding"]))
+    if extra:
+        raise ConfigError(f"{files[extra[0]].path}: tensor '{extra[0]}' has no place in this config's model "
+                          f"(base_num_decoder_layers={keys['base_num_decoder_layers']}, config.json's "
+                          f"num_hidden_layers={hf_keys['base_num_decoder_layers']}); set the keys as config.json "
+                          f"has them")
+    return result
+
+
+def _stacker(t: Tensor, infos: list[safetensors.TensorInfo], keys: dict, dtype: np.dtype, progress) -> Deferred:
+    shape = ((len(infos),) if t.per_layer else ()) + t.mx_shape(keys)
+
+    def make() -> np.ndarray:
+        out = np.empty(shape, dtype)
+        for i, info in enumerate(infos):
+            value = t.to_maxctx(safetensors.read(info), keys)
+            if t.per_layer:
+                out[i] = value
+            else:
+                out[...] = value
+            progress(info, t)
+        return out
+
+    return Deferred(shape, dtype, make)
+
+
+def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -> str:
+    """Converts; returns the step directory written."""
+    hf = read_hf_config(hf_path)
+    where = os.path.join(hf_path, "config.json")
+    arch = hf_layout.architecture(hf, where)
+    hf_keys = hf_layout.model_keys(hf, where)
+    config = target_config(hf_keys, overrides)
+    keys = {k: getattr(config, k) for k in MODEL_KEYS}
+    for key, value in hf_keys.items():
+        if key not in DIM_KEYS.values() and keys[key] != value:
+            say(f"note: config.json has {key}={value}, the converted model keeps {key}={keys[key]}")
+    params = plan(hf_path, hf_keys, config)
+    out = epath.Path(os.path.abspath(output_path))
+    if (out / STEP).exists():
+        raise ConfigError(f"--output_path {output_path} already holds a checkpoint ({out / STEP}); give a new "
+                          f"directory")
+    total, done, start = sum(len(infos) for _, infos in params), [0], time.time()
+
+    def progress(info: safetensors.TensorInfo, t: Tensor) -> None:
+        done[0] += 1
+        say(f"[{done[0]}/{total}] {info.name} {info.dtype}{list(info.shape)} -> params/{'/'.join(t.path)} "
+            f"({time.time() - start:.1f}s)", flush=True)
+
+    dtype = NP_DTYPES[config.weight_dtype]
+    tree: dict = {}
+    for t, infos in params:
+        node = tree.setdefault("params", {})
+        for key in t.path[:-1]:
+            node = node.setdefault(key, {})
+        node[t.path[-1]] = _stacker(t, infos, keys, dtype, progress)
+    tmp = out / f"{STEP}.orbax-checkpoint-tmp-convert"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_deferred(tmp / "state", tree)
+    save_json(tmp / "meta", {"config": keys, "architecture": arch, "hf_config": hf, "weight_dtype":
+                             config.weight_dtype, "source": os.path.abspath(hf_path)})
+    tmp.rename(out / STEP)
+    model_yml = {**({"model_name": config.model_name} if any(o.startswith("model_name=") for o in overrides)
+                    else {}), **keys, "weight_dtype": config.weight_dtype}
+    (out / "model.yml").write_text(f"# maxctx model of {os.path.abspath(hf_path)} ({arch})\n" +
+                                   yaml.safe_dump(model_yml, sort_keys=False))
+    say(f"wrote {out / STEP}; train from it with: python train.py {out / 'model.yml'} load_parameters_path={out} "
+        f"key=value ...")
+    return str(out / STEP)

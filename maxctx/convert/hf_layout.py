@@ -1,0 +1,166 @@
+"""Hugging Face Llama / Mistral <-> maxctx: the config keys and every parameter's name and layout.
+
+Legend: L layers, D model width, H query heads, K kv heads, E head dim, F mlp width, V vocab.
+An HF linear weight is [out, in] (`y = x W^T`); maxctx stores the same numbers as [in..., out...] (`x W`), so a
+parameter is a transpose and a reshape away from its HF tensor, exact both ways. Per-layer HF tensors
+(`model.layers.<i>.*`) are stacked on maxctx's leading `layers` axis.
+
+RoPE needs no permutation: HF's checkpoints are in the rotate-half layout (HF's own converter permutes Meta's
+interleaved q/k once), and maxctx.model.rope.rotary is rotate-half over the same head-dim order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from maxctx.config import Config
+from maxctx.errors import ConfigError
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+# Shape letters -> the maxctx key that sets them.
+DIM_KEYS = {"D": "base_emb_dim", "H": "base_num_query_heads", "K": "base_num_kv_heads", "E": "head_dim",
+            "F": "base_mlp_dim", "V": "vocab_size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One maxctx parameter and its HF tensor. `hf` is the HF shape in letters, [out, in] for a linear
+    (`linear=True`: maxctx holds in + out); per-layer parameters have `layer` names with `{i}`."""
+
+    path: tuple[str, ...]
+    hf_name: str
+    hf: tuple[str, ...]
+    linear: bool
+    per_layer: bool
+
+    def hf_shape(self, keys: dict[str, Any]) -> tuple[int, ...]:
+        return tuple(math.prod(keys[DIM_KEYS[c]] for c in group) for group in self.hf)
+
+    def mx_shape(self, keys: dict[str, Any]) -> tuple[int, ...]:
+        """maxctx's shape of one layer's slice."""
+        groups = (*self.hf[1:], self.hf[0]) if self.linear else self.hf
+        return tuple(keys[DIM_KEYS[c]] for group in groups for c in group)
+
+    def to_maxctx(self, w, keys: dict[str, Any]):
+        return (w.T if self.linear else w).reshape(self.mx_shape(keys))
+
+    def to_hf(self, x, keys: dict[str, Any]):
+        out, *_ = shape = self.hf_shape(keys)
+        if self.linear:
+            return x.reshape(-1, out).T
+        return x.reshape(shape)
+
+    def name(self, layer: int | None = None) -> str:
+        return self.hf_name.format(i=layer)
+
+
+_LAYER = "model.layers.{i}."
+TENSORS = (
+    Tensor(("embed",), "model.embed_tokens.weight", ("V", "D"), False, False),
+    Tensor(("final_norm", "scale"), "model.norm.weight", ("D",), False, False),
+    Tensor(("unembed",), "lm_head.weight", ("V", "D"), True, False),
+    Tensor(("layers", "attn", "wq"), _LAYER + "self_attn.q_proj.weight", ("HE", "D"), True, True),
+    Tensor(("layers", "attn", "wk"), _LAYER + "self_attn.k_proj.weight", ("KE", "D"), True, True),
+    Tensor(("layers", "attn", "wv"), _LAYER + "self_attn.v_proj.weight", ("KE", "D"), True, True),
+    Tensor(("layers", "attn", "wo"), _LAYER + "self_attn.o_proj.weight", ("D", "HE"), True, True),
+    Tensor(("layers", "attn_norm", "scale"), _LAYER + "input_layernorm.weight", ("D",), False, True),
+    Tensor(("layers", "mlp", "w_gate"), _LAYER + "mlp.gate_proj.weight", ("F", "D"), True, True),
+    Tensor(("layers", "mlp", "w_up"), _LAYER + "mlp.up_proj.weight", ("F", "D"), True, True),
+    Tensor(("layers", "mlp", "w_down"), _LAYER + "mlp.down_proj.weight", ("D", "F"), True, True),
+    Tensor(("layers", "mlp_norm", "scale"), _LAYER + "post_attention_layernorm.weight", ("D",), False, True),
+)
+
+
+def tensors(keys: dict[str, Any]) -> tuple[Tensor, ...]:
+    """The parameters of a model with these keys (no output projection when it is tied to the embedding)."""
+    return tuple(t for t in TENSORS if not (t.path == ("unembed",) and keys["logits_via_embedding"]))
+
+
+def architecture(hf_config: dict, where: str) -> str:
+    """'llama' or 'mistral', from config.json's `architectures` (or `model_type`)."""
+    names = hf_config.get("architectures") or []
+    known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
+    if known:
+        return known[0]
+    if not names and hf_config.get("model_type") in ARCHITECTURES.values():
+        return hf_config["model_type"]
+    raise ConfigError(f"{where}: architecture {names or hf_config.get('model_type')} is not one maxctx converts; "
+                      f"give a {' or '.join(ARCHITECTURES)} checkpoint (Llama 2, Llama 3, Llama 3.1, Mistral)")
+
+
+def _rope_keys(hf: dict, where: str) -> dict[str, Any]:
+    scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    keys: dict[str, Any] = {"rope_max_timescale": float(theta), "rope_type": kind}
+    if kind == "llama3":
+        keys.update(rope_factor=scaling["factor"], rope_low_freq_factor=scaling["low_freq_factor"],
+                    rope_high_freq_factor=scaling["high_freq_factor"],
+                    original_max_position_embeddings=scaling["original_max_position_embeddings"])
+    elif kind == "linear":
+        keys.update(rope_linear_scaling_factor=scaling["factor"])
+    elif kind == "yarn":
+        original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+        keys.update(rope_factor=scaling["factor"], original_max_position_embeddings=original,
+                    beta_fast=scaling.get("beta_fast") or 32.0, beta_slow=scaling.get("beta_slow") or 1.0,
+                    rope_truncate=scaling.get("truncate", True),
+                    rope_attention_factor=scaling.get("attention_factor") or 0.0)
+    elif kind != "default":
+        raise ConfigError(f"{where}: rope_scaling type '{kind}' is not one maxctx has; maxctx has default, linear, "
+                          f"llama3 and yarn (maxctx.model.rope)")
+    return keys
+
+
+def model_keys(hf: dict, where: str) -> dict[str, Any]:
+    """maxctx's model keys (config.MODEL_KEYS) for an HF config.json; refuses what maxctx cannot run exactly."""
+    architecture(hf, where)
+    for key, fine in (("hidden_act", ("silu", None)), ("attention_bias", (False, None)), ("mlp_bias", (False, None)),
+                      ("sliding_window", (None,))):
+        if hf.get(key) not in fine:
+            raise ConfigError(f"{where}: {key}={hf.get(key)!r} is not something maxctx's model has (it needs "
+                              f"{' or '.join(map(str, fine))}); " + (
+                                  "maxctx attends over the whole context: set sliding_window to null in config.json "
+                                  "to continue training with full attention" if key == "sliding_window" else
+                                  "this checkpoint cannot be converted"))
+    heads = hf["num_attention_heads"]
+    return {"base_emb_dim": hf["hidden_size"], "base_num_query_heads": heads,
+            "base_num_kv_heads": hf.get("num_key_value_heads") or heads, "base_mlp_dim": hf["intermediate_size"],
+            "base_num_decoder_layers": hf["num_hidden_layers"],
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "vocab_size": hf["vocab_size"],
+            "normalization_layer_epsilon": float(hf.get("rms_norm_eps", Config.normalization_layer_epsilon)),
+            "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)), **_rope_keys(hf, where)}
+
+
+def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """config.json for maxctx model keys: `extra` (the imported model's own entries: token ids, max positions)
+    first, the model's shape and RoPE over it."""
+    rope: dict[str, Any] | None = None
+    if keys["rope_type"] == "llama3":
+        rope = {"rope_type": "llama3", "factor": keys["rope_factor"], "low_freq_factor": keys["rope_low_freq_factor"],
+                "high_freq_factor": keys["rope_high_freq_factor"],
+                "original_max_position_embeddings": keys["original_max_position_embeddings"]}
+    elif keys["rope_type"] == "linear":
+        rope = {"rope_type": "linear", "factor": keys["rope_linear_scaling_factor"]}
+    elif keys["rope_type"] == "yarn":
+        rope = {"rope_type": "yarn", "factor": keys["rope_factor"], "beta_fast": keys["beta_fast"],
+                "beta_slow": keys["beta_slow"], "truncate": keys["rope_truncate"],
+                "original_max_position_embeddings": keys["original_max_position_embeddings"]}
+        if keys["rope_attention_factor"] > 0:
+            rope["attention_factor"] = keys["rope_attention_factor"]
+    architecture_name = {v: k for k, v in ARCHITECTURES.items()}[arch]
+    positions = extra.get("max_position_embeddings") or (
+        int(keys["original_max_position_embeddings"] * keys["rope_factor"]) if rope and "factor" in rope and
+        keys["rope_type"] != "linear" else keys["original_max_position_embeddings"])
+    drop = ("rope_scaling", "rope_parameters", "architectures", "model_type", "dtype", "torch_dtype")
+    window = {"sliding_window": None} if arch == "mistral" else {}
+    return {**{k: v for k, v in extra.items() if k not in drop}, **window,
+            "architectures": [architecture_name], "model_type": arch, "hidden_act": "silu",
+            "hidden_size": keys["base_emb_dim"], "intermediate_size": keys["base_mlp_dim"],
+            "num_attention_heads": keys["base_num_query_heads"], "num_key_value_heads": keys["base_num_kv_heads"],
+            "head_dim": keys["head_dim"], "num_hidden_layers": keys["base_num_decoder_layers"],
+            "vocab_size": keys["vocab_size"], "rms_norm_eps": keys["normalization_layer_epsilon"],
+            "rope_theta": keys["rope_max_timescale"], "rope_scaling": rope,
+            "tie_word_embeddings": keys["logits_via_embedding"], "max_position_embeddings": positions,
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype}

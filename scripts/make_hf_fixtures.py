@@ -1,0 +1,110 @@
+"""Makes tests/fixtures/hf/: tiny random Hugging Face models (made and run by `transformers`) and their fp32 logits
+on fixed tokens, then checks that maxctx's export of each loads back in `transformers` with the same logits.
+
+    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--check-only]
+
+Needs torch and transformers (pip install torch transformers); neither is a dependency of maxctx or its tests,
+which read only the files written here:
+
+    <name>/config.json, <name>/model.safetensors   the model as save_pretrained writes it (fp32)
+    <name>/tokens.npy  int32 [1, S]                 fixed tokens
+    <name>/logits.npy  float32 [1, S, V]            transformers' fp32 logits at positions 0..S-1
+
+Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query and 2 KV heads of 16):
+    llama      Llama 2 style: rope_theta 1e4, untied output
+    llama3_1   Llama 3.1 RoPE scaling (rope_type llama3, factor 8, original context 64); S = 128 tokens, so half
+               the positions are past the original context and every frequency band (kept, blended, scaled) is used
+    mistral    MistralForCausalLM, no sliding window, rope_theta 1e6, tied embedding (the tied path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ, VOCAB = 128, 64
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             num_hidden_layers=2, vocab_size=VOCAB, rms_norm_eps=1e-5, max_position_embeddings=SEQ,
+             bos_token_id=1, eos_token_id=2)
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=False)),
+    "llama3_1": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True,
+                                                            sliding_window=None)),
+}
+
+
+def logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.float().numpy()
+
+
+def make(name: str, out: str) -> None:
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = MODELS[name]
+    config = getattr(transformers, config_cls)(**{**SHAPE, **extra}, attn_implementation="eager")
+    torch.manual_seed(list(MODELS).index(name))
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():  # weights of unit-scale activations, so the logits span a range worth comparing
+        for pname, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (1.0 if "embed" in pname else p.shape[1] ** -0.5))
+    directory = os.path.join(out, name)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokens = np.random.default_rng(100 + list(MODELS).index(name)).integers(0, VOCAB, (1, SEQ)).astype(np.int32)
+    np.save(os.path.join(directory, "tokens.npy"), tokens)
+    np.save(os.path.join(directory, "logits.npy"), logits(model, tokens))
+    print(f"{directory}: {sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))} bytes")
+
+
+def check_export(name: str, out: str) -> float:
+    """from_hf then to_hf (fp32) with maxctx; the export, loaded by transformers, must give the stored logits.
+    Returns the largest difference relative to the logit range."""
+    import transformers
+
+    directory = os.path.join(out, name)
+    with tempfile.TemporaryDirectory() as tmp:
+        for command in (["from_hf", "--hf_path", directory, "--output_path", f"{tmp}/ckpt"],
+                        ["to_hf", "--checkpoint_path", f"{tmp}/ckpt", "--output_path", f"{tmp}/hf", "--dtype",
+                         "fp32"]):
+            subprocess.run([sys.executable, "-m", "maxctx.convert", *command], check=True, cwd=ROOT,
+                           stdout=subprocess.DEVNULL)
+        architecture = json.load(open(f"{tmp}/hf/config.json"))["architectures"][0]
+        model = getattr(transformers, architecture).from_pretrained(f"{tmp}/hf", attn_implementation="eager")
+        expected = np.load(os.path.join(directory, "logits.npy"))
+        got = logits(model.float().eval(), np.load(os.path.join(directory, "tokens.npy")))
+    error = float(np.abs(got - expected).max() / (expected.max() - expected.min()))
+    print(f"{name}: export loads as {type(model).__name__}; logits differ by {error:.2e} of their range")
+    assert error < 1e-6, error
+    return error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, "tests", "fixtures", "hf"))
+    parser.add_argument("--check-only", action="store_true", help="only check the exports of existing fixtures")
+    args = parser.parse_args()
+    for name in MODELS:
+        if not args.check_only:
+            make(name, args.out)
+        check_export(name, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Hugging Face conversion (maxctx.convert): imported models give transformers' logits (fixtures made by
+scripts/make_hf_fixtures.py) under every CP strategy, HF -> maxctx -> HF is bit-identical, training continues from
+the imported loss, and bad inputs exit 2 with one line naming the file and the fix."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxctx.attention.load_balance import reorder_batch, restore_order
+from maxctx.checkpoint import Checkpointer
+from maxctx.convert import safetensors
+from maxctx.convert.cli import main as convert_main
+from maxctx.convert.from_hf import import_hf
+from maxctx.convert.to_hf import export_hf
+from maxctx.mesh import batch_sharding, create_mesh
+from maxctx.train_step import jit_train_step, make_setup
+from maxctx.validate import load_config
+from tests.support.processes import python
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+MODELS = ("llama", "llama3_1", "mistral")
+quiet = lambda *args, **kwargs: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("imported")
+    for name in MODELS:
+        import_hf(str(FIXTURES / name), str(out / name), [], say=quiet)
+    return {name: out / name for name in MODELS}
+
+
+def _setup(checkpoint: Path, devices: int, *overrides: str):
+    config = load_config([str(checkpoint / "model.yml"), f"load_parameters_path={checkpoint}", "dtype=float32",
+                          "enable_checkpointing=false", "per_device_batch_size=1", "max_target_length=128",
+                          *overrides])
+    setup = make_setup(config, create_mesh(config, jax.devices()[:devices]))
+    return config, setup, Checkpointer(config, setup).restore_or_init(None)
+
+
+def _logits(checkpoint: Path, tokens: np.ndarray, cp: int = 1, *overrides: str) -> np.ndarray:
+    config, setup, state = _setup(checkpoint, cp, f"ici_context_parallelism={cp}", *overrides)
+    seq = tokens.shape[1]
+    batch = {"inputs": tokens, "positions": np.arange(seq, dtype=np.int32)[None],
+             "segment_ids": np.ones_like(tokens)}
+    balanced = config.context_parallel_load_balance and cp > 1
+    if balanced:
+        batch = reorder_batch(batch, cp)
+    batch = {k: jax.device_put(v, batch_sharding(setup.mesh)) for k, v in batch.items()}
+    forward = jax.jit(lambda p, b: nnx.merge(setup.graphdef, p)(b["inputs"], b["positions"], b["segment_ids"]))
+    logits = np.asarray(forward(state["params"], batch))
+    return restore_order(logits, cp) if balanced else logits
+
+
+def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(got - expected).max() / (expected.max() - expected.min()))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_imported_logits_match_transformers(imported, name):
+    expected = np.load(FIXTURES / name / "logits.npy")
+    got = _logits(imported[name], np.load(FIXTURES / name / "tokens.npy"))
+    assert _relative_error(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "a2a", "p2p", "usp"])
+@pytest.mark.parametrize("name", MODELS)
+def test_imported_logits_match_transformers_under_cp(imported, name, strategy):
+    expected = np.load(FIXTURES / name / "logits.npy")
+    extra = ["context_parallel_a2a_degree=2"] if strategy == "usp" else []
+    got = _logits(imported[name], np.load(FIXTURES / name / "tokens.npy"), 4,
+                  f"context_parallel_strategy={strategy}", *extra)
+    assert _relative_error(got, expected) < 1e-5
+
+
+def test_llama3_scaling_is_what_makes_llama3_1_match(imported):
+    """The negative control: the same weights with plain RoPE miss transformers' logits past the original
+    context (positions 64..127), so the test above checks the scaling."""
+    expected = np.load(FIXTURES / "llama3_1" / "logits.npy")
+    got = _logits(imported["llama3_1"], np.load(FIXTURES / "llama3_1" / "tokens.npy"), 1, "rope_type=default")
+    assert _relative_error(got, expected) > 1e-2
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    return {name: safetensors.read(info) for name, info in safetensors.model_tensors(str(directory)).items()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_round_trip_is_bit_identical(imported, tmp_path, name):
+    export_hf(str(imported[name]), str(tmp_path), "fp32", max_shard_bytes=40_000, say=quiet)
+    before, after = _tensors(FIXTURES / name), _tensors(tmp_path)
+    assert sorted(before) == sorted(after)
+    for key, value in before.items():
+        assert after[key].dtype == value.dtype and after[key].tobytes() == value.tobytes(), key
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1  # sharded, read back through the index
+    config = json.loads((tmp_path / "config.json").read_text())
+    source = json.loads((FIXTURES / name / "config.json").read_text())
+    for key in ("hidden_size", "num_key_value_heads", "head_dim", "tie_word_embeddings", "eos_token_id"):
+        assert config[key] == source[key], key
+    assert config["architectures"] == source["architectures"]
+
+
+def _write_model(directory: Path, tensors: dict[str, np.ndarray], config: dict, shards: int = 1) -> Path:
+    """An HF directory written with numpy: config.json, `shards` safetensors files and their index."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[k::shards]
+        safetensors.write(str(directory / file), [(n, tensors[n].dtype, tensors[n].shape) for n in part],
+                          (tensors[n] for n in part))
+        weight_map.update({n: file for n in part})
+    (directory / safetensors.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def _random_bf16_llama(directory: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    config = json.loads((FIXTURES / "llama3_1" / "config.json").read_text())
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(v.shape).astype(ml_dtypes.bfloat16)
+               for n, v in _tensors(FIXTURES / "llama3_1").items()}
+    return _write_model(directory, tensors, config, shards=3), tensors
+
+
+def test_bf16_round_trip_through_fp32_weights_is_bit_identical(tmp_path):
+    source, tensors = _random_bf16_llama(tmp_path / "hf")
+    import_hf(str(source), str(tmp_path / "ckpt"), [], say=quiet)
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"), "bf16", say=quiet)
+    after = _tensors(tmp_path / "out")
+    assert sorted(after) == sorted(tensors)
+    for key, value in tensors.items():
+        assert after[key].dtype == value.dtype and after[key].tobytes() == value.tobytes(), key
+
+
+def test_training_continues_from_the_imported_loss(imported):
+    """The first step's loss (before its update) on the fixture's tokens is transformers' loss of the imported
+    model, far below ln(V), the loss of a fresh model."""
+    tokens = np.load(FIXTURES / "llama" / "tokens.npy")
+    logits = np.load(FIXTURES / "llama" / "logits.npy").astype(np.float64)[0, :-1]
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    expected = float(np.mean(log_z - logits[np.arange(len(logits)), tokens[0, 1:]]))
+    _, setup, state = _setup(imported["llama"], 1, "max_target_length=127", "steps=2")
+    seq = tokens.shape[1] - 1
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.arange(seq, dtype=np.int32)[None],
+             "segment_ids": np.ones((1, seq), np.int32), "weights": np.ones((1, seq), np.float32)}
+    batch = {k: jax.device_put(v, batch_sharding(setup.mesh)) for k, v in batch.items()}
+    step = jit_train_step(setup)
+    state, first = step(state, batch)
+    _, second = step(state, batch)
+    assert abs(float(first["loss"]) - expected) < 1e-4 * expected
+    assert abs(expected - math.log(64)) > 0.5 and float(second["loss"]) < float(first["loss"])
+
+
+# ---- bad inputs: exit 2, one line naming the file and the fix ----------------------------------------------------
+
+def _one_line(capsys, argv: list[str]) -> str:
+    assert convert_main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _broken(tmp_path: Path, edit) -> Path:
+    directory = tmp_path / "broken"
+    shutil.copytree(FIXTURES / "llama", directory)
+    edit(directory)
+    return directory
+
+
+def _from_hf(directory: Path, tmp_path: Path, *keys: str) -> list[str]:
+    return ["from_hf", "--hf_path", str(directory), "--output_path", str(tmp_path / "out"), *keys]
+
+
+def test_missing_tensor(tmp_path, capsys):
+    def drop(d):
+        tensors = _tensors(d)
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        (d / "model.safetensors").unlink()
+        _write_model(d, tensors, json.loads((d / "config.json").read_text()))
+
+    line = _one_line(capsys, _from_hf(_broken(tmp_path, drop), tmp_path))
+    assert "'model.layers.1.mlp.up_proj.weight' is missing" in line and "download it again" in line
+
+
+def test_unknown_architecture(tmp_path, capsys):
+    def gpt2(d):
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+
+    line = _one_line(capsys, _from_hf(_broken(tmp_path, gpt2), tmp_path))
+    assert "config.json" in line and "GPT2LMHeadModel" in line and "LlamaForCausalLM" in line
+
+
+def test_dtype_the_model_cannot_take(tmp_path, capsys):
+    def quantize(d):
+        tensors = _tensors(d)
+        tensors["model.layers.0.self_attn.q_proj.weight"] = np.zeros((64, 32), np.int8)
+        (d / "model.safetensors").unlink()
+        _write_model(d, tensors, json.loads((d / "config.json").read_text()))
+
+    line = _one_line(capsys, _from_hf(_broken(tmp_path, quantize), tmp_path))
+    assert "model-00001-of-00001.safetensors" in line and "is I8" in line and "bf16 or fp32" in line
+    line = _one_line(capsys, _from_hf(FIXTURES / "llama", tmp_path, "weight_dtype=bfloat16"))
+    assert "is F32" in line and "weight_dtype=float32" in line
+
+
+def test_truncated_safetensors_file(tmp_path):
+    def truncate(d):
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[:-1000])
+
+    directory = _broken(tmp_path, truncate)
+    proc = python("-m", "maxctx.convert", *_from_hf(directory, tmp_path))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"{directory / 'model.safetensors'} is truncated" in lines[0] and "download it again" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_shape_mismatch_names_the_tensor_both_shapes_and_the_key(capsys, tmp_path):
+    line = _one_line(capsys, _from_hf(FIXTURES / "llama", tmp_path, "model_name=tiny"))
+    assert "'model.embed_tokens.weight' has shape [64, 32] but this config gives [256, 128]" in line
+    assert "set vocab_size=64 base_emb_dim=32" in line
