@@ -16,6 +16,10 @@ machine with libtpu installed and no TPU. For a topology the report adds:
   scanned layer once and counts remat recompute, so it is far below the analytic figure with scan_layers=true).
 - a roofline ESTIMATE of step time and MFU, not a measurement: max(compute, HBM, ICI) time at the chip's peak
   rates (maxctx.roofline says what each term counts and what it leaves out).
+
+With `--plan`, nothing compiles: the ranked table of maxctx.planner (what `context_parallel_strategy=auto`
+chooses from) is printed; `--verify` then compiles its three best fitting candidates for the topology and prints
+each one's compiled memory next to the planner's estimate (JSON on stdout's last line either way).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import math
 import sys
 import time
 
+from maxctx import planner
 from maxctx.config import Config, ConfigError, usage
 from maxctx.out_of_memory import fit, onchip_advice, xla_out_of_memory
 from maxctx.roofline import roofline
-from maxctx.validate import load_config
+from maxctx.validate import check_devices, load_config
 
 GIB = 1024 ** 3
 NOT_FITTING = 3
@@ -55,6 +60,7 @@ def compile_report(config: Config) -> dict:
               "mesh": dict(mesh.shape), "platform": devices[0].platform, "device_kind": devices[0].device_kind,
               "num_devices": num_devices, "global_batch": setup.global_batch, "seq_len": config.max_target_length,
               "context_parallel_strategy": config.context_parallel_strategy,
+              "context_parallel_a2a": int(mesh.shape["context_a2a"]),
               "attention": resolve_kernel(config.attention, platform=devices[0].platform, dtype=config.dtype)}
     start = time.perf_counter()
     try:
@@ -69,6 +75,8 @@ def compile_report(config: Config) -> dict:
         report.update(analytic_flops_per_device=flops, argument_bytes_from_shardings=_argument_bytes(setup),
                       **xla_out_of_memory(str(e)))
     report["compile_time_s"] = round(time.perf_counter() - start, 2)
+    if config.context_parallel_auto:
+        report["context_parallel_plan"] = make_plan(config).rows()
     if target is not None:
         report.update(topology=target.name, libtpu_topology=target.libtpu_name,
                       num_slices=config.compile_topology_num_slices, devices_per_chip=target.chip.devices_per_chip,
@@ -130,15 +138,51 @@ def format_report(report: dict) -> list[str]:
 
 USAGE = ("Compiles the train step without training and reports memory per device, FLOPs and (for a TPU\n"
          "compile_topology) whether it fits and a roofline estimate. Exit status: 0 fits, 2 bad config, 3 does not "
-         "fit.")
+         "fit.\n--plan: print the context-parallel planner's ranked table instead (context_parallel_strategy=auto);"
+         "\n--verify: also compile its three best candidates and show their compiled memory next to the estimate.")
+FLAGS = ("--plan", "--verify")
+
+
+def make_plan(config: Config) -> planner.Plan:
+    """The planner's table, its candidates checked by the same device rules as a loaded config."""
+    n = planner.num_devices(config)
+    return planner.plan(config, None if n is None else lambda c: check_devices(c, n))
+
+
+def verify_plan(plan: planner.Plan, config: Config, top: int = 3) -> list[dict]:
+    """Compiles the `top` best fitting candidates; their compiled memory per device next to the estimate."""
+    rows = []
+    for cand in [c for c in plan.ranked if c.fits][:top]:
+        report = compile_report(planner.candidate_config(config, cand.strategy, cand.a2a))
+        compiled = report.get("total_size_in_bytes", report.get("xla_required_bytes"))
+        rows.append({"label": cand.label, "estimate_bytes": cand.memory_bytes, "compiled_bytes": compiled,
+                     "fits": report.get("fits"), "compile_time_s": report["compile_time_s"]})
+        got = "?" if compiled is None else f"{compiled / GIB:.2f} GiB"
+        print(f"verify {cand.label}: estimate {cand.memory_bytes / GIB:.2f} GiB, compiled {got} per device"
+              + ("" if report.get("fits") is None else f" ({'fits' if report['fits'] else 'does not fit'})")
+              + f", compiled in {report['compile_time_s']:.0f} s", flush=True)
+    return rows
 
 
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(usage("python -m maxctx.compile", USAGE))
         return 0
+    flags = [a for a in argv if a in FLAGS]
+    argv = [a for a in argv if a not in FLAGS]
     try:
         config = load_config(argv)
+        if flags:
+            plan = make_plan(config)
+            print("\n".join(planner.format_plan(plan)), flush=True)
+            verified = []
+            if "--verify" in flags:
+                from maxctx import runtime
+
+                runtime.initialize(config)
+                verified = verify_plan(plan, config)
+            print(json.dumps({"plan": plan.rows(), "verify": verified}))
+            return 0
         from maxctx import runtime
 
         runtime.initialize(config)

@@ -98,6 +98,8 @@ class Config:
     context_parallel_strategy: str = "all_gather"
     context_parallel_load_balance: bool = True
     context_parallel_a2a_degree: int = 0
+    # Set by the loader when context_parallel_strategy=auto chose the strategy (maxctx.planner has the table).
+    context_parallel_auto: bool = False
     flash_block_q: int = 512
     flash_block_kv: int = 512
     # Mesh.

@@ -200,10 +200,27 @@ def _compile(config: Config, setup: TrainSetup, flops_per_step: float, writer: M
     record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(setup.mesh.shape),
                   compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch,
                   seq_len=config.max_target_length, peak_flops_per_device=peak, peak_source=peak_source)
+    plan = _auto_plan(config)
+    if plan is not None:
+        record["context_parallel_plan"] = plan.rows()
     writer.write_compile(record)
     if writer.is_primary:
         _print_header(config, record, device.platform, num_devices)
+        if plan is not None:
+            from maxctx.planner import format_plan
+
+            print("\n".join(format_plan(plan)), flush=True)
     return compiled, peak
+
+
+def _auto_plan(config: Config) -> Any:
+    """The ranked table behind context_parallel_strategy=auto (maxctx.planner), or None when the strategy was
+    given by hand."""
+    if not config.context_parallel_auto:
+        return None
+    from maxctx.planner import plan
+
+    return plan(config)
 
 
 def _evaluator(config: Config, setup: TrainSetup) -> functools.partial | None:

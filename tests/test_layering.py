@@ -15,7 +15,7 @@ LAYERS = [
     ["maxctx.parallelism", "maxctx.files", "maxctx.topology", "maxctx.optimizer", "maxctx.metrics", "maxctx.run_dir",
      "maxctx.divergence", "maxctx.checkpoint_integrity"],
     ["maxctx.attention"],
-    ["maxctx.validate"],
+    ["maxctx.planner", "maxctx.validate"],
     ["maxctx.mesh", "maxctx.runtime"],
     ["maxctx.model", "maxctx.data"],
     ["maxctx.train_step"],

@@ -1,0 +1,159 @@
+"""The tables of docs/choosing_a_strategy.md: what `context_parallel_strategy=auto` chooses for every row of the fit
+table, and how it ranks the strategies on the shapes of MaxText's published v5p measurements.
+
+    python3 benchmarks/choosing_a_strategy.py > benchmarks/choosing_a_strategy.md
+
+No compile: each fit-table row's command (benchmarks/fit_table.md) is loaded with context_parallel_strategy=auto
+(maxctx.planner), and its choice is checked against the fit table's compiled results: it fits (compiled) when the
+fit table compiled the chosen strategy, with the same offload setting, at this length or longer. The roofline
+column is maxctx.roofline's step-time estimate (the one `maxctx.compile` prints) for the chosen strategy over the
+best of the valid strategies at the same length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from maxctx import planner, topology  # noqa: E402
+from maxctx.parallelism import split_context  # noqa: E402
+from maxctx.roofline import roofline  # noqa: E402
+from maxctx.validate import load_config  # noqa: E402
+
+# MaxText's measurements, v5p-128 (64 chips), bf16, 2M tokens per step: PR #4687 (step times, llama2-7b) and, as
+# issue 17 summarises them, PRs #4836 / #4893 (the fastest USP split per length, llama3-8b).
+MAXTEXT = [
+    ("llama2-7b", 32768, 16, 4, "all_gather 8.83 s ~ a2a (Ulysses) 8.90 s < p2p (ring) 16.38 s (PR #4687)"),
+    ("llama3-8b", 65536, 64, 1, "usp 16x4 fastest (PRs #4836, #4893, as summarised in issue 17)"),
+    ("llama3-8b", 262144, 64, 1, "usp 8x8 fastest (PRs #4836, #4893, as summarised in issue 17)"),
+]
+
+
+def fit_rows() -> list[dict]:
+    """The first table of benchmarks/fit_table.md: one dict per row."""
+    rows = []
+    for line in open(os.path.join(ROOT, "benchmarks", "fit_table.md")):
+        if line.startswith("Memory breakdown"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 12 or cells[0] in ("model", "---"):
+            continue
+        command = re.search(r"`(python -m maxctx\.compile [^`]*)`", cells[11])
+        top = re.match(r"([\d,]+)", cells[4])
+        gib = re.match(r"([\d.]+) /", cells[6])
+        rows.append({"model": cells[0], "topology": cells[1], "strategy": cells[2], "offload": cells[3],
+                     "max": int(top[1].replace(",", "")) if top else None, "max_note": cells[4],
+                     "compiled_gib": float(gib[1]) if gib else None,
+                     "argv": command[1].split()[3:] if command else None})
+    return rows
+
+
+def num_params() -> dict[str, int]:
+    out = {}
+    for line in open(os.path.join(ROOT, "benchmarks", "fit_table.jsonl")):
+        try:
+            report = json.loads(line).get("report", {})
+        except json.JSONDecodeError:
+            continue
+        if "num_params" in report:
+            out[report["model_name"]] = report["num_params"]
+    return out
+
+
+def roofline_step(config, cand, params: int) -> float:
+    chip = topology.parse(config.compile_topology).chip
+    n = planner.num_devices(config)
+    cfg = planner.candidate_config(config, cand.strategy, cand.a2a)
+    mesh = split_context(cfg, n, cand.a2a)
+    return roofline(cfg, mesh, cfg.global_batch_size(n), params, chip)["estimate_step_time_s"]
+
+
+def auto_argv(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("context_parallel_strategy=")] + ["context_parallel_strategy=auto"]
+
+
+def fit_table() -> list[str]:
+    rows, params = fit_rows(), num_params()
+    maxima = {(r["model"], r["topology"], r["strategy"], r["offload"]): r for r in rows}
+    lines = ["| model | topology | offload | tokens | row's strategy: memory estimate / compiled | auto's choice | "
+             "estimated step (auto) | runner-up | fits (compiled) | roofline: choice / best |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    seen = set()
+    for r in rows:
+        if r["argv"] is None:
+            continue
+        config = load_config(auto_argv(r["argv"]))
+        key = (r["model"], r["topology"], r["offload"], config.max_target_length)
+        if key in seen:
+            continue
+        seen.add(key)
+        plan = planner.plan(config)
+        best, fitting = plan.choice, [c for c in plan.ranked if c.fits]
+        runner = fitting[1] if len(fitting) > 1 else None
+        fits = _fits(config, best, r, maxima.get((r["model"], r["topology"], best.strategy, r["offload"])))
+        own = next(c for c in plan.ranked if c.strategy == r["strategy"] and (
+            c.strategy != "usp" or c.a2a == _default_a2a(config)))
+        steps = {c.label: roofline_step(config, c, params[r["model"]]) for c in plan.ranked if not c.dropped
+                 or c.dropped.startswith("needs")}
+        ratio = steps[best.label] / min(steps.values())
+        lines.append(f"| {r['model']} | {r['topology']} | {r['offload']} | {config.max_target_length:,} | "
+                     f"{own.label}: {own.memory_bytes / planner.GIB:.1f} / {r['compiled_gib']} GiB | "
+                     f"{best.label} | {best.step_s:.1f} s | "
+                     f"{f'{runner.label} {runner.step_s:.1f} s' if runner else '-'} | {fits} | {ratio:.3f} |")
+    return lines
+
+
+def _default_a2a(config) -> int:
+    """The A2A degree the fit table's usp rows ran with (usp's default for the config)."""
+    from maxctx.attention import usp
+
+    cfg = planner.candidate_config(config, "usp", 0)
+    return usp.a2a_degree(cfg, planner.plan(config).cp)
+
+
+def _fits(config, best, row: dict, compiled: dict | None) -> str:
+    """Whether the fit table compiled auto's choice at this length (with the same offload setting)."""
+    if best.strategy == row["strategy"] and (best.strategy != "usp" or best.a2a == _default_a2a(config)):
+        return "yes (this row's compile)"
+    if compiled is None or compiled["max"] is None:
+        return "not compiled in the fit table"
+    if best.strategy == "usp" and best.a2a != _default_a2a(config):
+        return f"not compiled (the fit table's usp is U={_default_a2a(config)}, up to {compiled['max']:,})"
+    if compiled["max"] >= config.max_target_length:
+        return f"yes (compiled up to {compiled['max']:,})"
+    return f"unknown: compiled up to {compiled['max_note']}"
+
+
+def maxtext_table() -> list[str]:
+    lines = ["| model, S, C (fsdp) | auto's order (choice first), estimated step | p2p / all_gather (estimate) | "
+             "MaxText measured |", "|---|---|---|---|"]
+    for model, seq, cp, fsdp, measured in MAXTEXT:
+        config = load_config(["configs/base.yml", "compile_topology=v5p-128", f"model_name={model}",
+                              f"max_target_length={seq}", f"ici_context_parallelism={cp}",
+                              f"ici_fsdp_parallelism={fsdp}", f"per_device_batch_size={2 ** 21 / 64 / seq}",
+                              "remat_policy=full", "attention=splash", "context_parallel_strategy=auto"])
+        plan = planner.plan(config)
+        ranking = ", ".join(f"{i + 1}. {c.label} {c.step_s:.2f} s" for i, c in enumerate(c for c in plan.ranked
+                                                                                       if c.fits))
+        by = {c.label: c for c in plan.ranked}
+        lines.append(f"| {model}, {seq // 1024}K, C={cp} (fsdp {fsdp}) | {ranking} | "
+                     f"{by['p2p'].step_s / by['all_gather'].step_s:.2f} | {measured} |")
+    return lines
+
+
+def main() -> None:
+    print("## auto's choice for each fit-table row\n")
+    print("\n".join(fit_table()))
+    print("\n## auto's ranking on the shapes of MaxText's v5p measurements\n")
+    print("\n".join(maxtext_table()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""`context_parallel_strategy=auto`: choose the CP strategy and its all-to-all degree from the model, the sequence
+length and the topology, before JAX starts (maxctx.validate.load_config calls `resolve_auto`).
+
+Candidates: all_gather, p2p, a2a (U = C) and usp at every divisor 1 < U < C of the CP degree C. Each is checked
+with the same rules as a hand-written config (the strategy module's `check`, the mesh split, splash's 128 rows);
+an invalid one is dropped with the rule's message. For each valid one, per device:
+
+    attention memory  the strategy's `activation_bytes` (what one layer saves for its backward; tests check it
+                      against the compiled program), plus the backward's transient buffers (`transient_bytes`)
+    memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
+                      the saved layer inputs L t D b (none when offloaded) + the layer's working set
+                      LAYER_WORK_BYTES t D (calibrated) + the larger of the attention memory and the loss / MLP
+                      tiles; a candidate above FIT_FRACTION of HBM is dropped
+    compute           model FLOPs per device (6 P t + 6 L H Dh t S, maxctx.metrics' convention) x 4/3 under full
+                      remat, at peak FLOP/s; the same for every candidate
+    exposed comm      per layer, from the strategy's `collectives` formulas (forward ones once per forward pass):
+                      all-gather, reduce-scatter and all-to-all wait for their bytes (not overlapped); a ring hop
+                      overlaps the attention of the block it carries, so each of its hops exposes
+                      max(0, hop bytes / bandwidth - block compute) + latency
+    step              compute + L x exposed comm
+
+Bandwidths (per device, one direction): a ring hop uses one ICI link; all-gather and reduce-scatter use both
+directions of every torus dimension their group spans; all-to-all the same, slowed by extent / 4 (its mean hop
+distance on a ring of that extent); a group larger than ici_context_parallelism crosses DCN, whose part goes at
+DCN_BYTES_PER_S. The all-to-all of a2a and usp must stay inside a slice (maxctx.parallelism.split_context), so
+across slices only ring-style traffic (p2p, usp's ring, all_gather's gather) crosses DCN.
+
+Ranking: fitting candidates by step time; among those within TIE of the fastest (the model cannot tell them
+apart) the one with the least estimated memory is chosen. Not modelled: HBM traffic and the non-CP collectives
+(the same for every candidate), kernel efficiency per block size, load imbalance. docs/choosing_a_strategy.md has
+the model's assumptions and its choices against the fit table and MaxText's measurements. No JAX here, except
+the peak FLOP/s table (maxctx.metrics.peaks), imported only when a TPU's peak is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+from maxctx import topology
+from maxctx.attention import strategies
+from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
+from maxctx.config import Config, ConfigError
+from maxctx.parallelism import mesh_sizes, num_processes, num_slices
+
+GIB = 1024 ** 3
+# Assumptions (no cited table): DCN 100 Gb/s per chip each way; latency of one collective or ring hop.
+DCN_BYTES_PER_S = 12.5e9
+ICI_LATENCY_S, DCN_LATENCY_S = 5e-6, 50e-6
+FIT_FRACTION = 0.9  # of HBM: room for what the memory model leaves out (XLA's own buffers, fragmentation)
+TIE = 0.01  # step times within 1% of the fastest count as equal; the least memory wins among them
+# The decoder layer's own working set in its backward (norms, projections, residuals and their fp32 gradients),
+# bytes per token and model dimension: calibrated on the fit table's offloaded p2p and usp rows (compiled memory
+# minus the rest of this model; docs/choosing_a_strategy.md).
+LAYER_WORK_BYTES = 38
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device as the planner sees it; bandwidths in bytes/s, one direction."""
+
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float  # one ICI link
+    torus: tuple[int, ...]  # devices per torus dimension of one slice
+    dcn_bytes_per_s: float = DCN_BYTES_PER_S
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    a2a: int  # U; the ring part is C / U
+    cp: int
+    saved_bytes: float = 0.0  # the strategy's activation_bytes: what one layer's attention saves for the backward
+    attention_bytes: float = 0.0  # saved_bytes + transient_bytes
+    memory_bytes: float = 0.0
+    compute_s: float = 0.0
+    exposed_s: float = 0.0
+    fits: bool = False
+    dropped: str = ""  # why it is not a choice: the config rule it breaks, or the memory it needs
+
+    @property
+    def label(self) -> str:
+        return f"usp {self.cp // self.a2a}x{self.a2a}" if self.strategy == "usp" else self.strategy
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    hardware: Hardware
+    cp: int
+    ranked: tuple[Candidate, ...]  # the choice first, then the other fitting ones, then the dropped ones
+
+    @property
+    def choice(self) -> Candidate:
+        return self.ranked[0]
+
+    def rows(self) -> list[dict]:
+        """The table as JSON-able rows (for the compile record in metrics.jsonl)."""
+        return [{"strategy": c.strategy, "a2a": c.a2a, "ring": c.cp // c.a2a, "label": c.label,
+                 "saved_gib": round(c.saved_bytes / GIB, 4),
+                 "attention_gib": round(c.attention_bytes / GIB, 3), "memory_gib": round(c.memory_bytes / GIB, 3),
+                 "step_s": c.step_s, "exposed_s": c.exposed_s, "fits": c.fits, "dropped": c.dropped}
+                for c in self.ranked]
+
+
+def hardware(config: Config, num_devices: int | None) -> Hardware:
+    """The device of `compile_topology`, else of TPU_ACCELERATOR_TYPE (set on Cloud TPU VMs), else a generic
+    device (CPU runs: the choice is then about validity, not speed)."""
+    name = config.compile_topology or os.environ.get("TPU_ACCELERATOR_TYPE", "")
+    try:
+        topo = topology.parse(name) if name else None
+    except ConfigError:
+        topo = None
+    if topo is None:
+        peak = config.peak_tflops_per_device * 1e12 if config.peak_tflops_per_device > 0 else 1e12
+        return Hardware("generic device (1 TFLOP/s, 64 GiB, 100 GB/s memory, 10 GB/s links)", peak, 64 * GIB,
+                        100e9, 10e9, (num_devices or 1,))
+    chip, per_chip = topo.chip, topo.chip.devices_per_chip
+    if config.peak_tflops_per_device > 0:
+        peak = config.peak_tflops_per_device * 1e12
+    else:
+        from maxctx.metrics.peaks import lookup_peak  # imports JAX: only for a TPU's table entry
+
+        peak = lookup_peak(chip.device_kind).tflops_per_device * 1e12
+    links = 2 * chip.dims
+    torus = topo.shape[:-1] + (topo.shape[-1] * per_chip,)
+    slices = f"{num_slices(config)} x " if num_slices(config) > 1 else ""
+    return Hardware(f"{slices}{topo.name} ({chip.name})", peak, chip.hbm_bytes_per_device,
+                    chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / links / per_chip, torus,
+                    DCN_BYTES_PER_S / per_chip)
+
+
+def transient_bytes(strategy: str, s: AttentionShape) -> float:
+    """Buffers one layer's attention backward holds besides the saved activations, per device, rows = S / R:
+    all_gather: the gathered dK, dV 2 B S K D b and the dq accumulator B (S/C) H D 4; a ring (R > 1): the
+    fp32 accumulator B rows (H/U) D 4, two K/V blocks in flight 4 B rows (K'/U) D b and the travelling fp32 dK/dV
+    4 B rows (K'/U) D 4; an all-to-all (U > 1): the fp32 gradients of q, k, v in head layout B rows (H+2K')/U D 4."""
+    if strategy == "all_gather":
+        return s.batch * s.head_dim * (2 * s.seq * s.kv_heads * s.itemsize + s.seq / s.cp * s.heads * 4)
+    rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
+    out = 0.0
+    if s.ring > 1:
+        out += s.batch * rows * s.head_dim * (s.heads / s.a2a * 4 + kv / s.a2a * (4 * s.itemsize + 16))
+    if s.a2a > 1:
+        out += s.batch * rows * (s.heads + 2 * kv) / s.a2a * s.head_dim * 4
+    return out
+
+
+def _shape(config: Config, cp: int, tp: int, a2a: int) -> AttentionShape:
+    return AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
+                          heads=config.base_num_query_heads // tp, kv_heads=max(1, config.base_num_kv_heads // tp),
+                          head_dim=config.head_dim, itemsize=2 if config.dtype in ("bfloat16", "float16") else 4,
+                          cp=cp, a2a=a2a)
+
+
+def _spanned(hw: Hardware, group: int) -> tuple[int, float]:
+    """(torus dimensions a group of `group` devices of one slice spans, its extent along each)."""
+    dims, size = 0, 1
+    for side in hw.torus:
+        if size >= group:
+            break
+        size, dims = size * side, dims + 1
+    dims = max(dims, 1)
+    return dims, group ** (1 / dims)
+
+
+def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
+    """Seconds one non-ring collective takes: its ICI part, then (a group beyond the slice) its DCN part."""
+    slices = max(1, c.group // ici_cp) if c.group > ici_cp else 1
+    inside = c.group // slices
+    dims, extent = _spanned(hw, inside)
+    if c.kind == "all-to-all":  # a message crosses extent / 4 links per dimension on average, 2 x dims links
+        ici = c.bytes * extent / (8 * hw.link_bytes_per_s)
+    else:  # all-gather / reduce-scatter: rings in both directions of every spanned dimension
+        ici = c.bytes * (inside - 1) / c.group / (2 * dims * hw.link_bytes_per_s)
+    ici = ici + ICI_LATENCY_S if inside > 1 else 0.0
+    dcn = c.bytes * (slices - 1) / slices / hw.dcn_bytes_per_s + DCN_LATENCY_S if slices > 1 else 0.0
+    return ici + dcn
+
+
+def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
+                      forward_passes: int) -> float:
+    """Communication seconds one layer's attention does not hide behind compute (module doc)."""
+    attn_fwd = 4 * s.batch * (s.seq / s.cp) * (s.seq / 2) * s.heads * s.head_dim / hw.peak_flops
+    fwd, bwd = strategies.get(strategy).collectives(s)
+    ring_bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if dcn_cp > 1 else hw.link_bytes_per_s
+    latency = DCN_LATENCY_S if dcn_cp > 1 else ICI_LATENCY_S
+    r = s.ring
+
+    # Each ring step merges its block's result into fp32 accumulators in HBM (read both, write one): out in the
+    # forward; dq and the travelling dK/dV in the backward. Not overlapped: the merge waits for the block.
+    acc = s.batch * (s.seq / r) * s.head_dim * 4 * s.heads / s.a2a
+    kv_acc = 2 * s.batch * (s.seq / r) * s.head_dim * 4 * replicated_kv_heads(s.kv_heads, s.a2a) / s.a2a
+
+    def ring_s(ops: list[Collective], compute: float, hops: int, merged: float) -> float:
+        sent = sum(c.sent_bytes for c in ops if c.kind == "collective-permute")
+        if not sent:
+            return 0.0
+        return hops * (max(0.0, sent / hops / ring_bw - compute / r) + latency + 3 * merged / hw.hbm_bytes_per_s)
+
+    def others_s(ops: list[Collective]) -> float:
+        return sum(_collective_s(c, hw, ici_cp) for c in ops if c.kind != "collective-permute")
+
+    forward = others_s(fwd) + ring_s(fwd, attn_fwd, r - 1, acc)
+    backward = others_s(bwd) + ring_s(bwd, 2 * attn_fwd, r, acc + kv_acc)
+    return forward_passes * forward + backward
+
+
+def _params(config: Config) -> float:
+    d, h, k, dh, f = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim,
+                      config.base_mlp_dim)
+    layer = d * dh * (2 * h + 2 * k) + 3 * d * f + 2 * d
+    return config.base_num_decoder_layers * layer + d * config.vocab_size * (1 if config.logits_via_embedding else 2)
+
+
+def _base(config: Config, cp: int, tp: int, shards: int) -> tuple[float, float, float]:
+    """(compute FLOPs per device, memory per device besides attention, the loss / MLP tiles' bytes)."""
+    seq, layers, b = config.max_target_length, config.base_num_decoder_layers, 2 if config.dtype in (
+        "bfloat16", "float16") else 4
+    full = config.remat_policy in ("full", "custom")
+    p_matmul = layers * (config.base_emb_dim * config.head_dim * (2 * config.base_num_query_heads + 2 *
+                         config.base_num_kv_heads) + 3 * config.base_emb_dim * config.base_mlp_dim) + \
+        config.base_emb_dim * config.vocab_size
+    flops = config.per_device_batch_size * (6 * p_matmul * seq + 6 * layers * config.base_num_query_heads
+                                            * config.head_dim * seq * seq)
+    flops *= 4 / 3 if full else 1
+    params, wb = _params(config), 4 if config.weight_dtype == "float32" else 2
+    tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
+    offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
+    saved_inputs = 0 if offloaded else layers * tokens * config.base_emb_dim * b
+    work = LAYER_WORK_BYTES * tokens * config.base_emb_dim
+    state = params * (wb + 12) / shards + params / layers * wb / max(1, tp)
+    tiles = max(2 * tokens / config.num_vocab_tiling * config.vocab_size / tp * 4,
+                3 * tokens / config.mlp_sequence_chunks * config.base_mlp_dim / tp * b)
+    return flops, state + saved_inputs + work, tiles
+
+
+def candidates(cp: int) -> list[tuple[str, int]]:
+    """(strategy, U) pairs: all_gather, p2p, a2a and usp at every divisor 1 < U < C."""
+    return [("all_gather", 1), ("p2p", 1), ("a2a", cp)] + [("usp", u) for u in range(2, cp) if cp % u == 0]
+
+
+def candidate_config(config: Config, strategy: str, a2a: int) -> Config:
+    return dataclasses.replace(config, context_parallel_strategy=strategy,
+                               context_parallel_a2a_degree=a2a if strategy == "usp" else 0)
+
+
+def num_devices(config: Config) -> int | None:
+    """Devices the config says it runs on before JAX starts, or None when only JAX can tell."""
+    if config.cpu_devices:
+        return config.cpu_devices * max(1, num_processes(config))
+    if config.compile_topology:
+        return topology.parse(config.compile_topology).num_devices * num_slices(config)
+    return None
+
+
+def _mesh(config: Config, n: int | None) -> tuple[dict[str, int], dict[str, int]]:
+    if n is not None:
+        return mesh_sizes(config, n)
+    keys = [f"{g}_{a}_parallelism" for g in ("ici", "dcn") for a in ("context", "tensor")]
+    if any(getattr(config, k) == -1 for k in keys):
+        raise ConfigError(f"context_parallel_strategy=auto needs the context and tensor degrees before JAX starts, "
+                          f"but one of {', '.join(keys)} is -1; give them as numbers, or set cpu_devices or "
+                          f"compile_topology")
+    return ({a: getattr(config, f"ici_{a}_parallelism") for a in ("fsdp", "context", "tensor")},
+            {a: getattr(config, f"dcn_{a}_parallelism") for a in ("fsdp", "context", "tensor")})
+
+
+def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
+    """Every candidate estimated and ranked (module doc). `check(candidate_config)` raises ConfigError for an
+    invalid candidate (maxctx.validate passes its device checks); without it, the strategy's own rules and the
+    in-slice all-to-all rule are applied."""
+    n = num_devices(config)
+    ici, dcn = _mesh(config, n)
+    cp, tp = ici["context"] * dcn["context"], ici["tensor"] * dcn["tensor"]
+    hw = hardware(config, n)
+    fsdp = ici["fsdp"] * dcn["fsdp"] if ici["fsdp"] > 0 and dcn["fsdp"] > 0 else 1
+    flops, base_bytes, tiles = _base(config, cp, tp, fsdp * cp * tp)
+    passes = 2 if config.remat_policy in ("full", "custom") else 1
+    layers = config.base_num_decoder_layers
+    out = []
+    for name, u in candidates(cp) if cp > 1 else [("all_gather", 1)]:
+        cand = candidate_config(config, name, u)
+        try:
+            if check is not None:
+                check(cand)
+            elif cp > 1:
+                strategies.get(name).check(cand, cp, tp)
+                if ici["context"] % u:
+                    raise ConfigError(f"the A2A degree {u} does not divide ici_context_parallelism="
+                                      f"{ici['context']}; all-to-all runs inside a slice")
+        except ConfigError as e:
+            out.append(Candidate(name, u, cp, dropped=str(e)))
+            continue
+        s = _shape(config, cp, tp, u)
+        saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
+        attn = saved + transient_bytes(name, s) if cp > 1 else 0.0
+        memory = base_bytes + max(attn, tiles)
+        exposed = layers * exposed_per_layer(name, s, hw, ici["context"], dcn["context"], passes) if cp > 1 else 0
+        fits = memory <= FIT_FRACTION * hw.hbm_bytes
+        dropped = "" if fits else (f"needs ~{memory / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of "
+                                   f"{hw.hbm_bytes / GIB:.0f} GiB HBM")
+        out.append(Candidate(name, u, cp, saved, attn, memory, flops / hw.peak_flops, exposed, fits, dropped))
+    return Plan(hw, cp, tuple(_rank(out)))
+
+
+def _rank(cands: list[Candidate]) -> list[Candidate]:
+    """Fitting ones by step time (the least memory among the tied fastest first), then the ones over HBM by
+    memory (when none fits, auto takes the least memory and the compile says whether it fits), then the invalid."""
+    fitting = sorted((c for c in cands if c.fits), key=lambda c: c.step_s)
+    rest = sorted((c for c in cands if not c.fits and not c.dropped.startswith("needs")),
+                  key=lambda c: c.label)
+    too_big = sorted((c for c in cands if not c.fits and c.dropped.startswith("needs")), key=lambda c: c.memory_bytes)
+    if fitting:
+        tied = [c for c in fitting if c.step_s <= fitting[0].step_s * (1 + TIE)]
+        best = min(tied, key=lambda c: (c.memory_bytes, c.attention_bytes))
+        fitting.remove(best)
+        fitting.insert(0, best)
+    return fitting + too_big + rest
+
+
+def resolve_auto(config: Config, check: Callable[[Config], None] | None = None) -> tuple[Config, Plan]:
+    """The config with the planner's choice in place of `auto` (and `context_parallel_auto=true`), and the plan."""
+    p = plan(config, check)
+    best = p.choice
+    if best.dropped and not best.dropped.startswith("needs"):
+        raise ConfigError("context_parallel_strategy=auto: no strategy is valid for this config\n"
+                          + "\n".join(format_plan(p)))
+    chosen = candidate_config(config, best.strategy, best.a2a)
+    return dataclasses.replace(chosen, context_parallel_auto=True), p
+
+
+def format_plan(p: Plan) -> list[str]:
+    """The ranked table, one line per candidate, the choice first."""
+    none = "" if p.choice.fits else "; none fits by the estimate, so the least memory is chosen"
+    lines = [f"context_parallel_strategy=auto over C={p.cp} on {p.hardware.name} (estimates, not measurements"
+             f"{none}):",
+             f"  {'':2}{'strategy':<12} {'attention':>10} {'memory':>10} {'step':>12} {'exposed comm':>13}"]
+    for i, c in enumerate(p.ranked):
+        mark = "->" if i == 0 else ""
+        if c.dropped and not c.dropped.startswith("needs"):
+            lines.append(f"  {mark:2}{c.label:<12} dropped: {c.dropped}")
+            continue
+        note = f"  dropped: {c.dropped}" if c.dropped else ""
+        lines.append(f"  {mark:2}{c.label:<12} {c.attention_bytes / GIB:>6.2f} GiB {c.memory_bytes / GIB:>6.1f} GiB "
+                     f"{_seconds(c.step_s):>12} {_seconds(c.exposed_s):>13}{note}")
+    return lines
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.4g} s" if x >= 1 else f"{x * 1e3:.4g} ms"

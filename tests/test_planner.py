@@ -1,0 +1,116 @@
+"""maxctx.planner (context_parallel_strategy=auto): its attention memory against the compiled program on 8 CPU
+devices, what auto resolves to, the ranking, and the candidates it drops (with the rule's message)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxctx import planner
+from maxctx.attention import strategies
+from maxctx.attention.dispatch import AttentionSpec, attend
+from maxctx.validate import load_config
+from tests.support.meshes import FAST_COMPILE, make_mesh
+
+SMALL = ["configs/base.yml", "cpu_devices=8", "ici_context_parallelism=8", "ici_fsdp_parallelism=1",
+         "per_device_batch_size=0.125", "max_target_length=4096", "base_num_query_heads=8", "base_num_kv_heads=2",
+         "head_dim=64", "base_emb_dim=512", "dtype=bfloat16", "attention=flash"]
+
+
+def compiled_saved_bytes(strategy: str, ring: int, a2a: int, seq: int, heads: int, kv_heads: int, dim: int) -> int:
+    """Per device bytes one attention layer keeps for its backward: the residuals of jax.vjp, as the outputs of
+    a compiled program (memory_analysis), bf16, one sequence."""
+    mesh = make_mesh(ring, a2a)
+    spec = AttentionSpec(kernel="flash", strategy=strategy, block_q=512, block_kv=512)
+    ids = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    acts = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
+    sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16, sharding=acts)
+    args = [sd((1, seq, heads, dim)), sd((1, seq, kv_heads, dim)), sd((1, seq, kv_heads, dim)),
+            jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=ids),
+            jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=ids)]
+
+    def residuals(q, k, v, pos, seg):
+        return jax.vjp(lambda q, k, v: attend(q, k, v, pos, seg, spec, mesh), q, k, v)[1]
+
+    return jax.jit(residuals).lower(*args).compile(FAST_COMPILE).memory_analysis().output_size_in_bytes
+
+
+def test_attention_memory_estimate_matches_the_compiled_program():
+    config = load_config(SMALL + ["context_parallel_strategy=auto"])
+    plan = planner.plan(config)
+    valid = [c for c in plan.ranked if not c.dropped]
+    assert {c.label for c in valid} == {"all_gather", "p2p", "a2a", "usp 4x2", "usp 2x4"}
+    for c in valid:
+        got = compiled_saved_bytes(c.strategy, c.cp // c.a2a, c.a2a, 4096, 8, 2, 64)
+        assert abs(c.saved_bytes - got) <= 0.15 * got, f"{c.label}: estimate {c.saved_bytes:.0f}, compiled {got}"
+        assert c.attention_bytes >= c.saved_bytes
+
+
+def test_auto_resolves_to_a_valid_strategy_and_the_table_ranks():
+    config = load_config(SMALL + ["context_parallel_strategy=auto"])
+    assert config.context_parallel_auto
+    assert config.context_parallel_strategy in strategies.STRATEGIES
+    plan = planner.plan(config)
+    best = plan.choice
+    assert (best.strategy, best.a2a if best.strategy == "usp" else 0) == (config.context_parallel_strategy,
+                                                                          config.context_parallel_a2a_degree)
+    fitting = [c for c in plan.ranked if c.fits]
+    assert fitting[0] is best and best.step_s <= min(c.step_s for c in fitting) * (1 + planner.TIE)
+    assert [c.step_s for c in fitting[1:]] == sorted(c.step_s for c in fitting[1:])
+    assert all(c.dropped for c in plan.ranked[len(fitting):])
+    # a hand-written config keeps its strategy and no table
+    assert not load_config(SMALL + ["context_parallel_strategy=p2p"]).context_parallel_auto
+
+
+def test_invalid_candidates_are_dropped_with_the_rule():
+    plan = planner.plan(load_config(SMALL + ["base_num_query_heads=6", "base_num_kv_heads=2",
+                                             "context_parallel_strategy=auto"]))
+    dropped = {c.label: c.dropped for c in plan.ranked if c.dropped}
+    assert "not divisible by the A2A degree 8" in dropped["a2a"]
+    assert "not divisible by the A2A degree 4" in dropped["usp 2x4"]
+    assert "usp 4x2" not in dropped and plan.choice.label not in dropped
+    assert plan.ranked[-2:] == tuple(c for c in plan.ranked if c.label in ("a2a", "usp 2x4"))
+
+
+def test_across_slices_only_ring_traffic_crosses_dcn():
+    # 2 slices of v5p-8 (C = 4 x 2): the all-to-all must stay in a slice, so a2a (U = C = 8) is dropped and usp
+    # keeps U | 4; p2p's ring now waits for DCN on every hop, the same ring on one v5p-16 slice does not.
+    common = ["configs/base.yml", "model_name=llama3-8b", "max_target_length=131072", "ici_fsdp_parallelism=1",
+              "per_device_batch_size=0.125", "context_parallel_strategy=auto", "attention=splash"]
+    config = load_config(common + ["compile_topology=v5p-8", "compile_topology_num_slices=2",
+                                   "ici_context_parallelism=4", "dcn_context_parallelism=2", "dcn_data_parallelism=1"])
+    plan = planner.plan(config)
+    by = {c.label: c for c in plan.ranked}
+    assert "all-to-all runs inside a slice" in by["a2a"].dropped
+    assert {c.label for c in plan.ranked if not c.dropped} == {"all_gather", "p2p", "usp 4x2", "usp 2x4"}
+    one_slice = planner.plan(load_config(common + ["compile_topology=v5p-16", "ici_context_parallelism=8"]))
+    assert by["p2p"].exposed_s > 2 * {c.label: c for c in one_slice.ranked}["p2p"].exposed_s
+    assert config.context_parallel_strategy in strategies.STRATEGIES
+
+
+def test_compile_plan_prints_the_table(capsys):
+    from maxctx.compile import main
+
+    assert main(SMALL + ["context_parallel_strategy=auto", "--plan"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("context_parallel_strategy=auto over C=8")
+    assert out[2].lstrip().startswith("->")
+    rows = json.loads(out[-1])["plan"]
+    assert len(rows) == 5 and rows[0]["fits"]
+
+
+@pytest.mark.parametrize("length,expected", [(65536, "usp"), (262144, "usp")])
+def test_llama3_8b_on_v5p_128_prefers_usp_to_the_plain_ring(length, expected):
+    config = load_config(["configs/base.yml", "compile_topology=v5p-128", "model_name=llama3-8b",
+                          f"max_target_length={length}", "ici_context_parallelism=64", "ici_fsdp_parallelism=1",
+                          f"per_device_batch_size={2 ** 21 / 64 / length}", "context_parallel_strategy=auto",
+                          "attention=splash"])
+    plan = planner.plan(config)
+    by = {c.label: c for c in plan.ranked}
+    assert config.context_parallel_strategy == expected
+    assert by["p2p"].step_s > plan.choice.step_s
