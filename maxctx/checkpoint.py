@@ -43,6 +43,11 @@ different times and are at different steps, so they must agree on one step to sa
 checked in `should_save`, which every process calls after every step. Ctrl-C (SIGINT) does the same; a second
 Ctrl-C stops at once.
 
+Failed saves (maxctx.checkpoint_failure): a save that fails on storage (disk full, quota, I/O) leaves the committed
+steps as they were and no step a resume would pick; `checkpoint_failure_policy=exit` stops the run with one line
+(exit 2), `continue` says so in one line and tries again at the next save (a failed last or preemption save still
+exits 2). Every process calls `save` and `wait` at the same step, so all agree on a failure and act alike.
+
 Divergence (maxctx.divergence): a state with non-finite parameters or moments is never saved (the step's `finite`
 flag, checked before each save); retention keeps the newest checkpoint known good besides the latest
 max_num_checkpoints_to_keep, and when the NaN guard stops the run, the checkpoints saved since the divergence
@@ -52,6 +57,7 @@ began are set aside (`<step>.suspect`) so that the command it prints resumes fro
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -65,6 +71,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from maxctx import checkpoint_failure as failures
 from maxctx.checkpoint_compat import check_resume_record, check_shapes, resume_record
 from maxctx.checkpoint_integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
 from maxctx.config import Config, ConfigError
@@ -204,6 +211,7 @@ class Checkpointer:
     def __init__(self, config: Config, setup: TrainSetup, primary: bool = True):
         self.config, self.setup, self.primary = config, setup, primary
         self.preempted = False
+        self._pending: int | None = None  # the step of the save in flight, until it is known to have committed
         self.manager: ocp.CheckpointManager | None = None
         self.source, self.source_dir = "init", None
         self.directory = directory = epath.Path(config.checkpoint_dir)
@@ -226,6 +234,9 @@ class Checkpointer:
         self.divergence = DivergenceWatch(0)  # replaced at restore_or_init, from the starting step
         if config.enable_checkpointing:
             self.manager = self._make_manager(directory)
+            self._quiet = failures.QuietStorageErrors()
+            logging.getLogger("absl").addFilter(self._quiet)  # failed saves are reported in one line
+            failures.quiet_abandoned_writes()
             self.watch = PreemptionWatch()
             atexit.register(self.close)
 
@@ -354,19 +365,48 @@ class Checkpointer:
 
     def save(self, step: int, state: dict, data) -> None:
         """Starts saving `state` after `step` steps (returns once the arrays are copied off the device when
-        async_checkpointing is on); after a preemption, waits until the save has committed."""
+        async_checkpointing is on); after a preemption, waits until the save has committed. A failed save (this
+        one, or the previous asynchronous one) is handled per checkpoint_failure_policy."""
+        self.wait()
         meta = {"step": step, "seed": self.config.seed,
                 "rng_key": jax.random.key_data(rng_key(self.config.seed, step)).tolist(),
                 "mesh": dict(self.setup.mesh.shape), "process_count": jax.process_count(),
                 "learning_rate": self.config.learning_rate,
                 "config": resume_record(self.config, self.setup.global_batch)}
-        self.manager.save(step, force=True, args=ocp.args.Composite(**{
+        self._pending = step
+        error = failures.storage_error(lambda: self.manager.save(step, force=True, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data.get_state()),
-            META: ocp.args.JsonSave(meta)}))
-        if self.preempted:
-            self.manager.wait_until_finished()
+            META: ocp.args.JsonSave(meta)})))
+        if _any_process(error is not None):
+            self._save_failed(error, last=self.preempted or step == self.config.steps)
+        elif self.preempted:
+            self.wait(last=True)
             self._say(f"{self.watch.reason}: saved step {step} to {self.config.checkpoint_dir}; "
                       f"re-run the same command to resume")
+
+    def wait(self, last: bool = False) -> None:
+        """Waits for the save in flight to commit; a failure is handled per checkpoint_failure_policy (`last`: no
+        later save will try again, so it exits 2 whatever the policy). Every process calls it at the same step."""
+        if self.manager is None:
+            return
+        error = failures.storage_error(self.manager.wait_until_finished)  # Orbax raises a failure only once
+        if _any_process(error is not None):
+            self._save_failed(error, last)
+        self._pending = None
+
+    def _save_failed(self, error: Exception | None, last: bool) -> None:
+        """One line about the failed save of `self._pending` (its partial files removed once its other writes have
+        ended); raises CheckpointError unless the policy is `continue` and a later save will try again."""
+        step, self._pending = self._pending, None
+        failures.settle_writes()
+        if self.primary:
+            failures.remove_partial_save(self.directory, step)
+        good = step_dirs(self.directory)
+        line, go_on = failures.failure_report(step, error, self.directory, good[0].name if good else None,
+                                              self.config.checkpoint_failure_policy, last)
+        if not go_on:
+            raise CheckpointError(line)
+        self._say(line)
 
     def after_divergence(self) -> tuple[str, float]:
         """After the NaN guard stopped the run: waits for pending saves, sets aside the checkpoints newer than the
@@ -376,7 +416,7 @@ class Checkpointer:
         since = f"suspect since step {watch.suspect_since} ({watch.reason}); " if watch.suspect_since else ""
         if self.manager is None:
             return f"{since}no checkpoints (enable_checkpointing=false); start over with a lower learning rate:", lower
-        self.manager.wait_until_finished()
+        failures.storage_error(self.manager.wait_until_finished)  # a failed save left no step behind
         suspect = [p for p in step_dirs(self.directory) if int(p.name) > watch.good_until]
         if self.primary:
             for step_dir in suspect:
@@ -392,11 +432,15 @@ class Checkpointer:
                 f"rate:", lower)
 
     def close(self) -> None:
-        """Waits for pending saves to commit; idempotent."""
+        """Waits for pending saves to commit; idempotent. On an error path (the normal end calls `wait(last=True)`
+        first), a save that fails here is only reported."""
         if self.manager is not None:
-            self.manager.wait_until_finished()
+            error = failures.storage_error(self.manager.wait_until_finished)
+            if error is not None:
+                self._say(f"saving checkpoint step {self._pending} failed: {failures.storage_problem(error)}")
             self.manager.close()
             self.manager = None
+            logging.getLogger("absl").removeFilter(self._quiet)
         if self.watch is not None:
             self.watch.close()
         atexit.unregister(self.close)

@@ -39,6 +39,8 @@ TokenizerType = Literal["sentencepiece", "tiktoken", "huggingface"]
 Hardware = Literal["", "tpu", "gpu", "gpu_multiprocess", "cpu"]
 # Hugging Face's rope_scaling types, with its rules (maxctx.model.rope).
 RopeType = Literal["default", "linear", "llama3", "yarn"]
+# What a failed checkpoint save (disk full, quota, I/O error) does: stop the run (exit 2), or train on and try again.
+CheckpointFailurePolicy = Literal["exit", "continue"]
 # The tensors remat_policy=custom places (MaxText's names; maxctx.model.layers tags them with checkpoint_name).
 REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
                "mlpwo")
@@ -151,6 +153,7 @@ class Config:
     async_checkpointing: bool = True
     checkpoint_period: int = 100
     max_num_checkpoints_to_keep: int = 3
+    checkpoint_failure_policy: CheckpointFailurePolicy = "exit"
     load_parameters_path: str = ""
     load_full_state_path: str = ""
     # Metrics, logging and profiling.

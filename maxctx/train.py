@@ -129,6 +129,7 @@ def _train(config: Config) -> int:
             if checkpointer.preempted:
                 break
         logger.flush(force=True)
+        checkpointer.wait(last=True)  # the last save committed, or CheckpointError
     except NonFiniteLossError as e:
         raise _diverged(e, checkpointer) from None
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.faults import DAMAGE, copy_steps, kill_at_random_moment, overwrite_bytes, saved_steps, truncate
-from tests.support.processes import cpu_env, losses, run, steps_on_disk, train_command
+from tests.support.processes import HOOKED_TRAIN, cpu_env, losses, run, steps_on_disk, train_command
 
 STEPS = 10
 COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=2",
@@ -159,3 +159,58 @@ def test_kill_9_during_async_saves_resumes_exactly(env, reference, tmp_path, tri
     first = (saved[-1] if saved else 0) + 1
     ref, after = losses(reference), losses(tmp_path / "killed")
     assert [after[s] for s in range(first, STEPS + 1)] == [ref[s] for s in range(first, STEPS + 1)]
+
+
+def test_failed_async_save_with_policy_continue_trains_on_and_saves_again(env, reference, tmp_path):
+    """Step 4's save fails as on a full disk, in Orbax's background thread (it surfaces at step 6's save): one
+    line, training goes on unchanged, steps 6, 8 and 10 are saved, nothing of step 4 is left."""
+    proc = run(train_command(*COMMON, f"base_output_directory={tmp_path}", "run_name=run",
+                             "checkpoint_failure_policy=continue", script=HOOKED_TRAIN),
+               env={**env, "ENOSPC_STEPS": "4"}, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    report = [line for line in proc.stdout.splitlines() if line.startswith("saving checkpoint step 4")]
+    assert len(report) == 1 and "no space left on device (disk full); checkpoint step 2 and older are intact; " \
+        "training on (checkpoint_failure_policy=continue)" in report[0], proc.stdout
+    assert steps_on_disk(tmp_path / "run") == ["10", "6", "8"]
+    assert losses(tmp_path / "run") == losses(reference)
+
+
+def test_failed_save_exits_2_by_default_and_the_run_resumes_from_the_previous_one(env, reference, tmp_path):
+    """A synchronous save of step 6 fails (disk full): exit 2 with one line; no half-written step 6 is left for a
+    resume to pick, and re-running the same command resumes from 4 and reproduces the straight run."""
+    overrides = [*COMMON, f"base_output_directory={tmp_path}", "run_name=run", "async_checkpointing=false"]
+    proc = run(train_command(*overrides, script=HOOKED_TRAIN), env={**env, "ENOSPC_STEPS": "6"}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    line = one_error_line(proc, "checkpoint error: saving checkpoint step 6 ")
+    assert "no space left on device (disk full); checkpoint step 4 and older are intact" in line, line
+    assert "re-run the same command to resume from step 4" in line and "checkpoint_failure_policy=continue" in line
+    assert steps_on_disk(tmp_path / "run") == ["2", "4"]
+    proc = train(env, tmp_path, "run", "async_checkpointing=false")
+    assert "resuming from checkpoint step 4" in proc.stdout, proc.stdout[-2000:]
+    assert losses(tmp_path / "run") == losses(reference)  # steps 5 and 6 logged twice, alike
+
+
+def _can_mount_tmpfs() -> bool:
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True) if shutil.which("unshare") else None
+    return probe is not None and probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
+def test_a_really_full_disk_exits_2_and_leaves_the_checkpoints_loadable(env, reference, tmp_path):
+    """A 12 MiB tmpfs holds two checkpoints of 4.9 MiB: the asynchronous save of step 6 fails with ENOSPC in
+    TensorStore. Exit 2 with the one line last (TensorStore itself prints 'Event loop is closed' tracebacks from
+    its callbacks); steps 2 and 4 stay, and a copy of the run on a roomy disk resumes from 4 exactly."""
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    script = (f"mount -t tmpfs -o size=12m tmpfs {disk} && {shlex.join(command(disk, 'run'))}; status=$?; "
+              f"cp -r {disk}/run {kept}; exit $status")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("checkpoint error: saving checkpoint step 6 ") and "no space left on device" in last
+    assert steps_on_disk(kept) == ["2", "4"]
+    proc = train(env, tmp_path, "kept")
+    assert "resuming from checkpoint step 4" in proc.stdout, proc.stdout[-2000:]
+    assert losses(kept) == losses(reference)

@@ -3,10 +3,13 @@
 - SLOW_STEP: the JSON write of that step's data item sleeps, so the async save is still in flight when the test
   kills the process;
 - SIGTERM_STEP: the process sends SIGTERM to itself after that step (only process SIGTERM_PROCESS when that is
-  set).
+  set);
+- ENOSPC_STEPS: comma-separated steps whose saves fail as on a full disk (the JSON write raises
+  OSError(ENOSPC), in Orbax's background thread when saves are asynchronous).
 """
 
 import asyncio
+import errno
 import os
 import signal
 import sys
@@ -19,10 +22,13 @@ import orbax.checkpoint as ocp  # noqa: E402
 from maxctx import checkpoint, train  # noqa: E402
 
 slow_step, sigterm_step = int(os.environ.get("SLOW_STEP", -1)), int(os.environ.get("SIGTERM_STEP", -1))
+enospc_steps = [s for s in os.environ.get("ENOSPC_STEPS", "").split(",") if s]
 save_fn = ocp.JsonCheckpointHandler._save_fn
 
 
 async def slow_save_fn(self, x, directory):
+    if any(os.path.basename(str(directory.parent)).startswith(f"{step}.") for step in enospc_steps):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
     if os.path.basename(str(directory.parent)).startswith(f"{slow_step}."):
         print(f"SAVING {slow_step}", flush=True)
         await asyncio.sleep(120)
