@@ -76,6 +76,10 @@ class Config:
     rope_attention_factor: float = 0.0
     normalization_layer_epsilon: float = 1e-5
     logits_via_embedding: bool = False
+    # Sliding-window (local) attention: a query sees the keys of its document at most W - 1 tokens back (0: off);
+    # the pattern (of L local and G global layers) repeats over the layers, e.g. LLLLLG.
+    sliding_window_size: int = 0
+    attention_layer_pattern: str = ""
     # Numerics and memory.
     dtype: DType = "bfloat16"
     weight_dtype: DType = "float32"
@@ -205,6 +209,7 @@ MODEL_KEYS = (
     "head_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "logits_via_embedding",
     "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
     "rope_linear_scaling_factor", "beta_fast", "beta_slow", "rope_truncate", "rope_attention_factor",
+    "sliding_window_size", "attention_layer_pattern",
 )
 _FIELD_TYPES = get_type_hints(Config)
 # The repo's configs/ (a source checkout, `pip install -e`), or the copy a wheel carries in the package.

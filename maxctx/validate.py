@@ -172,6 +172,7 @@ def validate(config: Config) -> None:
     if config.head_dim % 2:
         raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
     _check_rope(config)
+    _check_window(config)
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one "
                           "(parameters only, or a whole training state)")
@@ -188,6 +189,32 @@ def validate(config: Config) -> None:
         check_devices(config, config.cpu_devices * max(1, num_processes(config)))
     elif config.compile_topology:  # an AOT compile: the topology's name says how many devices
         check_devices(config, topology.parse(config.compile_topology).num_devices * num_slices(config))
+
+
+def layer_windows(config: Config) -> tuple[int, ...]:
+    """The attention window of each layer of one repeating group (0: global), shortest period first: every layer
+    local (Mistral v0.1) is (W,), LLLLLG is (W, W, W, W, W, 0), no window is (0,)."""
+    pattern = config.attention_layer_pattern or ("L" if config.sliding_window_size > 0 else "G")
+    windows = tuple(config.sliding_window_size if c == "L" else 0 for c in pattern)
+    period = next(p for p in range(1, len(windows) + 1)
+                  if len(windows) % p == 0 and windows == windows[:p] * (len(windows) // p))
+    return windows[:period]
+
+
+def _check_window(config: Config) -> None:
+    w, pattern = config.sliding_window_size, config.attention_layer_pattern
+    if w < 0:
+        raise ConfigError(f"sliding_window_size={w} must be >= 0 (0: no sliding window)")
+    if set(pattern) - {"L", "G"}:
+        raise ConfigError(f"attention_layer_pattern='{pattern}' may only contain L (local, sliding-window) and G "
+                          f"(global) layers, e.g. LLLLLG")
+    if "L" in pattern and w == 0:
+        raise ConfigError(f"attention_layer_pattern='{pattern}' has local layers but sliding_window_size=0; set "
+                          f"sliding_window_size (e.g. 4096)")
+    if pattern and config.base_num_decoder_layers % len(pattern):
+        raise ConfigError(f"attention_layer_pattern='{pattern}' ({len(pattern)} layers) does not divide "
+                          f"base_num_decoder_layers={config.base_num_decoder_layers}; the layers are scanned in "
+                          f"groups of the pattern, so use a pattern whose length divides the layer count")
 
 
 def _check_files(config: Config) -> None:

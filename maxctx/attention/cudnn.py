@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from maxctx.attention.dot_product import mask_from_positions
 
 
-def cudnn_attention(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, return_lse: bool = False):
-    """Returns (out[B, S, H, D], lse[B, H, S] fp32 or None)."""
-    mask_BST = mask_from_positions(q_pos, q_seg, kv_pos, kv_seg)
+def cudnn_attention(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, return_lse: bool = False,
+                    window: int = 0):
+    """Returns (out[B, S, H, D], lse[B, H, S] fp32 or None). A sliding window (> 0) is part of the boolean mask."""
+    mask_BST = mask_from_positions(q_pos, q_seg, kv_pos, kv_seg, window)
     result = jax.nn.dot_product_attention(q_BSHD, k_BTKD, v_BTKD, mask=mask_BST[:, None], implementation="cudnn",
                                           return_residual=return_lse)
     out, lse = result if return_lse else (result, None)

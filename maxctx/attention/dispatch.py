@@ -29,6 +29,7 @@ class AttentionSpec:
     load_balance: bool = Config.context_parallel_load_balance
     block_q: int = Config.flash_block_q
     block_kv: int = Config.flash_block_kv
+    window: int = 0  # this layer's sliding window (0: global); the model sets it per layer from the pattern
 
     @classmethod
     def from_config(cls, config: Config) -> AttentionSpec:
@@ -59,13 +60,14 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
     if mesh is None:
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
-                           group=q_BSHD.shape[2] // k_BSKD.shape[2])
+                           group=q_BSHD.shape[2] // k_BSKD.shape[2], window=spec.window)
         return local.attend(0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
                             segment_ids_BS)[0]
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     strategy = strategies.get(spec.strategy if cp > 1 else "all_gather")
     return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
-                    load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv)
+                    load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv,
+                    window=spec.window)
 
 
 __all__ = ["AttentionSpec", "attend", "resolve_kernel"]

@@ -2,7 +2,8 @@
 
 Legend: B batch, S query length, T key/value length, H query heads, K kv heads, G = H // K, D head dim.
 Masks come from token positions and segment ids, never from array indices, so any token order (zig-zag load
-balancing) and packed documents work: query i sees key j iff seg[i] == seg[j] and pos[j] <= pos[i].
+balancing) and packed documents work: query i sees key j iff seg[i] == seg[j] and pos[j] <= pos[i], and with a
+sliding window W > 0 also pos[i] - pos[j] < W (the last W tokens of the document, itself included).
 """
 
 from __future__ import annotations
@@ -11,21 +12,24 @@ import jax
 import jax.numpy as jnp
 
 
-def mask_from_positions(q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT):
-    """[B, S, T] boolean: causal within a document, nothing across documents."""
+def mask_from_positions(q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, window: int = 0):
+    """[B, S, T] boolean: causal within a document (and within `window` tokens when > 0), nothing across
+    documents."""
     same_doc = q_seg_BS[:, :, None] == kv_seg_BT[:, None, :]
-    causal = kv_pos_BT[:, None, :] <= q_pos_BS[:, :, None]
-    return same_doc & causal
+    behind = q_pos_BS[:, :, None] - kv_pos_BT[:, None, :]
+    if window > 0:
+        return same_doc & (behind >= 0) & (behind < window)
+    return same_doc & (behind >= 0)
 
 
-def dot_product_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT):
+def dot_product_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, window: int = 0):
     """Returns (out[B, S, H, D] in q's dtype, lse[B, H, S] fp32). Rows with no visible key give out 0, lse -inf."""
     b, s, h, d = q_BSHD.shape
     k = k_BTKD.shape[2]
     q_BSKGD = q_BSHD.reshape(b, s, k, h // k, d)
     scores = jnp.einsum("BSKGD,BTKD->BKGST", q_BSKGD, k_BTKD, preferred_element_type=jnp.float32)
     scores = scores * (d ** -0.5)
-    mask = mask_from_positions(q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT)[:, None, None]
+    mask = mask_from_positions(q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, window)[:, None, None]
     scores = jnp.where(mask, scores, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)
     probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
@@ -33,7 +37,8 @@ def dot_product_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, q_seg_BS, kv_pos_BT,
     return out.reshape(b, s, h, d).astype(q_BSHD.dtype), lse.reshape(b, h, s)
 
 
-def dot_product_block_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSHD, lse_BHS, dout_BSHD):
+def dot_product_block_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSHD, lse_BHS, dout_BSHD,
+                               window: int = 0):
     """(dq, dk, dv) fp32 of one key/value block given the rows' final out and lse (a ring's merged result).
 
     With lse held fixed, o(q, k, v) = sum_j exp(s_ij - lse_i) v_j and z(q, k) = sum_j exp(s_ij - lse_i); the true
@@ -42,7 +47,7 @@ def dot_product_block_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_
     """
     b, s, h, d = q_BSHD.shape
     kh = k_BTKD.shape[2]
-    mask = mask_from_positions(q_pos, q_seg, kv_pos, kv_seg)[:, None, None]
+    mask = mask_from_positions(q_pos, q_seg, kv_pos, kv_seg, window)[:, None, None]
     lse = jnp.where(jnp.isfinite(lse_BHS), lse_BHS, jnp.inf).reshape(b, kh, h // kh, s)
     delta = jnp.einsum("BSHD,BSHD->BHS", dout_BSHD.astype(jnp.float32), out_BSHD.astype(jnp.float32))
 

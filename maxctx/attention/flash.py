@@ -9,7 +9,8 @@ dk/dv accumulators of one key block. Saved residuals: q, k, v, out and lse[B, H,
 
 Masks come from positions and segment ids (query i sees key j iff same segment and pos[j] <= pos[i]), so any
 token order works. A (query block, key block) pair with no visible entry is skipped by `lax.cond`: under zig-zag
-load balancing or a causal ring that is about half of all blocks.
+load balancing or a causal ring that is about half of all blocks; with a sliding window W (`window` > 0, query i
+sees key j iff 0 <= pos[i] - pos[j] < W) every pair outside the band, so the work is O(S W), not O(S T).
 
 `flash_forward` / `flash_backward` are the raw halves; the ring strategy calls them with the *global* out and
 lse of its merged result, which is exactly the gradient of the whole row (FlashAttention-2, eq. for dS).
@@ -64,7 +65,7 @@ def _dims(q_BSHD, k_BTKD, block_q: int, block_kv: int) -> tuple[int, ...]:
     return b, s, h, d, t, k, h // k, s // block_size(s, block_q), t // block_size(t, block_kv)
 
 
-def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512):
+def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512, window=0):
     """Returns (out[B, S, H, D] fp32, lse[B, H, S] fp32); rows with no visible key give out 0, lse -inf."""
     q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg = _tie(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg)
     b, s, h, d, t, k, g, nq, nk = _dims(q_BSHD, k_BTKD, block_q, block_kv)
@@ -79,7 +80,7 @@ def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=
 
         def step(carry, kv):
             k_BCKD, v_BCKD, kp, ks = kv
-            mask = mask_from_positions(qp, qs, kp, ks)
+            mask = mask_from_positions(qp, qs, kp, ks, window)
 
             def compute(carry):
                 m, l_sum, acc = carry
@@ -111,7 +112,7 @@ def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=
 
 
 def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSHD, lse_BHS, dout_BSHD,
-                   dlse_BHS=None, block_q=512, block_kv=512):
+                   dlse_BHS=None, block_q=512, block_kv=512, window=0):
     """Gradients (dq, dk, dv) in fp32 of the rows' attention given their final out and lse.
 
     dS = P * (dP - rowsum(dO * O) + dlse), P = exp(S - lse): with a ring's merged out/lse this is the exact
@@ -138,7 +139,7 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
         def q_step(carry, qb):
             dq, dk, dv = carry
             q_BQKGD, do_BQKGD, lse_q, delta_q, qp, qs, i = qb
-            mask = mask_from_positions(qp, qs, kp, ks)
+            mask = mask_from_positions(qp, qs, kp, ks, window)
 
             def compute(carry):
                 dq, dk, dv = carry
@@ -161,22 +162,23 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
     return _unblocks(dq).reshape(b, s, h, d), _unblocks(dk), _unblocks(dv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def flash_attention(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def flash_attention(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512, window=0):
     """Causal, document-masked attention; returns (out[B, S, H, D] in q's dtype, lse[B, H, S] fp32)."""
-    out, lse = flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv)
+    out, lse = flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window)
     return out.astype(q_BSHD.dtype), lse
 
 
-def _flash_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv):
-    out, lse = flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv)
+def _flash_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window):
+    out, lse = flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window)
     return (out, lse), (q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse)
 
 
-def _flash_bwd(block_q, block_kv, res, cotangents):
+def _flash_bwd(block_q, block_kv, window, res, cotangents):
     q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse = res
     dout, dlse = cotangents
-    dq, dk, dv = flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, dlse, block_q, block_kv)
+    dq, dk, dv = flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, dlse, block_q, block_kv,
+                                window)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 

@@ -40,6 +40,7 @@ class LocalKernel:
     block_q: int = 512
     block_kv: int = 512
     q_axes: Any = None
+    window: int = 0  # sliding window W (0: none): query i sees key j iff 0 <= pos[i] - pos[j] < W, same document
     # splash only: the distinct kernels over all hops and, per [hop][query shard], which one runs.
     splash_kernels: tuple = ()
     splash_table: tuple = ()
@@ -55,30 +56,33 @@ class LocalKernel:
 
     def attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
-            return dot_product_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
+            return dot_product_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.window)
         if self.name == "blockwise":
-            return flash.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv)
+            return flash.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv,
+                                         self.window)
         if self.name == "cudnn":
-            return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
+            return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, window=self.window)
         return self._splash(hop, False, q, k, v, q_seg, kv_seg)
 
     def block_forward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
             f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-            return dot_product_attention(*f32, q_pos, q_seg, kv_pos, kv_seg)
+            return dot_product_attention(*f32, q_pos, q_seg, kv_pos, kv_seg, self.window)
         if self.name == "blockwise":
-            return flash.flash_forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv)
+            return flash.flash_forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv,
+                                       self.window)
         if self.name == "cudnn":
-            out, lse = cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, return_lse=True)
+            out, lse = cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, return_lse=True,
+                                             window=self.window)
         else:
             out, lse = self._splash(hop, True, q, k, v, q_seg, kv_seg)
         return out.astype(jnp.float32), lse
 
     def block_backward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
         if self.name == "dot_product":
-            return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout)
+            return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, self.window)
         return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
-                                    self.block_q, self.block_kv)
+                                    self.block_q, self.block_kv, self.window)
 
 
 def _runs(indices: np.ndarray) -> tuple[tuple[int, int], ...]:
@@ -116,12 +120,19 @@ def _ranked(q_runs, kv_runs) -> tuple[tuple, tuple]:
     return rank(q_runs), rank(kv_runs)
 
 
+def _shifted(q_runs, kv_runs) -> tuple[tuple, tuple]:
+    """The runs moved so that the smallest index is 0: equal iff the masks are equal for any index distance."""
+    low = min(start for start, _ in q_runs + kv_runs)
+    return (tuple((start - low, n) for start, n in q_runs), tuple((start - low, n) for start, n in kv_runs))
+
+
 def _expand(runs) -> np.ndarray:
     return np.concatenate([np.arange(start, start + length) for start, length in runs])
 
 
 def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,
-               q_shards: int = 1, kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False) -> LocalKernel:
+               q_shards: int = 1, kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False,
+               window: int = 0) -> LocalKernel:
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
     `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
     sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
@@ -129,22 +140,35 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     across hops too: under zig-zag or without load balance a whole ring has at most 3 distinct masks (the
     diagonal, key block before, key block after), whatever C. A device picks its own with `lax.switch` on a
     [hop, query shard] table. Off TPU (the mesh's devices, else the default backend) splash runs in Pallas
-    interpret mode: slow, for tests."""
+    interpret mode: slow, for tests. `window` > 0: a sliding window (masks then compare by offset, not rank)."""
     if name != "splash":
-        return LocalKernel(name, block_q, block_kv)
+        return LocalKernel(name, block_q, block_kv, window=window)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     kernels, table = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
-                                     block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES)
-    return LocalKernel(name, block_q, block_kv, q_axes, kernels, table)
+                                     block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window)
+    return LocalKernel(name, block_q, block_kv, q_axes, window, kernels, table)
+
+
+def make_band(name: str, block_q: int, block_kv: int, *, mesh=None, chunk: int, halo: int, window: int,
+              group: int = 1) -> LocalKernel:
+    """The kernel of a local layer's chunk (maxctx.attention.halo): `chunk` queries against the `halo` keys before
+    them and themselves, all in original order; splash gets the one static sliding-window mask they share."""
+    if name != "splash":
+        return LocalKernel(name, block_q, block_kv, window=window)
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    kernel = splash.make_kernel(np.arange(halo, halo + chunk), np.arange(halo + chunk), group, block_q, block_kv,
+                                save_residuals=False, interpret=platform != "tpu", window=window)
+    return LocalKernel(name, block_q, block_kv, None, window, (kernel,), ((0,),))
 
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: int, block_q: int, block_kv: int,
-                    ring: bool, interpret: bool, max_table_entries: int) -> tuple[tuple, tuple]:
+                    ring: bool, interpret: bool, max_table_entries: int, window: int = 0) -> tuple[tuple, tuple]:
     """The distinct kernels over all hops and each [hop][query shard]'s index into them. Cached: building the
     mask info walks every block on the host, and the train step, the eval step and rematerialisation trace
     attention again. Kernels are built on the ranks, not the original indices: equal masks then compare equal
-    in splash's own mask-info cache, which serves equal row chunks of one kernel (make_kernel) once."""
+    in splash's own mask-info cache, which serves equal row chunks of one kernel (make_kernel) once. A sliding
+    window depends on index distances, which ranks do not keep: its masks are compared shifted to start at 0."""
     order = np.frombuffer(order_bytes, np.int64)
     n, rows = len(order) // kv_blocks, len(order) // q_shards
     q_runs = [_runs(order[r * rows:(r + 1) * rows]) for r in range(q_shards)]
@@ -153,12 +177,13 @@ def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: in
     for hop in range(kv_blocks if ring else 1):
         row = []
         for r in range(q_shards):
-            key = _ranked(q_runs[r], kv_runs[(r * kv_blocks // q_shards - hop) % kv_blocks])
+            pair = (q_runs[r], kv_runs[(r * kv_blocks // q_shards - hop) % kv_blocks])
+            key = _shifted(*pair) if window else _ranked(*pair)
             if key not in seen:  # a hop that sees no key gets make_kernel's empty chunk (splash refuses its mask)
                 seen[key] = len(kernels)
                 kernels.append(splash.make_kernel(_expand(key[0]), _expand(key[1]), group, block_q, block_kv,
                                                   save_residuals=ring, interpret=interpret,
-                                                  max_table_entries=max_table_entries))
+                                                  max_table_entries=max_table_entries, window=window))
             row.append(seen[key])
         table.append(tuple(row))
     return tuple(kernels), tuple(table)

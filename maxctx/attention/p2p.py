@@ -12,6 +12,7 @@ the fp32 out accumulator B s H D 4 and two K/V blocks in flight 4 B s K D b (s =
 
 from __future__ import annotations
 
+from maxctx.attention import halo
 from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
 
@@ -42,7 +43,12 @@ def ring_collectives(batch: float, rows: float, kv_heads: int, head_dim: int, it
 
 
 def collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
-    """The ring over all C devices, S / C tokens each (`ring_collectives`)."""
+    """The ring over all C devices, S / C tokens each (`ring_collectives`); a local layer: the halo's
+    (maxctx.attention.halo), where it applies: with zig-zag, W <= S / 2C and C > 2, two rounds of W rows, so
+    forward 2 W (2 B K D b + 2 B 4), backward 2 W 2 B K D b, whatever C."""
+    local = halo.shape_plan(s)
+    if local is not None:
+        return halo.collective_bytes(local, s.batch, s.kv_heads, s.head_dim, s.itemsize)
     return ring_collectives(s.batch, s.seq / s.cp, s.kv_heads, s.head_dim, s.itemsize, s.cp)
 
 
@@ -53,15 +59,21 @@ def activation_bytes(s: AttentionShape) -> float:
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int):
+           block_q: int, block_kv: int, window: int = 0):
+    from maxctx.attention import halo
     from maxctx.attention.collectives import CONTEXT, context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
     from maxctx.attention.ring import ring_attention
 
+    if window:  # a local layer: only the keys in the band travel (maxctx.attention.halo)
+        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
+                          load_balance=load_balance, block_q=block_q, block_kv=block_kv, window=window)
+        if out is not None:
+            return out
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
-                       q_shards=cp, kv_blocks=cp, q_axes=CONTEXT, group=h // kv_heads, ring=True)
+                       q_shards=cp, kv_blocks=cp, q_axes=CONTEXT, group=h // kv_heads, ring=True, window=window)
 
     def body(q, k, v, pos, seg):
         return ring_attention(local, CONTEXT, cp, q, k, v, pos, seg, pos, seg)

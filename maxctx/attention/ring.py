@@ -11,8 +11,10 @@ reach its owner after the last hop, so nothing of size O(S) is saved or held. Th
 (`lax.fori_loop` over the first R - 1, which send, and the last one peeled off, which has nothing to send), so the
 program and its compile time do not grow with R; splash picks its hop's kernel by the traced hop index.
 
-Skipping: a hop whose keys all start after the rows' last position is skipped whole (`lax.cond`); inside a hop the
-flash and splash kernels skip every (query block, key block) pair the mask hides. With zig-zag load balance each
+Skipping: a hop is skipped whole (`lax.cond`) when no key can be seen by any row: all keys come after the rows'
+last position (causal), all lie a sliding window or more before their first position, or the segment ids of keys
+and rows span disjoint ranges (packed documents that do not meet in this hop). Inside a hop the flash and splash
+kernels skip every (query block, key block) pair the mask hides. With zig-zag load balance each
 off-diagonal hop keeps exactly half of the block pairs (one query chunk against both key chunks, or both query
 chunks against one key chunk), so every hop does equal work.
 """
@@ -44,10 +46,14 @@ def _tie(*arrays):
     return jax.lax.optimization_barrier(arrays)
 
 
-def _maybe(q_pos, kv_pos, skipped, compute, *operands):
-    """compute(*operands), or `skipped` for a hop whose keys all come after every query (causal; conservative
-    with packed documents, where the kernels' own block skipping does the rest)."""
-    return jax.lax.cond(kv_pos.min() <= q_pos.max(), compute, lambda *_: skipped, *operands)
+def _maybe(window: int, q_pos, q_seg, kv_pos, kv_seg, skipped, compute, *operands):
+    """compute(*operands), or `skipped` for a hop none of whose keys a row can see: every key after every query
+    (causal), W or more tokens before every query (sliding window W > 0), or key and query segment ids in disjoint
+    ranges (no shared document). Conservative: the kernels' own block skipping does the rest."""
+    seen = (kv_pos.min() <= q_pos.max()) & (kv_seg.min() <= q_seg.max()) & (kv_seg.max() >= q_seg.min())
+    if window > 0:
+        seen &= q_pos.min() - kv_pos.max() < window
+    return jax.lax.cond(seen, compute, lambda *_: skipped, *operands)
 
 
 def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
@@ -56,7 +62,8 @@ def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
 
     def compute(hop, out, lse, kv, ids):
         empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
-        o_hop, lse_hop = _maybe(qp, ids[0], empty, functools.partial(local.block_forward, hop),
+        o_hop, lse_hop = _maybe(local.window, qp, qs, ids[0], ids[1], empty,
+                                functools.partial(local.block_forward, hop),
                                 q, kv[0], kv[1], qp, qs, ids[0], ids[1])
         return _merge(out, lse, o_hop, lse_hop)
 
@@ -88,7 +95,8 @@ def _ring_bwd(local, axis, size, res, dout):
 
     def compute(hop, dq, dkv, vk, ids):
         zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
-        dq_h, dk_h, dv_h = _maybe(qp, ids[1], zeros, functools.partial(local.block_backward, hop),
+        dq_h, dk_h, dv_h = _maybe(local.window, qp, qs, ids[1], ids[0], zeros,
+                                  functools.partial(local.block_backward, hop),
                                   q, vk[1], vk[0], qp, qs, ids[1], ids[0], out, lse, dout)
         return dq + dq_h, ring_shift(dkv + jnp.stack([dk_h, dv_h]), axis, size)  # after R shifts: at the owner
 

@@ -7,7 +7,7 @@ document the original sequence index orders tokens exactly as positions do, so "
 AND same segment id" equals the position mask. The token *storage* order is static (natural, or zig-zag with
 load balance), so each call gets a static mask over original indices:
 
-    mask[i, j] = kv_orig[j] <= q_orig[i]
+    mask[i, j] = kv_orig[j] <= q_orig[i]       (and q_orig[i] - kv_orig[j] < W with a sliding window W > 0)
 
 `q_orig` and `kv_orig` map a device's local query rows and the key/value block it sees at this call (a ring hop,
 or the gathered sequence) to original indices. Devices with equal masks share a kernel; kernels.make_local builds
@@ -53,14 +53,15 @@ def _lib():
     return kernel_lib, mask_lib
 
 
-def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray):
-    """A splash Mask: mask[i, j] = kv_orig[j] <= q_orig[i] (causal on original indices)."""
+def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0):
+    """A splash Mask: mask[i, j] = kv_orig[j] <= q_orig[i] (causal on original indices), and within `window`
+    tokens (q_orig[i] - kv_orig[j] < window) when it is > 0."""
     _, mask_lib = _lib()
 
     class OrderedCausalMask(mask_lib.Mask):
         def __init__(self):
             self.q_orig, self.kv_orig = np.asarray(q_orig), np.asarray(kv_orig)
-            self._key = (self.q_orig.tobytes(), self.kv_orig.tobytes())
+            self._key = (self.q_orig.tobytes(), self.kv_orig.tobytes(), window)
             self._ranges = ({}, {})  # per axis: slice -> (min, max, length) of the original indices it selects
 
         def _range(self, axis: int, where: slice) -> tuple[int, int, int]:
@@ -81,12 +82,13 @@ def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray):
                 # Splash asks block by block, and at long context nearly every block is all visible or all
                 # hidden: answer those from the blocks' (cached) index ranges and a shared constant block.
                 (r_lo, r_hi, n_rows), (c_lo, c_hi, n_cols) = self._range(0, idx[0]), self._range(1, idx[1])
-                if n_rows and n_cols and c_hi <= r_lo:
+                if n_rows and n_cols and c_hi <= r_lo and (not window or r_hi - c_lo < window):
                     return _constant_block(True, n_rows, n_cols)
-                if n_rows and n_cols and c_lo > r_hi:
+                if n_rows and n_cols and (c_lo > r_hi or (window and r_lo - c_hi >= window)):
                     return _constant_block(False, n_rows, n_cols)
             rows, cols = self.q_orig[idx[0]], self.kv_orig[idx[1]]
-            mask = np.atleast_1d(cols)[None, :] <= np.atleast_1d(rows)[:, None]
+            behind = np.atleast_1d(rows)[:, None] - np.atleast_1d(cols)[None, :]
+            mask = (behind >= 0) & (behind < window) if window else behind >= 0
             return mask[0 if np.ndim(rows) == 0 else slice(None), 0 if np.ndim(cols) == 0 else slice(None)]
 
         def __eq__(self, other) -> bool:  # by content: each call defines the class anew (lazy Pallas import)
@@ -106,7 +108,8 @@ def _constant_block(value: bool, rows: int, cols: int) -> np.ndarray:
 
 
 def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: int, block_kv: int,
-                save_residuals: bool, interpret: bool = False, max_table_entries: int | None = None):
+                save_residuals: bool, interpret: bool = False, max_table_entries: int | None = None,
+                window: int = 0):
     """Splash kernels over `group` query heads for one device's query rows and key/value block: a tuple of
     (first row, last row + 1, kernel or None) chunks of the rows. One chunk unless the call's block table (query
     blocks x key blocks, in on-chip SMEM) would pass `max_table_entries`: then the rows are split into the fewest
@@ -121,15 +124,15 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     out = []
     for start in range(0, len(q_orig), rows):
         q_part = q_orig[start:start + rows]
-        hidden = kv_orig.min() > q_part.max()
+        hidden = kv_orig.min() > q_part.max() or (window and q_part.min() - kv_orig.max() >= window)
         out.append((start, start + rows, None if hidden else _make_one(q_part, kv_orig, group, bq, bkv,
-                                                                         save_residuals, interpret)))
+                                                                         save_residuals, interpret, window)))
     return tuple(out)
 
 
-def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool):
+def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int):
     kernel_lib, mask_lib = _lib()
-    mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig)] * group)
+    mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig, window)] * group)
     # The blocks set the block tables (SMEM); the kernels step through a key block COMPUTE_BLOCK keys at a time, so
     # blocks larger than that (long context) do not grow the working set in VMEM (MaxText's default compute blocks).
     compute = math.gcd(bkv, COMPUTE_BLOCK) if bkv > COMPUTE_BLOCK else bkv

@@ -5,9 +5,10 @@ once in maxctx.attention.strategies, each providing
     a2a_degree(config, cp) -> int          the all-to-all part U of the CP degree C (the ring part is C / U)
     check(config, cp, tensor)              the strategy's own config rules (raise ConfigError); run before JAX starts
     query_rows(seq, cp, a2a) -> int        query rows one device's kernel call tiles (the splash 128-row rule)
-    collectives(shape) -> (fwd, bwd)       the collectives of one layer, as formulas of `AttentionShape`
+    collectives(shape) -> (fwd, bwd)       the collectives of one layer, as formulas of `AttentionShape` (a local
+                                           layer, shape.window > 0: maxctx.attention.halo's where it applies)
     activation_bytes(shape) -> int         attention activations saved per device for the backward
-    attend(q, k, v, positions, segment_ids, *, kernel, mesh, load_balance, block_q, block_kv) -> out
+    attend(q, k, v, positions, segment_ids, *, kernel, mesh, load_balance, block_q, block_kv, window) -> out
 
 The formulas are the single statement of each strategy's cost: the roofline in maxctx.roofline sums their bytes on
 the wire, and tests/test_attention_comm.py checks them against the compiled HLO. A strategy module imports JAX only
@@ -40,6 +41,8 @@ class AttentionShape:
     itemsize: int
     cp: int
     a2a: int = 1
+    window: int = 0  # a local layer's sliding window (0: a global layer)
+    load_balance: bool = True
 
     @property
     def ring(self) -> int:

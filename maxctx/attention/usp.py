@@ -14,7 +14,7 @@ as in p2p.
 
 from __future__ import annotations
 
-from maxctx.attention import a2a
+from maxctx.attention import a2a, halo
 from maxctx.attention.p2p import ring_collectives
 from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError
@@ -48,7 +48,11 @@ def query_rows(seq: int, cp: int, a2a_part: int) -> int:
 
 
 def collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
-    """a2a's collectives over U, then p2p's ring over R blocks of S/R tokens with K'/U kv heads each."""
+    """a2a's collectives over U, then p2p's ring over R blocks of S/R tokens with K'/U kv heads each; a local
+    layer: the halo's over all C devices (maxctx.attention.halo), where it applies, as p2p's."""
+    local = halo.shape_plan(s)
+    if local is not None:
+        return halo.collective_bytes(local, s.batch, s.kv_heads, s.head_dim, s.itemsize)
     fwd, bwd = a2a.a2a_collectives(s)
     ring_fwd, ring_bwd = ring_collectives(s.batch, s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a) // s.a2a,
                                           s.head_dim, s.itemsize, s.ring)
@@ -61,17 +65,23 @@ def activation_bytes(s: AttentionShape) -> float:
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int):
+           block_q: int, block_kv: int, window: int = 0):
+    from maxctx.attention import halo
     from maxctx.attention.alltoall import a2a_attention
     from maxctx.attention.collectives import context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
     from maxctx.attention.ring import ring_attention
 
+    if window:  # a local layer: only the keys in the band travel (maxctx.attention.halo)
+        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
+                          load_balance=load_balance, block_q=block_q, block_kv=block_kv, window=window)
+        if out is not None:
+            return out
     u, r = mesh.shape["context_a2a"], mesh.shape[RING_AXIS]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u * r, load_balance),
                        q_shards=r, kv_blocks=r, q_axes=RING_AXIS, group=h // replicated_kv_heads(kv_heads, u),
-                       ring=True)
+                       ring=True, window=window)
 
     def inner(q, k, v, pos, seg):
         return ring_attention(local, RING_AXIS, r, q, k, v, pos, seg, pos, seg)

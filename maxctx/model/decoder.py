@@ -1,5 +1,6 @@
 """The Llama-family decoder: embedding, L stacked decoder layers (scanned or unrolled, rematerialised by policy),
-final RMSNorm, and a tied or untied output projection.
+final RMSNorm, and a tied or untied output projection. Local (sliding-window) and global layers follow the
+repeating pattern `cfg.layer_windows`; with a period P > 1 the scan runs over the L / P groups, P layers each.
 
 Legend: B batch, S sequence, D model width, V vocab, L layers.
 Layer parameters are always stacked on a leading `layers` axis, so checkpoints do not depend on `scan_layers`.
@@ -117,18 +118,32 @@ class Decoder(nnx.Module):
         x = self._constrain(x.astype(cfg.dtype))
         graphdef, stacked = nnx.split(self.layers)
 
-        def layer_fn(x_BSD, layer_state):
-            layer = nnx.merge(graphdef, layer_state)
-            x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
-            return self._constrain(layer(x_BSD, positions_BS, segment_ids_BS))
+        windows = cfg.layer_windows
+        period = len(windows)
 
-        if cfg.remat_policy != "none":
-            layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
+        def make_layer_fn(window: int):
+            def layer_fn(x_BSD, layer_state):
+                layer = nnx.merge(graphdef, layer_state)
+                x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
+                return self._constrain(layer(x_BSD, positions_BS, segment_ids_BS, window))
+
+            if cfg.remat_policy != "none":
+                return jax.checkpoint(layer_fn, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
+            return layer_fn
+
+        layer_fns = [make_layer_fn(w) for w in windows]
         if cfg.scan_layers:
-            x, _ = jax.lax.scan(lambda carry, s: (layer_fn(carry, s), None), x, stacked)
+            groups = jax.tree.map(lambda a: a.reshape(cfg.num_layers // period, period, *a.shape[1:]), stacked)
+
+            def group_fn(carry, group_state):
+                for j, fn in enumerate(layer_fns):
+                    carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
+                return carry, None
+
+            x, _ = jax.lax.scan(group_fn, x, groups)
         else:
             for i in range(cfg.num_layers):
-                x = layer_fn(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+                x = layer_fns[i % period](x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return self.final_norm(x)
 
 

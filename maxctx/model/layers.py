@@ -18,6 +18,7 @@ from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.config import REMAT_NAMES, Config
 from maxctx.model.rope import RopeSpec, rotary
 from maxctx.model.tiling import map_chunks
+from maxctx.validate import layer_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,8 @@ class ModelConfig:
     num_vocab_tiling: int = Config.num_vocab_tiling
     mlp_sequence_chunks: int = Config.mlp_sequence_chunks
     attention: AttentionSpec = AttentionSpec()
+    # The sliding window of each layer of one repeating group (0: global); maxctx.validate.layer_windows.
+    layer_windows: tuple[int, ...] = (0,)
 
     @classmethod
     def from_config(cls, config: Config) -> ModelConfig:
@@ -58,7 +61,7 @@ class ModelConfig:
             remat_policy=config.remat_policy, scan_layers=config.scan_layers, use_iota_embed=config.use_iota_embed,
             remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
-            attention=AttentionSpec.from_config(config),
+            attention=AttentionSpec.from_config(config), layer_windows=layer_windows(config),
         )
 
 
@@ -93,15 +96,15 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (h, e, d), ("heads", "head_dim", "embed"), wd, scale=(h * e) ** -0.5)
         self.cfg, self.mesh = cfg, mesh
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
         dt = self.cfg.dtype
         q = checkpoint_name(jnp.einsum("BSD,DHE->BSHE", x_BSD, self.wq[...].astype(dt)), "query_proj")
         k = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wk[...].astype(dt)), "key_proj")
         v = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wv[...].astype(dt)), "value_proj")
         q = rotary(q, positions_BS, self.cfg.rope)
         k = rotary(k, positions_BS, self.cfg.rope)
-        out_BSHE = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, self.cfg.attention, self.mesh),
-                                   "context")
+        spec = dataclasses.replace(self.cfg.attention, window=window)
+        out_BSHE = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, spec, self.mesh), "context")
         return checkpoint_name(jnp.einsum("BSHE,HED->BSD", out_BSHE, self.wo[...].astype(dt)), "out_proj")
 
 
@@ -129,7 +132,7 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); `window` > 0 makes the attention local."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
         self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
@@ -137,6 +140,6 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
         self.mlp = MLP(cfg, rngs, mesh)
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, window)
         return x_BSD + self.mlp(self.mlp_norm(x_BSD))
