@@ -100,8 +100,7 @@ def fit_table() -> list[str]:
         fits = _fits(config, best, r, maxima.get((r["model"], r["topology"], best.strategy, r["offload"])))
         own = next(c for c in plan.ranked if c.strategy == r["strategy"] and (
             c.strategy != "usp" or c.a2a == _default_a2a(config)))
-        steps = {c.label: roofline_step(config, c, params[r["model"]]) for c in plan.ranked if not c.dropped
-                 or c.dropped.startswith("needs")}
+        steps = {c.label: roofline_step(config, c, params[r["model"]]) for c in plan.ranked if c.valid}
         ratio = steps[best.label] / min(steps.values())
         lines.append(f"| {r['model']} | {r['topology']} | {r['offload']} | {config.max_target_length:,} | "
                      f"{own.label}: {own.memory_bytes / planner.GIB:.1f} / {r['compiled_gib']} GiB | "
@@ -149,6 +148,8 @@ def maxtext_table() -> list[str]:
 
 
 def main() -> None:
+    print("# Tables of docs/choosing_a_strategy.md\n\nWritten by `python3 benchmarks/choosing_a_strategy.py > "
+          "benchmarks/choosing_a_strategy.md` (no compile; its docstring has the method).\n")
     print("## auto's choice for each fit-table row\n")
     print("\n".join(fit_table()))
     print("\n## auto's ranking on the shapes of MaxText's v5p measurements\n")

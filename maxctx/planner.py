@@ -81,6 +81,7 @@ class Candidate:
     exposed_s: float = 0.0
     fits: bool = False
     dropped: str = ""  # why it is not a choice: the config rule it breaks, or the memory it needs
+    valid: bool = True  # False: a config rule drops it (no estimates)
 
     @property
     def label(self) -> str:
@@ -106,7 +107,8 @@ class Plan:
         return [{"strategy": c.strategy, "a2a": c.a2a, "ring": c.cp // c.a2a, "label": c.label,
                  "saved_gib": round(c.saved_bytes / GIB, 4),
                  "attention_gib": round(c.attention_bytes / GIB, 3), "memory_gib": round(c.memory_bytes / GIB, 3),
-                 "step_s": c.step_s, "exposed_s": c.exposed_s, "fits": c.fits, "dropped": c.dropped}
+                 "step_s": c.step_s, "exposed_s": c.exposed_s, "fits": c.fits, "valid": c.valid,
+                 "dropped": c.dropped}
                 for c in self.ranked]
 
 
@@ -120,8 +122,8 @@ def hardware(config: Config, num_devices: int | None) -> Hardware:
         topo = None
     if topo is None:
         peak = config.peak_tflops_per_device * 1e12 if config.peak_tflops_per_device > 0 else 1e12
-        return Hardware("generic device (1 TFLOP/s, 64 GiB, 100 GB/s memory, 10 GB/s links)", peak, 64 * GIB,
-                        100e9, 10e9, (num_devices or 1,))
+        return Hardware(f"generic device ({peak / 1e12:g} TFLOP/s, 64 GiB, 100 GB/s memory, 10 GB/s links)", peak,
+                        64 * GIB, 100e9, 10e9, (num_devices or 1,))
     chip, per_chip = topo.chip, topo.chip.devices_per_chip
     if config.peak_tflops_per_device > 0:
         peak = config.peak_tflops_per_device * 1e12
@@ -220,7 +222,7 @@ def _params(config: Config) -> float:
     return config.base_num_decoder_layers * layer + d * config.vocab_size * (1 if config.logits_via_embedding else 2)
 
 
-def _base(config: Config, cp: int, tp: int, shards: int) -> tuple[float, float, float]:
+def _base(config: Config, tp: int, shards: int) -> tuple[float, float, float]:
     """(compute FLOPs per device, memory per device besides attention, the loss / MLP tiles' bytes)."""
     seq, layers, b = config.max_target_length, config.base_num_decoder_layers, 2 if config.dtype in (
         "bfloat16", "float16") else 4
@@ -282,7 +284,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
     cp, tp = ici["context"] * dcn["context"], ici["tensor"] * dcn["tensor"]
     hw = hardware(config, n)
     fsdp = ici["fsdp"] * dcn["fsdp"] if ici["fsdp"] > 0 and dcn["fsdp"] > 0 else 1
-    flops, base_bytes, tiles = _base(config, cp, tp, fsdp * cp * tp)
+    flops, base_bytes, tiles = _base(config, tp, fsdp * cp * tp)
     passes = 2 if config.remat_policy in ("full", "custom") else 1
     layers = config.base_num_decoder_layers
     out = []
@@ -297,7 +299,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
                     raise ConfigError(f"the A2A degree {u} does not divide ici_context_parallelism="
                                       f"{ici['context']}; all-to-all runs inside a slice")
         except ConfigError as e:
-            out.append(Candidate(name, u, cp, dropped=str(e)))
+            out.append(Candidate(name, u, cp, dropped=str(e), valid=False))
             continue
         s = _shape(config, cp, tp, u)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
@@ -315,22 +317,21 @@ def _rank(cands: list[Candidate]) -> list[Candidate]:
     """Fitting ones by step time (the least memory among the tied fastest first), then the ones over HBM by
     memory (when none fits, auto takes the least memory and the compile says whether it fits), then the invalid."""
     fitting = sorted((c for c in cands if c.fits), key=lambda c: c.step_s)
-    rest = sorted((c for c in cands if not c.fits and not c.dropped.startswith("needs")),
-                  key=lambda c: c.label)
-    too_big = sorted((c for c in cands if not c.fits and c.dropped.startswith("needs")), key=lambda c: c.memory_bytes)
+    invalid = sorted((c for c in cands if not c.valid), key=lambda c: c.label)
+    too_big = sorted((c for c in cands if c.valid and not c.fits), key=lambda c: c.memory_bytes)
     if fitting:
         tied = [c for c in fitting if c.step_s <= fitting[0].step_s * (1 + TIE)]
         best = min(tied, key=lambda c: (c.memory_bytes, c.attention_bytes))
         fitting.remove(best)
         fitting.insert(0, best)
-    return fitting + too_big + rest
+    return fitting + too_big + invalid
 
 
 def resolve_auto(config: Config, check: Callable[[Config], None] | None = None) -> tuple[Config, Plan]:
     """The config with the planner's choice in place of `auto` (and `context_parallel_auto=true`), and the plan."""
     p = plan(config, check)
     best = p.choice
-    if best.dropped and not best.dropped.startswith("needs"):
+    if not best.valid:
         raise ConfigError("context_parallel_strategy=auto: no strategy is valid for this config\n"
                           + "\n".join(format_plan(p)))
     chosen = candidate_config(config, best.strategy, best.a2a)
@@ -345,7 +346,7 @@ def format_plan(p: Plan) -> list[str]:
              f"  {'':2}{'strategy':<12} {'attention':>10} {'memory':>10} {'step':>12} {'exposed comm':>13}"]
     for i, c in enumerate(p.ranked):
         mark = "->" if i == 0 else ""
-        if c.dropped and not c.dropped.startswith("needs"):
+        if not c.valid:
             lines.append(f"  {mark:2}{c.label:<12} dropped: {c.dropped}")
             continue
         note = f"  dropped: {c.dropped}" if c.dropped else ""

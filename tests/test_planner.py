@@ -114,3 +114,19 @@ def test_llama3_8b_on_v5p_128_prefers_usp_to_the_plain_ring(length, expected):
     by = {c.label: c for c in plan.ranked}
     assert config.context_parallel_strategy == expected
     assert by["p2p"].step_s > plan.choice.step_s
+
+
+def test_train_prints_the_table_and_records_it(tmp_path):
+    from tests.support.processes import metrics, run, train_command
+
+    result = run(train_command(f"base_output_directory={tmp_path}", "run_name=auto", "cpu_devices=4",
+                               "ici_context_parallelism=4", "ici_fsdp_parallelism=1", "per_device_batch_size=0.25",
+                               "max_target_length=256", "base_num_query_heads=4", "base_num_kv_heads=2", "steps=2",
+                               "context_parallel_strategy=auto", "enable_checkpointing=false",
+                               "enable_tensorboard=false"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "context_parallel_strategy=auto over C=4" in result.stdout
+    record = metrics(tmp_path / "auto")[0]
+    assert record["event"] == "compile"
+    plan = record["context_parallel_plan"]
+    assert plan[0]["fits"] and {r["label"] for r in plan} >= {"all_gather", "p2p", "a2a", "usp 2x2"}
