@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable
 
 from maxctx import topology
-from maxctx.attention import strategies
+from maxctx.attention import halo, strategies
 from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
@@ -155,11 +155,22 @@ def transient_bytes(strategy: str, s: AttentionShape) -> float:
     return out
 
 
-def _shape(config: Config, cp: int, tp: int, a2a: int) -> AttentionShape:
+def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> AttentionShape:
     return AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
                           heads=config.base_num_query_heads // tp, kv_heads=max(1, config.base_num_kv_heads // tp),
                           head_dim=config.head_dim, itemsize=2 if config.dtype in ("bfloat16", "float16") else 4,
-                          cp=cp, a2a=a2a)
+                          cp=cp, a2a=a2a, window=window, load_balance=config.context_parallel_load_balance)
+
+
+def _windows(config: Config) -> tuple[int, ...]:
+    """Each layer's window over one attention_layer_pattern (0: global; maxctx.validate.layer_windows's rule)."""
+    pattern = config.attention_layer_pattern or ("L" if config.sliding_window_size > 0 else "G")
+    return tuple(config.sliding_window_size if c == "L" else 0 for c in pattern)
+
+
+def _pairs(seq: int, window: int) -> float:
+    """Keys a query attends to on average (causal): S / 2, or about W in a local layer."""
+    return min(window, seq / 2) if window else seq / 2
 
 
 def _spanned(hw: Hardware, group: int) -> tuple[int, float]:
@@ -189,11 +200,15 @@ def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
 
 def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
                       forward_passes: int) -> float:
-    """Communication seconds one layer's attention does not hide behind compute (module doc)."""
-    attn_fwd = 4 * s.batch * (s.seq / s.cp) * (s.seq / 2) * s.heads * s.head_dim / hw.peak_flops
+    """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
+    keys come by halo exchange (maxctx.attention.halo) waits for its permutes."""
+    attn_fwd = 4 * s.batch * (s.seq / s.cp) * _pairs(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
     fwd, bwd = strategies.get(strategy).collectives(s)
     ring_bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if dcn_cp > 1 else hw.link_bytes_per_s
     latency = DCN_LATENCY_S if dcn_cp > 1 else ICI_LATENCY_S
+    if s.window and strategy != "a2a" and halo.shape_plan(s) is not None:
+        return sum(c.sent_bytes / ring_bw + latency for c in fwd) * forward_passes + sum(
+            c.sent_bytes / ring_bw + latency for c in bwd)
     r = s.ring
 
     # Each ring step merges its block's result into fp32 accumulators in HBM (read both, write one): out in the
@@ -223,15 +238,18 @@ def _params(config: Config) -> float:
 
 
 def _base(config: Config, tp: int, shards: int) -> tuple[float, float, float]:
-    """(compute FLOPs per device, memory per device besides attention, the loss / MLP tiles' bytes)."""
+    """(compute FLOPs per device, memory per device besides attention, the loss / MLP tiles' bytes); local layers'
+    attention FLOPs scale with their window."""
     seq, layers, b = config.max_target_length, config.base_num_decoder_layers, 2 if config.dtype in (
         "bfloat16", "float16") else 4
     full = config.remat_policy in ("full", "custom")
     p_matmul = layers * (config.base_emb_dim * config.head_dim * (2 * config.base_num_query_heads + 2 *
                          config.base_num_kv_heads) + 3 * config.base_emb_dim * config.base_mlp_dim) + \
         config.base_emb_dim * config.vocab_size
-    flops = config.per_device_batch_size * (6 * p_matmul * seq + 6 * layers * config.base_num_query_heads
-                                            * config.head_dim * seq * seq)
+    windows = _windows(config)
+    pairs = sum(_pairs(seq, w) for w in windows) / len(windows)
+    flops = config.per_device_batch_size * (6 * p_matmul * seq + 12 * layers * config.base_num_query_heads
+                                            * config.head_dim * seq * pairs)
     flops *= 4 / 3 if full else 1
     params, wb = _params(config), 4 if config.weight_dtype == "float32" else 2
     tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
@@ -302,10 +320,13 @@ def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
             out.append(Candidate(name, u, cp, dropped=str(e), valid=False))
             continue
         s = _shape(config, cp, tp, u)
+        windows = _windows(config)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
         attn = saved + transient_bytes(name, s) if cp > 1 else 0.0
         memory = base_bytes + max(attn, tiles)
-        exposed = layers * exposed_per_layer(name, s, hw, ici["context"], dcn["context"], passes) if cp > 1 else 0
+        exposed = layers * sum(exposed_per_layer(name, _shape(config, cp, tp, u, w), hw, ici["context"],
+                                                 dcn["context"], passes) for w in windows) / len(windows) \
+            if cp > 1 else 0
         fits = memory <= FIT_FRACTION * hw.hbm_bytes
         dropped = "" if fits else (f"needs ~{memory / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of "
                                    f"{hw.hbm_bytes / GIB:.0f} GiB HBM")

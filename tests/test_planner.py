@@ -130,3 +130,16 @@ def test_train_prints_the_table_and_records_it(tmp_path):
     assert record["event"] == "compile"
     plan = record["context_parallel_plan"]
     assert plan[0]["fits"] and {r["label"] for r in plan} >= {"all_gather", "p2p", "a2a", "usp 2x2"}
+
+
+def test_local_layers_are_costed_by_their_halo():
+    # Mistral 7B v0.1 (every layer a 4,096-token window) at 128K over C = 16: all_gather, p2p and usp exchange only
+    # the band (maxctx.attention.halo) and cost the same; a2a still moves every token's q, k, v and out.
+    plan = planner.plan(load_config(["configs/base.yml", "compile_topology=v5p-128", "model_name=mistral-7b-v0.1",
+                                     "max_target_length=131072", "ici_context_parallelism=16",
+                                     "ici_fsdp_parallelism=4", "per_device_batch_size=0.25", "attention=splash",
+                                     "context_parallel_strategy=auto"]))
+    by = {c.label: c for c in plan.ranked}
+    assert by["all_gather"].exposed_s == pytest.approx(by["p2p"].exposed_s) == pytest.approx(by["usp 4x4"].exposed_s)
+    assert by["a2a"].exposed_s > 2 * by["p2p"].exposed_s
+    assert plan.choice.label == "p2p"  # the least attention memory among the tied
