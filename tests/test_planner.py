@@ -121,7 +121,8 @@ def test_train_prints_the_table_and_records_it(tmp_path):
 
     result = run(train_command(f"base_output_directory={tmp_path}", "run_name=auto", "cpu_devices=4",
                                "ici_context_parallelism=4", "ici_fsdp_parallelism=1", "per_device_batch_size=0.25",
-                               "max_target_length=256", "base_num_query_heads=4", "base_num_kv_heads=2", "steps=2",
+                               "max_target_length=128", "base_num_query_heads=4", "base_num_kv_heads=2", "steps=1",
+                               "base_num_decoder_layers=1", "attention=dot_product",
                                "context_parallel_strategy=auto", "enable_checkpointing=false",
                                "enable_tensorboard=false"), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
