@@ -26,8 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
 
 @dataclasses.dataclass(frozen=True)
 class Round:
@@ -74,6 +72,8 @@ def chunk_length(seq: int, devices: int, load_balance: bool) -> int:
 def plan(order: np.ndarray, devices: int, window: int, chunk: int) -> HaloPlan:
     """The halo transfers for tokens stored in `order` (original index per stored position; device r holds
     stored positions [r n, (r + 1) n)) cut into chunks of `chunk` consecutive original tokens."""
+    import numpy as np  # not at import: the strategies' formulas are read before JAX and NumPy load
+
     order = np.asarray(order)
     n = len(order) // devices
     m = n // chunk
@@ -126,6 +126,8 @@ def layout_plan(seq: int, devices: int, load_balance: bool, window: int) -> Halo
     """The plan for `devices` devices holding the sequence in maxctx's stored order, or None when the window
     covers the sequence or a halo would move as much as gathering every key (then the strategy's global path,
     with the window in its kernel's mask, is used)."""
+    import numpy as np
+
     from maxctx.attention.load_balance import zigzag_permutation
 
     if window <= 0 or window >= seq or devices <= 1:
