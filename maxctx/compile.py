@@ -130,7 +130,9 @@ def format_report(report: dict) -> list[str]:
     if "estimate_step_time_s" in report:
         lines.append(f"roofline estimate (not a measurement): step {_seconds(report['estimate_step_time_s'])}, "
                      f"{report['estimate_bound']}-bound (compute {_seconds(report['estimate_compute_s'])}, HBM "
-                     f"{_seconds(report['estimate_hbm_s'])}, ICI {_seconds(report['estimate_ici_s'])}), MFU "
+                     f"{_seconds(report['estimate_hbm_s'])}, ICI {_seconds(report['estimate_ici_s'])}"
+                     + (f", DCN {_seconds(report['estimate_dcn_s'])}" if report.get("estimate_dcn_s") else "")
+                     + "), MFU "
                      f"{report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s")
     lines.append(f"compiled in {report['compile_time_s']:.1f} s")
     return lines

@@ -1,8 +1,7 @@
 """A roofline ESTIMATE of step time and MFU per device, not a measurement: the report `maxctx.compile` prints for a
 TPU topology.
 
-step time = max(compute, HBM, ICI), each term the time at the chip's peak rate, assuming perfect overlap of the
-three:
+step time = max(compute, HBM, ICI, DCN), each term the time at the chip's peak rate, assuming perfect overlap:
     compute  (model FLOPs x recompute factor (4/3 with remat_policy=full or custom: the forward runs twice) + the
              recompute of tiling: one more output projection with num_vocab_tiling > 1, one more MLP forward with
              mlp_sequence_chunks > 1 under remat) / peak FLOP/s
@@ -16,8 +15,12 @@ three:
              fp32 gradients over the devices a weight is sharded across; data-parallel all-reduce; tensor-parallel
              activation all-reduces; the CP strategy's collectives per layer, from the formulas in
              strategy module's `collectives` (forward ones once per forward pass).
-DCN traffic between slices, latency, kernel efficiency and load imbalance are not modelled: real step times are
-longer and real MFU lower.
+    DCN      (several slices) bytes that cross slices / the chip's DCN bandwidth (maxctx.planner.DCN_BYTES_PER_S,
+             an assumption): the cross-slice share (d - 1) / d of the weights' gathers and gradients' reductions
+             sharded over dcn_fsdp x dcn_context = d slices and of the data-parallel all-reduce over dcn_data; of
+             the CP collectives, every ring hop (the hop at a slice boundary paces the ring) and the cross-slice
+             share of a gather over the whole context axis (the all-to-all stays inside a slice).
+Latency, kernel efficiency and load imbalance are not modelled: real step times are longer and real MFU lower.
 """
 
 from __future__ import annotations
@@ -25,22 +28,44 @@ from __future__ import annotations
 import math
 
 from maxctx.attention import strategies
-from maxctx.attention.strategy import AttentionShape
+from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
+from maxctx.parallelism import mesh_sizes, num_slices
+from maxctx.planner import DCN_BYTES_PER_S
+
+
+def _cp_collectives(config: Config, mesh: dict[str, int], t: float, b: int
+                    ) -> tuple[list[Collective], list[Collective]]:
+    c = mesh["context"] * mesh["context_a2a"]
+    if c == 1:
+        return [], []
+    tp, seq = mesh["tensor"], config.max_target_length
+    shape = AttentionShape(batch=t * c / seq, seq=seq, heads=config.base_num_query_heads // tp,
+                           kv_heads=max(1, config.base_num_kv_heads // tp), head_dim=config.head_dim, itemsize=b,
+                           cp=c, a2a=mesh["context_a2a"])
+    return strategies.for_config(config).collectives(shape)
 
 
 def cp_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: int) -> tuple[float, float]:
     """(forward, backward) bytes one device sends for attention per layer, t = tokens per device (B S / C): the
     strategy module's `collectives` formulas (maxctx.attention.strategy), counted on the wire."""
-    c = mesh["context"] * mesh["context_a2a"]
-    if c == 1:
-        return 0.0, 0.0
-    tp, seq = mesh["tensor"], config.max_target_length
-    shape = AttentionShape(batch=t * c / seq, seq=seq, heads=config.base_num_query_heads // tp,
-                           kv_heads=max(1, config.base_num_kv_heads // tp), head_dim=config.head_dim, itemsize=b,
-                           cp=c, a2a=mesh["context_a2a"])
-    fwd, bwd = strategies.for_config(config).collectives(shape)
+    fwd, bwd = _cp_collectives(config, mesh, t, b)
     return sum(x.sent_bytes for x in fwd), sum(x.sent_bytes for x in bwd)
+
+
+def cp_dcn_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: int, dcn_context: int
+                           ) -> tuple[float, float]:
+    """(forward, backward) attention bytes per layer that cross slices (module doc), of `cp_bytes_per_layer`'s."""
+    if dcn_context == 1:
+        return 0.0, 0.0
+    cp = mesh["context"] * mesh["context_a2a"]
+
+    def crossing(ops: list[Collective]) -> float:
+        return sum(x.sent_bytes if x.kind == "collective-permute" else
+                   x.bytes * (dcn_context - 1) / dcn_context if x.group == cp else 0.0 for x in ops)
+
+    fwd, bwd = _cp_collectives(config, mesh, t, b)
+    return crossing(fwd), crossing(bwd)
 
 
 def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params: int, chip) -> dict:
@@ -82,10 +107,21 @@ def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params
     ici_bytes = fsdp + data + tensor + layers * (forward_passes * cp_fwd + cp_bwd)
     ici_s = ici_bytes / ici_bw
 
-    terms = {"compute": compute_s, "hbm": hbm_s, "ici": ici_s}
+    dcn_bytes = 0.0
+    if num_slices(config) > 1:
+        dcn = mesh_sizes(config, n)[1]
+        across = dcn["fsdp"] * dcn["context"]  # slices a weight is sharded across
+        dcn_fwd, dcn_bwd = cp_dcn_bytes_per_layer(config, mesh, t, b, dcn["context"])
+        grads = num_params / (shards * tp) * 4
+        dcn_bytes = (fsdp * (across - 1) / across + 2 * (dcn["data"] - 1) / dcn["data"] * grads
+                     + layers * (forward_passes * dcn_fwd + dcn_bwd))
+    dcn_s = dcn_bytes / (DCN_BYTES_PER_S / per_chip)
+
+    terms = {"compute": compute_s, "hbm": hbm_s, "ici": ici_s, "dcn": dcn_s}
     step = max(terms.values())
     return {"peak_flops_per_device": peak, "estimate_compute_s": compute_s, "estimate_hbm_s": hbm_s,
             "estimate_ici_s": ici_s, "estimate_hbm_bytes": hbm_bytes, "estimate_ici_bytes": ici_bytes,
+            "estimate_dcn_s": dcn_s, "estimate_dcn_bytes": dcn_bytes,
             "estimate_step_time_s": step, "estimate_bound": max(terms, key=terms.get),
             "estimate_mfu": model_flops / (step * peak),
             "estimate_tokens_per_s": global_batch * config.max_target_length / step}

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from maxctx import planner
 from maxctx.attention import strategies
 from maxctx.attention.dispatch import AttentionSpec, attend
+from maxctx.attention.strategy import AttentionShape
 from maxctx.validate import load_config
 from tests.support.meshes import FAST_COMPILE, make_mesh
 
@@ -144,3 +145,30 @@ def test_local_layers_are_costed_by_their_halo():
     assert by["all_gather"].exposed_s == pytest.approx(by["p2p"].exposed_s) == pytest.approx(by["usp 4x4"].exposed_s)
     assert by["a2a"].exposed_s > 2 * by["p2p"].exposed_s
     assert plan.choice.label == "p2p"  # the least attention memory among the tied
+
+
+def test_roofline_counts_what_crosses_slices():
+    from maxctx.parallelism import split_context
+    from maxctx.roofline import cp_bytes_per_layer, cp_dcn_bytes_per_layer, roofline
+    from maxctx.topology import CHIPS
+
+    base = ["configs/base.yml", "model_name=llama3-8b", "max_target_length=131072", "ici_fsdp_parallelism=1",
+            "per_device_batch_size=0.125", "attention=splash", "compile_topology=v5p-8",
+            "compile_topology_num_slices=2", "ici_context_parallelism=4", "dcn_context_parallelism=2",
+            "dcn_data_parallelism=1"]
+    t = 131072 / 8
+    for strategy, a2a in (("p2p", 1), ("usp", 4), ("all_gather", 1)):
+        config = load_config(base + [f"context_parallel_strategy={strategy}", f"context_parallel_a2a_degree={a2a}"])
+        mesh = split_context(config, 8, a2a)
+        on_wire, crossing = cp_bytes_per_layer(config, mesh, t, 2), cp_dcn_bytes_per_layer(config, mesh, t, 2, 2)
+        fwd, _ = strategies.get(strategy).collectives(AttentionShape(1, 131072, 32, 8, 128, 2, 8, a2a))
+        ring = sum(c.sent_bytes for c in fwd if c.kind == "collective-permute")
+        if strategy == "all_gather":  # half of the gathered K/V comes from the other slice
+            assert crossing[0] == pytest.approx(fwd[0].bytes / 2)
+        else:  # every ring hop, none of usp's all-to-all
+            assert crossing[0] == pytest.approx(ring) and (strategy == "p2p") == (crossing[0] == on_wire[0])
+        est = roofline(config, mesh, 1, 8_030_261_248, CHIPS["v5p"])
+        assert est["estimate_dcn_s"] > 0
+    one_slice = load_config(base[:6] + ["compile_topology=v5p-16", "ici_context_parallelism=8",
+                                        "context_parallel_strategy=p2p"])
+    assert roofline(one_slice, split_context(one_slice, 8, 1), 1, 8_030_261_248, CHIPS["v5p"])["estimate_dcn_s"] == 0
