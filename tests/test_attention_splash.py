@@ -22,14 +22,17 @@ from tests.support.meshes import make_mesh
 S, H, K, D = 512, 2, 1, 128
 
 
-@pytest.mark.parametrize("strategy,ring,a2a,max_table", [
-    ("p2p", 2, 1, None), ("usp", 2, 2, None), ("all_gather", 2, 1, None),
+@pytest.mark.parametrize("strategy,ring,a2a,max_table,window", [
+    ("p2p", 2, 1, None, 0), ("usp", 2, 2, None, 0), ("all_gather", 2, 1, None, 0),
     # Four hops: the ring loop's traced hop index picks each device's kernel from the [hop, shard] table.
-    ("p2p", 4, 1, None),
+    ("p2p", 4, 1, None, 0),
     # Calls whose block table passes the limit run as several kernels over row chunks (a2a at 1M tokens): a2a in
     # 4 chunks with its backward, and ring hops in 2 chunks, one of which sees no key on the off-diagonal hop.
-    ("a2a", 1, 2, 4), ("p2p", 2, 1, 2)])
-def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, monkeypatch):
+    ("a2a", 1, 2, 4, 0), ("p2p", 2, 1, 2, 0),
+    # Local layers: p2p's halo runs one band kernel per chunk (with dQ/dK/dV through splash's backward); a2a's
+    # whole-sequence kernel takes the sliding-window mask.
+    ("p2p", 2, 1, None, 128), ("a2a", 1, 2, None, 100)])
+def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window, monkeypatch):
     from maxctx.attention import splash
 
     if max_table is not None:
@@ -41,7 +44,7 @@ def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, monkeyp
     seg = np.stack([np.ones(S), np.repeat(np.arange(1, 4), lengths)]).astype(np.int32)
     pos = np.stack([np.arange(S), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
     dout = rng.normal(size=q.shape).astype(np.float32)
-    grads = strategy in ("all_gather", "a2a")
+    grads = strategy in ("all_gather", "a2a") or window > 0
 
     def run(fn, q, k, v, pos, seg, dout):
         if not grads:
@@ -49,11 +52,12 @@ def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, monkeyp
         out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, pos, seg), q, k, v)
         return [out, *pullback(dout)]
 
-    want = run(lambda *a: dot_product_attention(*a, a[3], a[4])[0], q, k, v, pos, seg, dout)
+    want = run(lambda *a: dot_product_attention(*a, a[3], a[4], window)[0], q, k, v, pos, seg, dout)
 
     mesh = make_mesh(ring, a2a)
     cp = ring * a2a
-    spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=True, block_q=128, block_kv=128)
+    spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=True, block_q=128, block_kv=128,
+                         window=window)
     perm = zigzag_permutation(S, cp)
     sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     args = [jax.device_put(x[:, perm], sharding) for x in (q, k, v, pos, seg, dout)]
@@ -61,7 +65,7 @@ def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, monkeyp
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         g = restore_order(np.asarray(g), cp)
         err = np.abs(g - w).max() / np.abs(w).max()
-        assert err < 1e-5, f"splash {strategy} zig-zag {name}: relative error {err:.2e}"
+        assert err < 1e-5, f"splash {strategy} zig-zag window={window} {name}: relative error {err:.2e}"
 
 
 def test_ordered_causal_mask_blocks_equal_the_dense_mask():
@@ -85,3 +89,24 @@ def test_ordered_causal_mask_blocks_equal_the_dense_mask():
     np.testing.assert_array_equal(mask[5, slice(0, 1024)], dense[5])
     np.testing.assert_array_equal(mask[slice(0, 256), 7], dense[:, 7])
     assert mask[3, 900] == dense[3, 900]
+
+
+def test_windowed_mask_blocks_equal_the_dense_band():
+    # With a sliding window, whole blocks answered from index ranges must still equal the dense band, including
+    # blocks wholly behind the window (hidden) and wholly inside it (visible).
+    from maxctx.attention.splash import ordered_causal_mask
+
+    order = zigzag_permutation(1024, 4)
+    q_orig, kv_orig = order[256:512], order
+    window = 200
+    mask = ordered_causal_mask(q_orig, kv_orig, window)
+    behind = q_orig[:, None] - kv_orig[None, :]
+    dense = (behind >= 0) & (behind < window)
+    kinds = set()
+    for r in range(0, 256, 16):
+        for c in range(0, 1024, 16):
+            block = mask[slice(r, r + 16), slice(c, c + 16)]
+            np.testing.assert_array_equal(block, dense[r:r + 16, c:c + 16])
+            kinds.add("visible" if block.all() else "hidden" if not block.any() else "partial")
+    assert kinds == {"visible", "hidden", "partial"}
+    assert mask != ordered_causal_mask(q_orig, kv_orig)  # the window is part of the mask's identity
