@@ -1,4 +1,5 @@
-"""Whole runs: `train.py` with context parallelism gives the same loss sequence as without (fp32, 1e-4 relative).
+"""Whole runs: `train.py` with context parallelism gives the same loss sequence as without (fp32, 1e-4 relative;
+with sliding-window layers 1e-5).
 
 In the suite: one C per strategy (a2a C=2, all_gather C=4, p2p C=8, usp C=8 = ring 2 x a2a 4), against C=1, the
 five runs in parallel processes. The full matrix (every strategy x C in {2, 4, 8}) runs with
@@ -25,10 +26,10 @@ COMMON = ["cpu_devices=8", "steps=10", "dtype=float32", "attention=flash", "log_
 CASES = [("a2a", 2), ("all_gather", 4), ("p2p", 8), ("usp", 8)]
 
 
-def start_run(strategy: str, cp: int, out_dir: str) -> tuple[subprocess.Popen, list[str], str]:
-    name = f"{strategy}_c{cp}"
+def start_run(strategy: str, cp: int, out_dir: str, *extra: str) -> tuple[subprocess.Popen, list[str], str]:
+    name = f"{strategy}_c{cp}" + "".join(f"_{x.split('=')[1]}" for x in extra if x.startswith("attention_layer"))
     cmd = train_command(*COMMON, f"ici_context_parallelism={cp}", f"context_parallel_strategy={strategy}",
-                        f"base_output_directory={out_dir}", f"run_name={name}")
+                        f"base_output_directory={out_dir}", f"run_name={name}", *extra)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, cmd, os.path.join(out_dir, name)
 
@@ -58,6 +59,32 @@ def losses(tmp_path_factory) -> dict:
 def test_cp_run_has_the_losses_of_the_run_without_cp(losses, strategy, cp):
     np.testing.assert_allclose(losses[strategy, cp], losses["all_gather", 1], rtol=1e-4,
                                err_msg=f"{strategy} C={cp} vs C=1")
+
+
+# Sliding windows (Mistral v0.1's every-layer window, and local/global layers): a 16-token window over 128 tokens,
+# so at C = 8 (chunks of 8 under zig-zag) a local layer's keys come from two chunks back.
+LOCAL_CASES = [("p2p", 8, "L"), ("all_gather", 4, "L"), ("usp", 8, "LG"), ("a2a", 2, "LG")]
+
+
+@pytest.fixture(scope="module")
+def local_losses(tmp_path_factory) -> dict:
+    out = str(tmp_path_factory.mktemp("cp_local_runs"))
+    keys = lambda pattern: ("sliding_window_size=16", f"attention_layer_pattern={pattern}")  # noqa: E731
+    cases = [("all_gather", 1, "L"), ("all_gather", 1, "LG"), *LOCAL_CASES]
+    runs = {case: start_run(case[0], case[1], out, *keys(case[2])) for case in cases}
+    return {case: finish_run(run) for case, run in runs.items()}
+
+
+@pytest.mark.parametrize("strategy,cp,pattern", LOCAL_CASES)
+def test_cp_run_with_local_layers_has_the_losses_of_the_run_without_cp(local_losses, strategy, cp, pattern):
+    want = local_losses["all_gather", 1, pattern]
+    np.testing.assert_allclose(local_losses[strategy, cp, pattern], want, rtol=1e-5,
+                               err_msg=f"{strategy} C={cp} pattern {pattern} vs C=1")
+
+
+def test_local_layers_change_the_run(losses, local_losses):
+    """The window is not silently dropped: the local runs' losses differ from the global run's."""
+    assert not np.allclose(local_losses["all_gather", 1, "L"], losses["all_gather", 1], rtol=1e-4)
 
 
 if __name__ == "__main__":
