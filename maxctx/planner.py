@@ -10,14 +10,16 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
                       the saved layer inputs L t D b (none when offloaded) + the layer's working set
                       LAYER_WORK_BYTES t D (calibrated) + the larger of the attention memory and the loss / MLP
-                      tiles; a candidate above FIT_FRACTION of HBM is dropped
-    compute           model FLOPs per device (6 P t + 6 L H Dh t S, maxctx.metrics' convention) x 4/3 under full
-                      remat, at peak FLOP/s; the same for every candidate
-    exposed comm      per layer, from the strategy's `collectives` formulas (forward ones once per forward pass):
-                      all-gather, reduce-scatter and all-to-all wait for their bytes (not overlapped); a ring hop
-                      overlaps the attention of the block it carries, so each of its hops exposes
-                      max(0, hop bytes / bandwidth - block compute) + latency
-    step              compute + L x exposed comm
+                      tiles; a candidate above FIT_FRACTION of HBM is ranked after the fitting ones (auto takes
+                      the least memory when none fits)
+    compute           model FLOPs per device (6 P t + 12 L H Dh t x keys per query: S / 2, about W in a local
+                      layer; maxctx.metrics' convention) x 4/3 under full remat, at peak FLOP/s
+    exposed comm      per layer of the attention_layer_pattern, from the strategy's `collectives` formulas (forward
+                      ones once per forward pass): all-gather, reduce-scatter, all-to-all and a local layer's halo
+                      permutes wait for their bytes (not overlapped); a ring hop overlaps the attention of the block
+                      it carries, so each of its hops exposes max(0, hop bytes / bandwidth - block compute) +
+                      latency + the merge of its result into the fp32 accumulators in HBM
+    step              compute + L x exposed comm (averaged over the pattern)
 
 Bandwidths (per device, one direction): a ring hop uses one ICI link; all-gather and reduce-scatter use both
 directions of every torus dimension their group spans; all-to-all the same, slowed by extent / 4 (its mean hop
