@@ -72,7 +72,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from maxctx import checkpoint_failure as failures
-from maxctx.checkpoint_compat import check_resume_record, check_shapes, resume_record
+from maxctx.checkpoint_compat import check_resume_record, check_shapes, resume_notices, resume_record
 from maxctx.checkpoint_integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
 from maxctx.config import Config, ConfigError
 from maxctx.divergence import DivergenceWatch, KeepLastGood
@@ -279,6 +279,8 @@ class Checkpointer:
                               f"{jax.process_index()} ({DATA}/{mine}) is missing; resume with "
                               f"{meta.get('process_count')} processes, or start a new run_name with "
                               f"load_full_state_path={step_dir}")
+        for notice in resume_notices(meta.get("config"), self.config, int(step_dir.name)):
+            self._say(notice)
 
     def _make_manager(self, directory: epath.Path) -> ocp.CheckpointManager:
         policies = ocp.checkpoint_managers

@@ -6,25 +6,30 @@ the key (or parameter) and both values, with the fix.
   tokenizer must be what the checkpoint was saved with, as recorded in its meta item (`resume_record`); otherwise
   the run would silently read other data from a position meant for the old source, or fail with a KeyError. The
   alternative is `load_full_state_path`: the state of that step, with this config's data from its start.
+- Resuming with another schedule length (`steps`, or learning_rate_schedule_steps) or other grain_train_files is
+  allowed but changes the run, so it gets one line each (`resume_notices`): what changes (the learning rate at the
+  resumed step; the data order) and the key that keeps the old behaviour.
 - Any load: every parameter's shape (`check_shapes`), from Orbax's metadata.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 
 from maxctx.config import MODEL_KEYS, Config, ConfigError
 
-RESUME_KEYS = ("dataset_type", "dataset_name", "dataset_split", "tfds_data_dir", "grain_train_files", "text_field",
+RESUME_KEYS = ("dataset_type", "dataset_name", "dataset_split", "tfds_data_dir", "text_field",
                "tokenizer_path", "tokenizer_type", "add_bos", "add_eos", "packing", "data_shuffle_seed",
                "max_target_length", "grain_worker_count")
+NOTICE_KEYS = ("schedule_steps", "grain_train_files")  # recorded too; a change is reported, not refused
 
 
 def resume_record(config: Config, global_batch: int) -> dict[str, Any]:
     """What a resume must match, stored in each checkpoint's meta item under "config"."""
-    keys = (*RESUME_KEYS, *MODEL_KEYS)
+    keys = (*RESUME_KEYS, *NOTICE_KEYS, *MODEL_KEYS)
     return {**{key: getattr(config, key) for key in keys if hasattr(config, key)}, "global_batch": global_batch}
 
 
@@ -35,13 +40,35 @@ def check_resume_record(saved: dict[str, Any] | None, config: Config, global_bat
         return
     now = resume_record(config, global_batch)
     for key, value in now.items():
-        if key in saved and saved[key] != value:
+        if key in saved and saved[key] != value and key not in NOTICE_KEYS:
             what = ("the global batch (per_device_batch_size x devices x gradient_accumulation_steps)"
                     if key == "global_batch" else key)
             was = f"{saved[key]!r}" if isinstance(saved[key], str) else saved[key]
             raise ConfigError(f"checkpoint {step_dir} was saved with {what}={was} but this run has {value!r}; "
                               f"resume with {key}={saved[key]}, or start a new run_name with load_full_state_path="
                               f"{step_dir} (its parameters and optimizer state; data from the start)")
+
+
+def resume_notices(saved: dict[str, Any] | None, config: Config, step: int) -> list[str]:
+    """One line for each NOTICE_KEYS value this resume changes: what it changes and how to keep the old one."""
+    from maxctx.optimizer import learning_rate_schedule
+
+    saved, notices = saved or {}, []
+    was = saved.get("schedule_steps")
+    if was is not None and was != config.schedule_steps:
+        old = dataclasses.replace(config, learning_rate_schedule_steps=was)
+        notices.append(f"resuming at step {step} on a learning-rate schedule of {config.schedule_steps} steps "
+                       f"(steps={config.steps}), not the {was} it was saved with: the learning rate at step {step} "
+                       f"goes from {float(learning_rate_schedule(old)(step)):.3g} to "
+                       f"{float(learning_rate_schedule(config)(step)):.3g}; to keep the old schedule, add "
+                       f"learning_rate_schedule_steps={was}")
+    was = saved.get("grain_train_files")
+    if was is not None and was != config.grain_train_files:
+        notices.append(f"resuming with grain_train_files='{config.grain_train_files}', not '{was}' as saved: the "
+                       f"data iterator keeps its position but now walks the new files' documents, so the data from "
+                       f"step {step} on is not what the old run would have read; to keep the old data order, "
+                       f"resume with grain_train_files='{was}'")
+    return notices
 
 
 def _flat_shapes(tree: Any) -> dict[str, tuple]:

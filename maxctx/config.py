@@ -289,12 +289,25 @@ def _read_yaml(path: str) -> dict[str, Any]:
         with open(path) as f:
             data = yaml.safe_load(f)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"config file {_yaml_error_where(path, e)}; fix the YAML there") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of key: value, not {type(data).__name__}")
     return data
+
+
+def _yaml_error_where(path: str, error: yaml.YAMLError) -> str:
+    """"'f.yml', line 3, column 1: did not find expected ',' or ']' (while parsing a flow sequence started at line
+    2, column 6)" from PyYAML's marks (0-based)."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return f"'{path}' is not valid YAML: {str(error).splitlines()[0]}"
+    what = getattr(error, "problem", None) or "invalid YAML"
+    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and start is not None:
+        what += f" ({context} started at line {start.line + 1}, column {start.column + 1})"
+    return f"'{path}', line {mark.line + 1}, column {mark.column + 1}: {what}"
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

@@ -71,6 +71,10 @@ def main(argv: list[str]) -> int:
         lower = getattr(e, "learning_rate", config.learning_rate / 10)
         print(f"error: {e} {rerun_command(argv, learning_rate=f'{lower:.3g}')}", file=sys.stderr)
         return EXIT_NONFINITE
+    except MemoryError as e:  # host memory (numpy), not the device's
+        print(f"out of host memory: {e}; lower vocab_size, max_target_length or per_device_batch_size, or use a "
+              f"host with more memory", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     except Exception as e:
         if not is_out_of_memory(e):
             raise

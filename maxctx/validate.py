@@ -92,6 +92,36 @@ def _check_splash_rows(config: Config, cp: int) -> None:
                           f"{128 * config.max_target_length // rows}, or attention=blockwise")
 
 
+# Sizes index int32 arrays (token ids, positions, shapes): a larger one fails deep inside JAX or numpy.
+_INT32_SIZES = ("vocab_size", "base_emb_dim", "base_mlp_dim", "head_dim", "base_num_query_heads", "base_num_kv_heads",
+                "base_num_decoder_layers", "max_target_length", "gradient_accumulation_steps")
+_INT32_MAX = 2**31 - 1
+
+
+def _check_ranges(config: Config) -> None:
+    """Values the code downstream would reject with a traceback (or silently misuse): seeds, optimizer
+    hyperparameters, int32 sizes."""
+    _positive(config, "seed", "data_shuffle_seed", "adam_eps", "adam_weight_decay", "gradient_clipping_threshold",
+              "normalization_layer_epsilon", allow_zero=True)
+    for key, default in (("adam_b1", 0.9), ("adam_b2", 0.95)):
+        if not 0 <= getattr(config, key) < 1:
+            raise ConfigError(f"{key}={getattr(config, key)} must be in [0, 1) (Adam's moment decay; {default} is "
+                              f"the default)")
+    if not 0 <= config.cosine_learning_rate_final_fraction <= 1:
+        raise ConfigError(f"cosine_learning_rate_final_fraction={config.cosine_learning_rate_final_fraction} must "
+                          f"be in [0, 1] (the final learning rate as a fraction of the peak)")
+    for key in _INT32_SIZES:
+        if getattr(config, key) > _INT32_MAX:
+            raise ConfigError(f"{key}={getattr(config, key)} is beyond int32 ({_INT32_MAX}), which indexes token ids, "
+                              f"positions and array shapes; choose a smaller {key}")
+    tokens = config.per_device_batch_size * config.max_target_length * config.gradient_accumulation_steps
+    if tokens > _INT32_MAX:
+        raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x max_target_length="
+                          f"{config.max_target_length} x gradient_accumulation_steps="
+                          f"{config.gradient_accumulation_steps} = {tokens:.3g} tokens per device per step is beyond "
+                          f"int32 ({_INT32_MAX}); lower one of them")
+
+
 def _check_custom_remat(config: Config) -> None:
     """The per-tensor keys of remat_policy=custom take effect only with it: a changed one alone is refused."""
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -166,6 +196,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"learning_rate={config.learning_rate} must be >= 0 and finite in float32 (<= 3.4e38)")
     if not 0 <= config.warmup_steps_fraction < 1:
         raise ConfigError(f"warmup_steps_fraction={config.warmup_steps_fraction} must be in [0, 1)")
+    _check_ranges(config)
     if config.base_num_query_heads % config.base_num_kv_heads:
         raise ConfigError(f"base_num_query_heads={config.base_num_query_heads} is not divisible by "
                           f"base_num_kv_heads={config.base_num_kv_heads}; grouped-query attention needs a multiple")

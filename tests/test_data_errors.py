@@ -98,10 +98,17 @@ def test_blank_text_files_and_wrong_suffix(tmp_path):
         TextSource([str(other)], "grain_train_files", "text")
 
 
-def test_zero_token_document_through_the_pipeline(tmp_path, tok):
+def test_zero_token_documents_are_skipped_through_the_pipeline(tmp_path, tok, capsys):
     path = F.write_jsonl(str(tmp_path / "docs.jsonl"), ["some words", ""])
-    it = iterator("dataset_type=text", f"grain_train_files={path}", f"tokenizer_path={tok}", "packing=none")
-    with pytest.raises(DataError, match="docs.jsonl line 2 is a document of zero tokens"):
+    it = iterator("dataset_type=text", f"grain_train_files={path}", f"tokenizer_path={tok}", "packing=none",
+                  "enable_data_shuffling=false")
+    rows = np.asarray(next(it)["segment_ids"])
+    assert (rows.max(axis=1) == 1).all()  # every row holds 'some words', the only document with tokens
+    assert "data: skipped 1 document of zero tokens so far in grain_train_files" in capsys.readouterr().out
+    it.close()
+    only_empty = F.write_jsonl(str(tmp_path / "empty.jsonl"), ["", ""])
+    it = iterator("dataset_type=text", f"grain_train_files={only_empty}", f"tokenizer_path={tok}")
+    with pytest.raises(DataError, match="every document read is of zero tokens"):
         next(it)
     it.close()
 

@@ -214,3 +214,37 @@ def test_a_really_full_disk_exits_2_and_leaves_the_checkpoints_loadable(env, ref
     proc = train(env, tmp_path, "kept")
     assert "resuming from checkpoint step 4" in proc.stdout, proc.stdout[-2000:]
     assert losses(kept) == losses(reference)
+
+
+def test_resume_with_another_schedule_length_says_what_changes_in_one_line(env, reference, tmp_path):
+    """The straight run was saved on a 20-step schedule; resuming it with the schedule following steps=12 is
+    allowed (it is how a run is extended), with one line naming the jump in learning rate and the key that keeps
+    the old schedule; with that key the run reproduces the straight one."""
+    stopped_at_8(reference, tmp_path / "run")
+    proc = train(env, tmp_path, "run", "steps=12", "learning_rate_schedule_steps=-1")
+    notice = [line for line in proc.stdout.splitlines() if line.startswith("resuming at step 8 on a learning-rate")]
+    assert len(notice) == 1 and "schedule of 12 steps (steps=12), not the 20 it was saved with" in notice[0], \
+        proc.stdout
+    assert notice[0].endswith("to keep the old schedule, add learning_rate_schedule_steps=20"), notice[0]
+    stopped_at_8(reference, tmp_path / "kept")
+    proc = train(env, tmp_path, "kept", "learning_rate_schedule_steps=20")
+    assert "learning-rate schedule" not in proc.stdout
+    assert_continues(reference, tmp_path / "kept", first=9)
+
+
+def test_resume_notices_name_the_change_and_the_old_value():
+    import dataclasses
+
+    from maxctx.checkpoint_compat import resume_notices
+    from maxctx.validate import load_config
+    from tests.support.processes import BASE_YML
+
+    config = load_config([str(BASE_YML), "steps=200", "learning_rate=1e-3"])
+    config = dataclasses.replace(config, grain_train_files="new/*.txt")  # not read: the notice only names it
+    saved = {"schedule_steps": 100, "grain_train_files": "old/*.txt"}
+    schedule, data = resume_notices(saved, config, step=50)
+    assert "learning rate at step 50 goes from 0.000628 to 0.00094" in schedule, schedule
+    assert data.startswith("resuming with grain_train_files='new/*.txt', not 'old/*.txt' as saved") and \
+        data.endswith("resume with grain_train_files='old/*.txt'"), data
+    assert resume_notices({**saved, "schedule_steps": 200, "grain_train_files": "new/*.txt"}, config, 50) == []
+    assert resume_notices(None, config, 50) == []  # checkpoints from before the record

@@ -15,6 +15,11 @@ from tests.support import fixtures as F
 
 
 class FakeSource:
+    name = "corpus.jsonl"
+
+    def __len__(self):
+        return 10
+
     def describe(self, index):
         return f"corpus.jsonl line {index + 1}"
 
@@ -52,10 +57,17 @@ def test_token_ids_without_tokenizer_use_bos_1_eos_2():
 
 
 @pytest.mark.parametrize("value", ["", np.zeros(0, np.int32)], ids=["text", "ids"])
-def test_zero_token_document_is_named(model, value):
+def test_zero_token_document_is_skipped_and_counted(model, value, capsys):
+    """Skipped like scripts/prepare_data.py does; counted, with a line at the 1st, 2nd, 4th, ... skip; a source
+    of nothing else is an error."""
     encode = EncodeDocument(FakeSource(), Tokenizer(model[0], 256), 256, True, True)
-    with pytest.raises(DataError, match="corpus.jsonl line 4 is a document of zero tokens"):
-        encode((value, 3))
+    assert [encode((value, i)) for i in range(3)] == [None, None, None] and encode.skipped == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["data: skipped 1 document of zero tokens so far in corpus.jsonl (latest: corpus.jsonl line 1)",
+                     "data: skipped 2 documents of zero tokens so far in corpus.jsonl (latest: corpus.jsonl line 2)"]
+    with pytest.raises(DataError, match="corpus.jsonl: every document read is of zero tokens"):
+        for i in range(3, 10):
+            encode((value, i))
 
 
 def test_text_without_tokenizer_is_named():

@@ -8,7 +8,7 @@ The grain pipeline of a file or TFDS source, on each process:
 
     documents[shard_index::shard_count]  (the disjoint part of this process's loading group, global_batch.py)
     -> shuffle (train: data_shuffle_seed, reshuffled every epoch) -> repeat forever
-    -> read + tokenize + shift (tokenizer.EncodeDocument)
+    -> read + tokenize + shift (tokenizer.EncodeDocument; documents of zero tokens are skipped and counted)
     -> pack into rows (packing.py) -> batch of the process's rows -> zig-zag CP reorder
     -> grain worker processes (grain_worker_count) or a prefetch thread (grain_prefetch_buffer_size)
 
@@ -143,11 +143,17 @@ def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int) 
     if split == "train" and config.enable_data_shuffling:
         ds = ds.shuffle(seed=config.data_shuffle_seed)
     ds = ds.repeat().map(EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos))
+    ds = ds.filter(_is_document)  # documents of zero tokens, skipped and counted
     rows = layout.local_rows
     seq_len = config.max_target_length
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=max(64, 4 * rows)))
     ds = pack(ds, config.packing, seq_len, num_bins=max(MIN_PACKING_BINS, rows))
     return ds.batch(rows, drop_remainder=True).map(CPReorder(cp))
+
+
+def _is_document(pair: dict | None) -> bool:
+    """False for what EncodeDocument makes of a document of zero tokens (a module function: workers pickle it)."""
+    return pair is not None
 
 
 def _start(ds: grain.IterDataset, config: Config, split: str):

@@ -55,15 +55,20 @@ class EncodeDocument:
 
     The shift happens here, on the whole document with its BOS/EOS, so a document's last input predicts its own
     EOS and no target ever belongs to another document, however rows are later packed, split or reordered.
+
+    A document of zero tokens (`{"text": ""}`) maps to None, which the pipeline filters out, as
+    scripts/prepare_data.py leaves them out; they are counted, and the count is printed at the 1st, 2nd, 4th, 8th,
+    ... skip (by the process, or grain worker, that reads them). A source of nothing else is a DataError.
     """
 
     def __init__(self, source, tokenizer: Tokenizer | None, vocab_size: int, add_bos: bool, add_eos: bool):
         self.source, self.tokenizer, self.vocab_size = source, tokenizer, vocab_size
+        self.skipped = self.encoded = 0
         bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer else (BOS, EOS)
         self.prefix = np.asarray([bos] if add_bos else [], np.int32)
         self.suffix = np.asarray([eos] if add_eos else [], np.int32)
 
-    def __call__(self, document) -> dict[str, np.ndarray]:
+    def __call__(self, document) -> dict[str, np.ndarray] | None:
         value, index = document
         if isinstance(value, str):
             if self.tokenizer is None:
@@ -77,9 +82,20 @@ class EncodeDocument:
                 raise DataError(f"{self.source.describe(index)} holds token id {int(ids.max())} or "
                                 f"{int(ids.min())}, outside [0, vocab_size={self.vocab_size})")
         if not len(ids):
-            raise DataError(f"{self.source.describe(index)} is a document of zero tokens; remove it from the data")
+            return self._skip(index)
+        self.encoded += 1
         tokens = np.concatenate([self.prefix, ids, self.suffix])
         if len(tokens) < 2:
             raise DataError(f"{self.source.describe(index)} has one token and add_bos=add_eos=false, so it has no "
                             f"target; set add_bos or add_eos, or remove it")
         return {"inputs": tokens[:-1], "targets": tokens[1:]}
+
+    def _skip(self, index: int) -> None:
+        self.skipped += 1
+        if not self.encoded and self.skipped >= len(self.source):
+            raise DataError(f"{self.source.name}: every document read is of zero tokens (e.g. "
+                            f"{self.source.describe(index)}); check text_field and the files")
+        if self.skipped & (self.skipped - 1) == 0:  # 1, 2, 4, 8, ...
+            print(f"data: skipped {self.skipped} document{'s' * (self.skipped > 1)} of zero tokens so far in "
+                  f"{self.source.name} (latest: {self.source.describe(index)})", flush=True)
+        return None
