@@ -30,6 +30,7 @@ VALUES = {
     "attention": {"autoselected": "auto", "cudnn_flash_te": "cudnn", "cudnn_flash_jax": "cudnn"},
     "dataset_type": {"grain": "arrayrecord"},
     "packing": {True: "first_fit", False: "none"},
+    "rope_type": {"llama3.1": "llama3"},
 }
 # splash's other block sizes: maxctx's splash uses flash_block_q / flash_block_kv for every pass.
 SPLASH_BLOCKS = {"sa_block_kv_compute": "flash_block_kv", "sa_block_q_dkv": "flash_block_q",

@@ -5,7 +5,8 @@
 
 writes data/train-00000-of-00016.array_record, ...: one record per document, its token ids (BOS/EOS are added
 when training, per add_bos/add_eos). Train with dataset_type=arrayrecord
-grain_train_files='data/train-*.array_record' tokenizer_path=tokenizer.model.
+grain_train_files='data/train-*.array_record' tokenizer_path=tokenizer.model (and the same tokenizer_type).
+--tokenizer_type tiktoken reads Llama 3's tokenizer.model, huggingface a tokenizer.json (or its directory).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxctx.config import ConfigError  # noqa: E402
+from maxctx.config import ConfigError, choices  # noqa: E402
 from maxctx.data import DataError  # noqa: E402
 from maxctx.data.prepare import prepare_shards  # noqa: E402
 
@@ -24,7 +25,10 @@ from maxctx.data.prepare import prepare_shards  # noqa: E402
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="glob(s) of .txt (one document per line) or .jsonl files")
-    parser.add_argument("--tokenizer", required=True, help="sentencepiece .model (scripts/train_tokenizer.py)")
+    parser.add_argument("--tokenizer", required=True,
+                        help="the tokenizer file: a sentencepiece .model (scripts/train_tokenizer.py) by default")
+    parser.add_argument("--tokenizer_type", choices=choices("tokenizer_type"), default="sentencepiece",
+                        help="as the config key: sentencepiece, tiktoken (Llama 3) or huggingface (tokenizer.json)")
     parser.add_argument("--output", required=True, help="prefix of the shards: <output>-00000-of-000NN.array_record")
     parser.add_argument("--num_shards", type=int, default=8)
     parser.add_argument("--text_field", default="text", help="jsonl field holding the document")
@@ -32,7 +36,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         paths, documents, tokens = prepare_shards(args.input, args.tokenizer, args.output, args.num_shards,
-                                                  args.text_field, progress=not args.no_progress)
+                                                  args.text_field, progress=not args.no_progress,
+                                                  tokenizer_type=args.tokenizer_type)
     except (ConfigError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

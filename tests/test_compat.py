@@ -125,6 +125,7 @@ def test_maxtext_meanings(place):
     assert (c.ici_context_parallelism, c.context_parallel_a2a_degree, c.packing) == (4, 2, "none")
     c = load_config([BASE, "tokenizer_path=assets/tokenizer_llama3.tiktoken"])  # MaxText infers tiktoken
     assert c.tokenizer_type == "tiktoken"
+    assert load_config([BASE, "model_name=llama3-8b", "rope_type=llama3.1"]).rope_type == "llama3"
     assert load_config([BASE, "tokenizer_path=assets/tokenizer_llama3.tiktoken",
                         "tokenizer_type=huggingface"]).tokenizer_type == "huggingface"
     # global_parameter_scale=16 on MaxText's default model: heads and MLP x4, width x2, layers x2.

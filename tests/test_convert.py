@@ -109,6 +109,18 @@ def test_round_trip_is_bit_identical(imported, tmp_path, name):
     assert config["architectures"] == source["architectures"]
 
 
+def test_export_with_hf_base_keeps_its_entries_and_tokenizer_files(imported, tmp_path, capsys):
+    assert convert_main(["to_hf", "--checkpoint_path", str(imported["mistral"]), "--output_path", str(tmp_path),
+                         "--hf_base", str(FIXTURES / "mistral")]) == 0
+    assert "generation_config.json" in capsys.readouterr().out
+    config, source = (json.loads((d / "config.json").read_text()) for d in (tmp_path, FIXTURES / "mistral"))
+    assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] is None
+    assert (config["bos_token_id"], config["max_position_embeddings"]) == (source["bos_token_id"], 128)
+    assert (tmp_path / "generation_config.json").read_bytes() == (FIXTURES / "mistral" /
+                                                                   "generation_config.json").read_bytes()
+    assert all(v.dtype == ml_dtypes.bfloat16 for v in _tensors(tmp_path).values())
+
+
 def _write_model(directory: Path, tensors: dict[str, np.ndarray], config: dict, shards: int = 1) -> Path:
     """An HF directory written with numpy: config.json, `shards` safetensors files and their index."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -143,23 +155,40 @@ def test_bf16_round_trip_through_fp32_weights_is_bit_identical(tmp_path):
         assert after[key].dtype == value.dtype and after[key].tobytes() == value.tobytes(), key
 
 
-def test_training_continues_from_the_imported_loss(imported):
+class _NoData:
+    def get_state(self) -> dict:
+        return {}
+
+
+def test_training_continues_from_the_imported_loss_and_exports(imported, tmp_path):
     """The first step's loss (before its update) on the fixture's tokens is transformers' loss of the imported
-    model, far below ln(V), the loss of a fresh model."""
+    model, far below ln(V), the loss of a fresh model; the trained checkpoint exports to HF tensors that are its
+    parameters (the model keys read from the training checkpoint's own record)."""
     tokens = np.load(FIXTURES / "llama" / "tokens.npy")
     logits = np.load(FIXTURES / "llama" / "logits.npy").astype(np.float64)[0, :-1]
     log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     expected = float(np.mean(log_z - logits[np.arange(len(logits)), tokens[0, 1:]]))
-    _, setup, state = _setup(imported["llama"], 1, "max_target_length=127", "steps=2")
+    config, setup, state = _setup(imported["llama"], 1, "max_target_length=127", "steps=2",
+                                  "enable_checkpointing=true", f"base_output_directory={tmp_path}")
     seq = tokens.shape[1] - 1
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.arange(seq, dtype=np.int32)[None],
              "segment_ids": np.ones((1, seq), np.int32), "weights": np.ones((1, seq), np.float32)}
     batch = {k: jax.device_put(v, batch_sharding(setup.mesh)) for k, v in batch.items()}
     step = jit_train_step(setup)
     state, first = step(state, batch)
-    _, second = step(state, batch)
+    state, second = step(state, batch)  # donates the state the first step returned
     assert abs(float(first["loss"]) - expected) < 1e-4 * expected
     assert abs(expected - math.log(64)) > 0.5 and float(second["loss"]) < float(first["loss"])
+
+    checkpointer = Checkpointer(config, setup)
+    checkpointer.save(2, state, _NoData())
+    checkpointer.close()
+    export_hf(config.checkpoint_dir, str(tmp_path / "hf"), "fp32", say=quiet)
+    exported, params = _tensors(tmp_path / "hf"), jax.device_get(state["params"])
+    assert np.array_equal(exported["model.layers.1.self_attn.q_proj.weight"],
+                          params["layers"]["attn"]["wq"][1].reshape(32, 64).T)
+    assert np.array_equal(exported["lm_head.weight"], params["unembed"].T)
+    assert not np.array_equal(exported["lm_head.weight"], _tensors(FIXTURES / "llama")["lm_head.weight"])
 
 
 # ---- bad inputs: exit 2, one line naming the file and the fix ----------------------------------------------------

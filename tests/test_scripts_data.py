@@ -41,6 +41,22 @@ def test_train_tokenizer_then_prepare_shards(tmp_path):
     assert all(isinstance(source[i][0], np.ndarray) for i in range(3))
 
 
+def test_prepare_shards_with_a_tiktoken_tokenizer(tmp_path):
+    import base64
+
+    docs = F.make_documents(20, seed=6)
+    F.write_jsonl(str(tmp_path / "a.jsonl"), docs)
+    ranks = tmp_path / "tokenizer.model"  # Llama 3's format: the 256 bytes as ranks, no merges
+    ranks.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    proc = run("prepare_data.py", "--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(ranks),
+               "--tokenizer_type", "tiktoken", "--output", str(tmp_path / "out" / "train"), "--num_shards", "1",
+               "--no_progress")
+    assert proc.returncode == 0, proc.stderr
+    source = ArrayRecordSource([str(tmp_path / "out" / "train-00000-of-00001.array_record")], "grain_train_files")
+    tok = Tokenizer(str(ranks), 1 << 31, "tiktoken")
+    assert sorted(tuple(source[i][0]) for i in range(len(source))) == sorted(tuple(tok.encode(d)) for d in docs)
+
+
 def test_script_errors_are_one_line_with_exit_2(tmp_path):
     proc = run("train_tokenizer.py", "--input", f"{tmp_path}/none*.txt", "--output", str(tmp_path / "t.model"))
     assert proc.returncode == 2 and "--input" in proc.stderr and "matches no files" in proc.stderr

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     exporter.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     exporter.add_argument("--architecture", choices=("llama", "mistral"), default="",
                           help="default: the imported model's, else llama")
+    exporter.add_argument("--hf_base", default="",
+                          help="the HF directory the model started from: its config.json entries (token ids, "
+                               "context length, architecture) are kept and its tokenizer files copied")
     exporter.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors shard size (GB, 10^9)")
     return parser
 
@@ -56,7 +59,7 @@ def main(argv: list[str]) -> int:
             from maxctx.convert.to_hf import export_hf
 
             export_hf(args.checkpoint_path, args.output_path, args.dtype, overrides, args.architecture,
-                      int(args.max_shard_gb * 1e9))
+                      int(args.max_shard_gb * 1e9), args.hf_base)
     except (ConfigError, CheckpointError) as e:
         print(f"convert error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

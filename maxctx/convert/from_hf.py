@@ -140,7 +140,7 @@ def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -
         if key not in DIM_KEYS.values() and keys[key] != value:
             say(f"note: config.json has {key}={value}, the converted model keeps {key}={keys[key]}")
     params = plan(hf_path, hf_keys, config)
-    out = epath.Path(os.path.abspath(output_path))
+    out = epath.Path(os.path.abspath(output_path))  # a local directory: copy it to a bucket afterwards
     if (out / STEP).exists():
         raise ConfigError(f"--output_path {output_path} already holds a checkpoint ({out / STEP}); give a new "
                           f"directory")
@@ -165,6 +165,7 @@ def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -
     save_deferred(tmp / "state", tree)
     save_json(tmp / "meta", {"config": keys, "architecture": arch, "hf_config": hf, "weight_dtype":
                              config.weight_dtype, "source": os.path.abspath(hf_path)})
+    (tmp / "commit_success.txt").write_text("")  # what Orbax's finality check looks for on object stores
     tmp.rename(out / STEP)
     model_yml = {**({"model_name": config.model_name} if any(o.startswith("model_name=") for o in overrides)
                     else {}), **keys, "weight_dtype": config.weight_dtype}

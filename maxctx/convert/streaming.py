@@ -6,15 +6,17 @@ writes and drops one leaf after the other, so the process holds one parameter (a
 time. The handler's type name is numpy's, and the files are what Orbax's numpy handler writes: the checkpoint is
 an ordinary one, restored by `maxctx.checkpoint` like any other (`load_parameters_path`).
 
-Reading. `restore_one` reads a single parameter of a checkpoint's `state` item as numpy (a partial restore).
+Reading. `open_arrays` opens one parameter of a checkpoint's `state` item for reading slices of it (a layer).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -63,8 +65,11 @@ class _DeferredHandler(type_handlers.NumpyHandler):
 
 def save_deferred(item_dir: epath.Path, tree: dict[str, Any]) -> None:
     """Writes `tree` (leaves: Deferred) as an Orbax PyTree item at `item_dir`, with maxctx's integrity record."""
-    registry = type_handlers.create_type_handler_registry((Deferred, _DeferredHandler()))
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    registry = type_handlers.create_type_handler_registry((Deferred, _DeferredHandler()),
+                                                          (jax.Array, type_handlers.ArrayHandler()))
+    # Uncompressed: with zstd, tensorstore keeps encoded chunks of earlier parameters in memory while it writes
+    # (peak RSS 1.6 GiB instead of 0.7 for four 0.5 GiB arrays of random values).
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(item_dir, args=ocp.args.PyTreeSave(tree))
     write_record(item_dir)
@@ -83,18 +88,17 @@ def shapes(item_dir: epath.Path) -> dict[tuple[str, ...], tuple[tuple[int, ...],
     return {tuple(str(k) for k in path): (tuple(m.shape), np.dtype(m.dtype)) for path, m in flat.items()}
 
 
-def restore_one(item_dir: epath.Path, path: tuple[str, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """One array of a saved PyTree item, as numpy."""
-    target: dict = {}
-    node = target
-    for key in path[:-1]:
-        node = node.setdefault(key, {})
-    node[path[-1]] = np.zeros((), dtype)  # only the structure matters: restore_args say what to make
-    restore_args = ocp.tree.from_flat_dict({path: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)}, target)
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        restored = checkpointer.restore(item_dir, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=True))
-    for key in path:
-        restored = restored[key]
-    assert restored.shape == tuple(shape), (path, restored.shape, shape)
-    return restored
+def open_arrays(item_dir: epath.Path, paths: list[tuple[str, ...]]) -> dict[tuple[str, ...], Any]:
+    """Arrays of a saved PyTree item, opened (not read) with tensorstore: `array[i].read().result()` reads one
+    layer of a stacked parameter, so an export never holds a whole [L, ...] array."""
+    import tensorstore as ts
+
+    saved = json.loads((item_dir / "_METADATA").read_text())
+    context, arrays = type_handlers.get_ts_context(), {}
+    for path in paths:
+        info = type_handlers.ParamInfo(name=".".join(path), parent_dir=item_dir, ts_context=context,
+                                       is_ocdbt_checkpoint=saved.get("use_ocdbt", True),
+                                       use_zarr3=saved.get("use_zarr3", False))
+        spec = type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
+        arrays[path] = ts.open(spec, open=True, context=context).result()
+    return arrays

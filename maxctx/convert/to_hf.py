@@ -1,8 +1,8 @@
 """maxctx checkpoint -> Hugging Face model directory (LlamaForCausalLM / MistralForCausalLM).
 
 Writes `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes` (one tensor may exceed it),
-`model.safetensors.index.json` and `config.json`. One stacked parameter is read from the checkpoint at a time and
-its per-layer HF tensors are written from it, so host memory holds one parameter and one tensor.
+`model.safetensors.index.json` and `config.json`. Each HF tensor is read from the checkpoint on its own (one
+layer of a stacked parameter), converted and written, so host memory holds about one tensor.
 
 The model keys come from the checkpoint's meta item (a training run records them; from_hf records them and the
 source config.json, whose token ids and context length are carried over), then the key=value overrides.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
 import ml_dtypes
@@ -22,11 +23,12 @@ from etils import epath
 from maxctx.checkpoint import META, STATE, resolve_step_dir
 from maxctx.config import MODEL_KEYS, parse_config
 from maxctx.convert import hf_layout, safetensors
-from maxctx.convert.streaming import restore_one, shapes
+from maxctx.convert.streaming import open_arrays, shapes
 from maxctx.errors import ConfigError
 
 OUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32)}
 TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map.json", "generation_config.json")
 
 
 def _meta(step_dir: epath.Path) -> dict[str, Any]:
@@ -36,10 +38,16 @@ def _meta(step_dir: epath.Path) -> dict[str, Any]:
 
 
 def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overrides: list[str] = (),
-              architecture: str = "", max_shard_bytes: int = 5 * 10**9, say=print) -> list[str]:
-    """Converts; returns the files written."""
+              architecture: str = "", max_shard_bytes: int = 5 * 10**9, hf_base: str = "", say=print) -> list[str]:
+    """Converts; returns the files written. `hf_base`: the HF directory the model started from; its config.json
+    entries (token ids, context length, architecture) are carried over and its tokenizer files copied."""
     step_dir = resolve_step_dir(checkpoint_path, "--checkpoint_path")
     meta = _meta(step_dir)
+    if hf_base:
+        from maxctx.convert.from_hf import read_hf_config
+
+        meta = {**meta, "hf_config": read_hf_config(hf_base)}
+        meta["architecture"] = hf_layout.architecture(meta["hf_config"], os.path.join(hf_base, "config.json"))
     saved_keys = {k: v for k, v in (meta.get("config") or {}).items() if k in MODEL_KEYS}
     if not saved_keys and not overrides:
         raise ConfigError(f"checkpoint {step_dir} records no model keys (no meta item); give them as key=value "
@@ -73,14 +81,11 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
         size += nbytes
     out = epath.Path(os.path.abspath(output_path))
     out.mkdir(parents=True, exist_ok=True)
-    cache: dict[tuple, np.ndarray] = {}
+    opened = open_arrays(step_dir / STATE, [("params", *t.path) for t in hf_layout.tensors(keys)])
 
     def tensor(t: hf_layout.Tensor, layer: int | None) -> np.ndarray:
-        path = ("params", *t.path)
-        if path not in cache:
-            cache.clear()  # one stacked parameter at a time
-            cache[path] = restore_one(step_dir / STATE, path, *saved[path])
-        value = cache[path][layer] if t.per_layer else cache[path]
+        array = opened[("params", *t.path)]
+        value = np.asarray((array[layer] if t.per_layer else array).read().result())
         return np.ascontiguousarray(t.to_hf(value, keys).astype(out_dtype))
 
     names, weight_map, done = [], {}, 0
@@ -103,6 +108,9 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
                                                     indent=2))
     hf_config = hf_layout.hf_config(keys, arch, TORCH_NAMES[dtype], meta.get("hf_config") or {})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-    say(f"wrote {len(names)} safetensors files ({total / 2**30:.2f} GiB), {safetensors.INDEX} and config.json to "
-        f"{out}")
-    return [*names, safetensors.INDEX, "config.json"]
+    copied = [f for f in sorted(os.listdir(hf_base)) if f.startswith(TOKENIZER_FILES)] if hf_base else []
+    for name in copied:
+        shutil.copyfile(os.path.join(hf_base, name), out / name)
+    say(f"wrote {len(names)} safetensors files ({total / 2**30:.2f} GiB), {safetensors.INDEX}, config.json"
+        f"{''.join(', ' + f for f in copied)} to {out}")
+    return [*names, safetensors.INDEX, "config.json", *copied]

@@ -45,7 +45,8 @@ def shard_paths(output_prefix: str, num_shards: int) -> list[str]:
 
 
 def prepare_shards(pattern: str, tokenizer_path: str, output_prefix: str, num_shards: int, text_field: str = "text",
-                   vocab_size: int = 1 << 31, progress: bool = True) -> tuple[list[str], int, int]:
+                   vocab_size: int = 1 << 31, progress: bool = True,
+                   tokenizer_type: str = "sentencepiece") -> tuple[list[str], int, int]:
     """Tokenizes the documents of the files matching `pattern` into ArrayRecord shards.
 
     Returns (shard paths, documents written, tokens written). Empty documents are skipped (and counted out).
@@ -56,7 +57,7 @@ def prepare_shards(pattern: str, tokenizer_path: str, output_prefix: str, num_sh
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards} must be >= 1")
     source = TextSource(expand_files(pattern, "--input"), "--input", text_field)
-    tokenizer = Tokenizer(tokenizer_path, vocab_size)
+    tokenizer = Tokenizer(tokenizer_path, vocab_size, tokenizer_type)
     paths = shard_paths(output_prefix, num_shards)
     os.makedirs(os.path.dirname(os.path.abspath(paths[0])), exist_ok=True)
     writers = [ArrayRecordWriter(path, "group_size:1") for path in paths]
