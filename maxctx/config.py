@@ -172,6 +172,7 @@ class Config:
     jax_num_processes: int = 0
     jax_process_id: int = -1
     jax_heartbeat_timeout_seconds: int = 60
+    jax_distributed_initialization_timeout: int = 300
     compile_topology: str = ""
     compile_topology_num_slices: int = 1
     compiled_trainstep_file: str = ""

@@ -4,6 +4,12 @@
 Multi-host: TPU pods initialise automatically; elsewhere the coordinator comes from `jax_coordinator_address`
 or the environment variable JAX_COORDINATOR_ADDRESS (which JAX itself reads), the process count and id from
 `jax_num_processes` / `jax_process_id` or JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+
+Peers that never arrive. `jax.distributed.initialize` waits for every process to register with the coordinator,
+and when its deadline passes XLA aborts the process with a fatal log (exit 134). A watchdog thread ends the wait
+first, after `jax_distributed_initialization_timeout` seconds (JAX's own deadline is set later than that), with one
+line naming the coordinator and the missing process ids, and exit status 2. A process other than 0 probes the
+coordinator's port meanwhile, so it can tell "process 0 is not there" from "some other process is missing".
 """
 
 from __future__ import annotations
@@ -11,6 +17,10 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import socket
+import sys
+import threading
+import time
 
 import jax
 
@@ -62,7 +72,9 @@ def distributed_settings(config: Config) -> dict | None:
     if pid >= num:
         raise ConfigError(f"jax_process_id={pid} must be below jax_num_processes={num}")
     kwargs = {"coordinator_address": address, "num_processes": num, "process_id": pid,
-              "heartbeat_timeout_seconds": config.jax_heartbeat_timeout_seconds}
+              "heartbeat_timeout_seconds": config.jax_heartbeat_timeout_seconds,
+              # JAX's deadline aborts the process; the watchdog (PeerWatchdog) reports and exits 2 before it.
+              "initialization_timeout": config.jax_distributed_initialization_timeout + _JAX_DEADLINE_MARGIN_S}
     if config.cpu_devices > 0:
         kwargs["local_device_ids"] = list(range(config.cpu_devices))
     return kwargs
@@ -75,8 +87,58 @@ def initialize(config: Config) -> None:
     if settings is not None:
         if config.cpu_devices > 0 and "jax_cpu_collectives_implementation" in jax.config.values:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        watchdog = PeerWatchdog(settings, config.jax_distributed_initialization_timeout) if settings else None
         jax.distributed.initialize(**settings)
+        if watchdog is not None:
+            watchdog.cancel()
     check_hardware(config)
+
+
+_JAX_DEADLINE_MARGIN_S = 60
+
+
+class PeerWatchdog:
+    """Ends a jax.distributed.initialize that waits longer than `timeout_s` for its peers: one line on stderr,
+    exit 2 (see the module docstring)."""
+
+    def __init__(self, settings: dict, timeout_s: int):
+        self.address, self.timeout_s = settings["coordinator_address"], timeout_s
+        self.num, self.pid = settings["num_processes"], settings["process_id"]
+        self.reached_coordinator = self.pid == 0
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="peer_watchdog", daemon=True).start()
+
+    def cancel(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        host, _, port = self.address.rpartition(":")
+        while not self._done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if not self.reached_coordinator:
+                try:
+                    socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+                    self.reached_coordinator = True
+                except (OSError, ValueError):
+                    pass
+            if time.monotonic() >= deadline:
+                print(f"launch error: {self.message()}", file=sys.stderr, flush=True)
+                os._exit(2)
+
+    def message(self) -> str:
+        others = [i for i in range(self.num) if i not in (0, self.pid)]
+        if not self.reached_coordinator:
+            missing = "0"
+            why = f"could not reach the coordinator {self.address} (process 0's address) in {self.timeout_s} s"
+        else:
+            missing = (str(others[0]) if len(others) == 1 else
+                       f"one or more of {others[0]}-{others[-1]}" if others == list(range(others[0], others[-1] + 1))
+                       else f"one or more of {', '.join(map(str, others))}")
+            where = "hosted by this process" if self.pid == 0 else "reached"
+            why = f"waited {self.timeout_s} s at the coordinator {self.address} ({where}) for the other processes"
+        return (f"jax.distributed: process {self.pid} of {self.num} {why}; missing process id {missing}; start "
+                f"every process with JAX_COORDINATOR_ADDRESS={self.address} JAX_NUM_PROCESSES={self.num} and its own "
+                f"JAX_PROCESS_ID (or raise jax_distributed_initialization_timeout)")
 
 
 def check_hardware(config: Config) -> None:

@@ -187,7 +187,8 @@ def validate(config: Config) -> None:
                           "gs://bucket/folder")
     _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "reuse_example_batch",
               "max_num_checkpoints_to_keep", allow_zero=True)
-    _positive(config, "jax_heartbeat_timeout_seconds", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
+    _positive(config, "jax_heartbeat_timeout_seconds", "jax_distributed_initialization_timeout", "base_emb_dim",
+              "base_num_query_heads", "base_num_kv_heads",
               "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
               "checkpoint_period", "gradient_accumulation_steps", "eval_steps",
               "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale", "num_vocab_tiling",
