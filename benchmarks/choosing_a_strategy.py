@@ -36,6 +36,12 @@ MAXTEXT = [
 ]
 
 
+# auto's choices the fit table did not compile, compiled for docs/choosing_a_strategy.md: the row's command with
+# context_parallel_strategy=auto, `python -m maxctx.compile` (model, topology, offload, tokens, label) -> the
+# compiled GiB per chip and HBM.
+COMPILED = {("llama3-8b", "v6e-256", "on", 3670016, "usp 8x32"): (9.03, 32)}
+
+
 def fit_rows() -> list[dict]:
     """The first table of benchmarks/fit_table.md: one dict per row."""
     rows = []
@@ -118,7 +124,10 @@ def _default_a2a(config) -> int:
 
 
 def _fits(config, best, row: dict, compiled: dict | None) -> str:
-    """Whether the fit table compiled auto's choice at this length (with the same offload setting)."""
+    """Whether the fit table (or COMPILED) compiled auto's choice at this length (with the same offload setting)."""
+    extra = COMPILED.get((row["model"], row["topology"], row["offload"], config.max_target_length, best.label))
+    if extra is not None:
+        return f"{'yes' if extra[0] <= extra[1] else 'NO'} (compiled for this page: {extra[0]} / {extra[1]} GiB)"
     if best.strategy == row["strategy"] and (best.strategy != "usp" or best.a2a == _default_a2a(config)):
         return "yes (this row's compile)"
     if compiled is None or compiled["max"] is None:
