@@ -131,6 +131,7 @@ class Config:
     adam_eps: float = 1e-8
     adam_weight_decay: float = 0.1
     gradient_clipping_threshold: float = 1.0
+    skip_nonfinite_steps: bool = False
     # Data.
     dataset_type: DatasetType = "synthetic"
     dataset_name: str = "c4/en:3.0.1"

@@ -6,6 +6,10 @@ Batch: dict of [B, S] arrays x[B_(data,fsdp), S_(context,context_a2a)] (see maxc
 
 The loss is the weighted mean of token cross-entropy over every token of the global batch (all micro-batches of
 gradient accumulation together), whatever the mesh: sums are reduced first, divided once.
+
+With skip_nonfinite_steps, a step whose loss or gradient norm is not finite, or whose update would leave a
+non-finite parameter or moment, keeps the previous parameters and optimizer state (the step counter and the data
+still advance) and reports `skipped` = 1; maxctx.metrics.StepLogger counts the skips instead of stopping.
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ def all_finite(tree: Any) -> jax.Array:
 def train_step_fn(setup: TrainSetup):
     """The pure step `(state, batch) -> (state, metrics)` (unjitted)."""
     graphdef, optimizer = setup.graphdef, setup.optimizer
-    accum = setup.config.gradient_accumulation_steps
+    accum, skip_nonfinite = setup.config.gradient_accumulation_steps, setup.config.skip_nonfinite_steps
     schedule = learning_rate_schedule(setup.config)
     grad_fn = jax.value_and_grad(lambda p, b: loss_sums(graphdef, p, b), has_aux=True)
 
@@ -127,9 +131,15 @@ def train_step_fn(setup: TrainSetup):
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads),
-                   "param_norm": optax.tree.norm(new_params), "learning_rate": schedule(state["step"]),
-                   "tokens": weight_sum, "finite": all_finite((new_params, opt_state)).astype(jnp.float32)}
+        loss, grad_norm, finite = loss_sum / denom, optax.tree.norm(grads), all_finite((new_params, opt_state))
+        metrics = {}
+        if skip_nonfinite:  # keep the previous state (finite: it was saved or checked) instead of a bad update
+            keep = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm) & finite)
+            new_params, opt_state = jax.tree.map(lambda new, old: jnp.where(keep, old, new),
+                                                 (new_params, opt_state), (params, state["opt_state"]))
+            finite, metrics["skipped"] = all_finite((new_params, opt_state)), keep.astype(jnp.float32)
+        metrics.update(loss=loss, grad_norm=grad_norm, param_norm=optax.tree.norm(new_params),
+                       learning_rate=schedule(state["step"]), tokens=weight_sum, finite=finite.astype(jnp.float32))
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return step

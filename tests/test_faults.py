@@ -6,6 +6,7 @@ Runs are `python train.py` subprocesses on 2 simulated CPU devices with tiny sha
 cache. A damaged run is a copy of the straight run's checkpoints 6 and 8 (as if it had stopped at step 8) whose
 step 8 is damaged, resumed to step 10: it must set 8 aside and continue from 6."""
 
+import math
 import random
 import shlex
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.faults import DAMAGE, copy_steps, kill_at_random_moment, overwrite_bytes, saved_steps, truncate
-from tests.support.processes import HOOKED_TRAIN, cpu_env, losses, run, steps_on_disk, train_command
+from tests.support.processes import HOOKED_TRAIN, cpu_env, losses, metrics, run, steps_on_disk, train_command
 
 STEPS = 10
 COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=2",
@@ -248,3 +249,18 @@ def test_resume_notices_name_the_change_and_the_old_value():
         data.endswith("resume with grain_train_files='old/*.txt'"), data
     assert resume_notices({**saved, "schedule_steps": 200, "grain_train_files": "new/*.txt"}, config, 50) == []
     assert resume_notices(None, config, 50) == []  # checkpoints from before the record
+
+
+def test_skip_nonfinite_steps_drops_a_nan_step_and_trains_on(env, reference, tmp_path):
+    """Step 5's batch makes its loss and gradient NaN: with skip_nonfinite_steps=true the update is dropped (the
+    weights after step 4 are kept), the run goes on to step 10 and saves, and the metrics count one skip."""
+    proc = run(train_command(*COMMON, f"base_output_directory={tmp_path}", "run_name=run", "skip_nonfinite_steps=true",
+                             script=HOOKED_TRAIN), env={**env, "NAN_STEPS": "5"}, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert "step 5: loss nan, gradient norm nan; update skipped, weights kept" in proc.stdout, proc.stdout
+    records = [r for r in metrics(tmp_path / "run") if r.get("event") == "train"]
+    assert [r["skipped"] for r in records] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert records[-1]["skipped_steps"] == 1 and steps_on_disk(tmp_path / "run") == ["10", "6", "8"]
+    ref, after = losses(reference), losses(tmp_path / "run")
+    assert [after[s] for s in range(1, 5)] == [ref[s] for s in range(1, 5)]
+    assert all(math.isfinite(after[s]) for s in range(6, STEPS + 1))

@@ -144,3 +144,27 @@ def test_only_the_primary_process_prints(clock, capsys):
     logger.flush()
     assert [step for step, _ in writer.steps] == [1]  # the writer itself skips non-primary processes
     assert capsys.readouterr().out == ""
+
+
+def test_skipped_steps_are_counted_not_checked_and_ten_in_a_row_stop(clock, capsys):
+    """skip_nonfinite_steps: a skipped step (NaN loss, state kept) gets a line and skipped_steps counts it; it is
+    neither a NaN stop nor fed to on_step; MAX_SKIPS_IN_A_ROW in a row stop the run."""
+    from maxctx.metrics.step_logger import MAX_SKIPS_IN_A_ROW
+
+    writer, seen = Recorder(), []
+    logger = StepLogger(writer, total_steps=30, log_period=1, tokens_per_step=TOKENS, flops_per_step=FLOPS,
+                        num_devices=DEVICES, peak_flops_per_device=PEAK, on_step=lambda s, m: seen.append(s))
+    nan = float("nan")
+    for step, (loss, skipped) in enumerate([(5.0, 0.0), (nan, 1.0), (4.0, 0.0)]):
+        clock.now = step + 1.0
+        logger.push(step, {"loss": loss, "grad_norm": 1.0, "skipped": skipped})
+    clock.now = 4.0
+    logger.flush(force=True)
+    assert [values["skipped_steps"] for _, values in writer.steps] == [0.0, 1.0, 1.0]
+    assert seen == [1, 3] and logger.last_loss == 4.0
+    assert "step 2: loss nan, gradient norm 1; update skipped, weights kept (skip_nonfinite_steps=true; 1 skipped " \
+           "so far)" in capsys.readouterr().out
+    with pytest.raises(NonFiniteLossError, match=f"step {3 + MAX_SKIPS_IN_A_ROW}: loss=nan"):
+        for step in range(3, 4 + MAX_SKIPS_IN_A_ROW):
+            clock.now = step + 2.0
+            logger.push(step, {"loss": nan, "grad_norm": 1.0, "skipped": 1.0})

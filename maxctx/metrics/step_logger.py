@@ -11,6 +11,10 @@ TensorBoard records and the progress line, behind three calls.
             logger.reset_clock()            # after an eval: its time is not a step's
     logger.flush(force=True)                # the last step is always logged
 
+A step the train step skipped (skip_nonfinite_steps: `skipped` = 1, its state kept) is not checked for NaN nor fed
+to the divergence watch; it gets one line, and `skipped_steps` counts skips in every record; MAX_SKIPS_IN_A_ROW
+consecutive ones stop the run like a NaN.
+
 Step time is averaged over the steps since the last logged one (steadier than one step). A step has no time when
 no fetch came before it: the loop's first step is timed from the logger's creation; the step after a
 `reset_clock` is left out of the window.
@@ -25,6 +29,8 @@ from typing import Any
 from maxctx.metrics.flops import throughput
 from maxctx.metrics.progress import PendingMetrics, StepMetrics, check_finite, device_memory, format_progress
 from maxctx.metrics.writers import MetricsWriter
+
+MAX_SKIPS_IN_A_ROW = 10
 
 
 class StepLogger:
@@ -46,6 +52,7 @@ class StepLogger:
         self._window_seconds, self._window_steps = 0.0, 0  # step time summed since the last logged step
         self.first_loss: float | None = None
         self.last_loss: float | None = None
+        self.skipped_steps, self._skips_in_a_row = 0, 0
 
     def push(self, step: int, metrics: Any) -> None:
         """Takes step `step`'s device metrics, just dispatched; logs the previous step's."""
@@ -63,12 +70,34 @@ class StepLogger:
         if done is None:
             return
         completed = done.step + 1
+        if self._skipped(completed, done.metrics):
+            self._write(done, completed, force)
+            return
         if self._on_step is not None:
             self._on_step(completed, done.metrics)
         check_finite(completed, done.metrics)
         if self.first_loss is None:
             self.first_loss = done.metrics["loss"]
         self.last_loss = done.metrics["loss"]
+        self._write(done, completed, force)
+
+    def _skipped(self, completed: int, metrics: dict[str, float]) -> bool:
+        """Counts a step the train step skipped (see the module docstring); NonFiniteLossError after too many."""
+        if "skipped" in metrics:
+            metrics["skipped_steps"] = self.skipped_steps + metrics["skipped"]
+        if metrics.get("skipped") != 1.0:
+            self._skips_in_a_row = 0
+            return False
+        self.skipped_steps, self._skips_in_a_row = self.skipped_steps + 1, self._skips_in_a_row + 1
+        if self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
+            check_finite(completed, {**metrics, "finite": 0.0})  # raises, naming the values
+        if self.writer.is_primary:
+            print(f"step {completed}: loss {metrics['loss']:.4g}, gradient norm {metrics['grad_norm']:.4g}; update "
+                  f"skipped, weights kept (skip_nonfinite_steps=true; {self.skipped_steps} skipped so far)",
+                  flush=True)
+        return True
+
+    def _write(self, done: StepMetrics, completed: int, force: bool) -> None:
         first = self._loop_start is not None
         seconds = self._step_seconds(done)
         if seconds is not None:

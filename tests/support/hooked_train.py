@@ -5,7 +5,9 @@
 - SIGTERM_STEP: the process sends SIGTERM to itself after that step (only process SIGTERM_PROCESS when that is
   set);
 - ENOSPC_STEPS: comma-separated steps whose saves fail as on a full disk (the JSON write raises
-  OSError(ENOSPC), in Orbax's background thread when saves are asynchronous).
+  OSError(ENOSPC), in Orbax's background thread when saves are asynchronous);
+- NAN_STEPS: comma-separated steps (1-based) whose training batch gets NaN loss weights, so their loss and
+  gradient are NaN.
 """
 
 import asyncio
@@ -20,6 +22,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository, not th
 import orbax.checkpoint as ocp  # noqa: E402
 
 from maxctx import checkpoint, train  # noqa: E402
+from maxctx.data import pipeline  # noqa: E402
 
 slow_step, sigterm_step = int(os.environ.get("SLOW_STEP", -1)), int(os.environ.get("SIGTERM_STEP", -1))
 enospc_steps = [s for s in os.environ.get("ENOSPC_STEPS", "").split(",") if s]
@@ -45,7 +48,37 @@ def should_save_after_signal(self, step):
     return should_save(self, step)
 
 
+nan_steps = {int(s) for s in os.environ.get("NAN_STEPS", "").split(",") if s}
+create_data_iterator = pipeline.create_data_iterator
+
+
+class NanBatches:
+    """The training iterator, with NaN weights in the batches of NAN_STEPS (its state methods pass through)."""
+
+    def __init__(self, iterator):
+        self.iterator, self.batches = iterator, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch, self.batches = next(self.iterator), self.batches + 1
+        step = self.iterator.get_state().get("step", self.batches)  # synthetic data: the resumed step count
+        if step in nan_steps:
+            batch = {**batch, "weights": batch["weights"] * float("nan")}
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self.iterator, name)
+
+
+def nan_data_iterator(config, mesh, split="train"):
+    iterator = create_data_iterator(config, mesh, split)
+    return NanBatches(iterator) if split == "train" else iterator
+
+
 if __name__ == "__main__":
+    pipeline.create_data_iterator = nan_data_iterator
     ocp.JsonCheckpointHandler._save_fn = slow_save_fn
     checkpoint.Checkpointer.should_save = should_save_after_signal
     sys.exit(train.main(sys.argv[1:]))
