@@ -35,8 +35,9 @@ S, H, K, D = 512, 2, 1, 128
 def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window, monkeypatch):
     from maxctx.attention import splash
 
-    if max_table is not None:
+    if max_table is not None:  # row chunks: the blocks may not grow instead
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
+        monkeypatch.setattr(splash, "MAX_BLOCK", 128)
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, S, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(2, S, K, D)).astype(np.float32) for _ in range(2))
@@ -110,3 +111,18 @@ def test_windowed_mask_blocks_equal_the_dense_band():
             kinds.add("visible" if block.all() else "hidden" if not block.any() else "partial")
     assert kinds == {"visible", "hidden", "partial"}
     assert mask != ordered_causal_mask(q_orig, kv_orig)  # the window is part of the mask's identity
+
+
+def test_blocks_grow_before_rows_are_chunked():
+    """usp at 2**24 tokens on v5p-128 (U = 8): 2M query rows against 2M keys per ring hop. 512-token blocks would
+    need 256 row-chunk kernels per mask; blocks grown to 2048 need 16. p2p's 26M row (425,984 rows per device)
+    needs one kernel."""
+    from maxctx.attention.splash import MAX_TABLE_ENTRIES, grown_blocks
+
+    rows = 2 ** 24 // 8
+    bq, bkv = grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, 2048)
+    assert (bq, bkv) == (2048, 2048) and (rows // bq) * (rows // bkv) // MAX_TABLE_ENTRIES == 16
+    rows = 27_262_976 // 64
+    bq, bkv = grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, 2048)
+    assert (rows // bq) * (rows // bkv) <= MAX_TABLE_ENTRIES
+    assert grown_blocks(4096, 4096, 512, 512, MAX_TABLE_ENTRIES, 2048) == (512, 512)  # small calls: as configured
