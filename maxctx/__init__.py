@@ -8,9 +8,9 @@ tests/test_layering.py checks it, and the README's "Layout" section says the sam
     parallelism.py, files.py
                        JAX-free mesh arithmetic (axis sizes and fills, the CP degree and its ring x A2A split);
                        input files checked before JAX
-    topology.py, optimizer.py, metrics/, run_dir.py, divergence.py, checkpoint_integrity.py
+    topology.py, optimizer.py, metrics/, run_dir.py, divergence.py, checkpoint_integrity.py, checkpoint_failure.py
                        TPU slices for AOT compiles; AdamW; FLOPs, peak table, writers, the step logger; the run
-                       directory and its lock; known-good states; checkpoint checksums
+                       directory and its lock; known-good states; checkpoint checksums; failed saves (disk full)
     attention/         kernels, one module per CP strategy (registry: attention/strategies.py), dispatch
     validate.py        every cross-field check, and load_config (parse + check), before JAX starts
     mesh.py, runtime.py
