@@ -18,7 +18,8 @@ EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m maxctx.convert", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m maxctx.convert",
+                                     description="Hugging Face checkpoints to maxctx checkpoints and back.",
                                      epilog="Exit status: 0 converted, 2 bad input.")
     commands = parser.add_subparsers(dest="command", required=True)
     importer = commands.add_parser("from_hf", help="Hugging Face directory -> maxctx checkpoint")

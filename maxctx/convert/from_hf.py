@@ -2,14 +2,14 @@
 
 Steps: config.json -> maxctx model keys (or a preset and overrides, checked against it); every tensor's presence,
 shape and dtype checked from the safetensors headers before anything is written; then one parameter at a time
-(a stacked [L, ...] array filled layer by layer from the files) into an Orbax checkpoint:
+and one layer at a time (each layer of a stacked [L, ...] parameter is read, converted and written on its own)
+into an Orbax checkpoint:
 
     <output_path>/0/state   {"params": ...} as a training checkpoint holds them (with maxctx's integrity record)
     <output_path>/0/meta    {"config": model keys, "architecture", "hf_config"}: what to_hf needs to go back
     <output_path>/model.yml the model keys, for `python train.py <output_path>/model.yml ...`
 
-Peak host memory: the largest stacked parameter in weight_dtype, one HF tensor being read, and what Orbax
-buffers while writing that parameter; never the whole model.
+Peak host memory: about one HF tensor (read, converted, written), never a whole stacked parameter or the model.
 """
 
 from __future__ import annotations
@@ -111,21 +111,17 @@ def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list
     return result
 
 
-def _stacker(t: Tensor, infos: list[safetensors.TensorInfo], keys: dict, dtype: np.dtype, progress) -> Deferred:
+def _deferred(t: Tensor, infos: list[safetensors.TensorInfo], keys: dict, dtype: np.dtype, progress) -> Deferred:
+    """The parameter as a leaf made when written: layer i from its HF tensor (or the one tensor)."""
+
+    def make(i: int | None) -> np.ndarray:
+        info = infos[0 if i is None else i]
+        value = t.to_maxctx(safetensors.read(info), keys).astype(dtype)
+        progress(info, t)
+        return value
+
     shape = ((len(infos),) if t.per_layer else ()) + t.mx_shape(keys)
-
-    def make() -> np.ndarray:
-        out = np.empty(shape, dtype)
-        for i, info in enumerate(infos):
-            value = t.to_maxctx(safetensors.read(info), keys)
-            if t.per_layer:
-                out[i] = value
-            else:
-                out[...] = value
-            progress(info, t)
-        return out
-
-    return Deferred(shape, dtype, make)
+    return Deferred(shape, dtype, make, stacked=t.per_layer)
 
 
 def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -> str:
@@ -157,7 +153,7 @@ def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -
         node = tree.setdefault("params", {})
         for key in t.path[:-1]:
             node = node.setdefault(key, {})
-        node[t.path[-1]] = _stacker(t, infos, keys, dtype, progress)
+        node[t.path[-1]] = _deferred(t, infos, keys, dtype, progress)
     tmp = out / f"{STEP}.orbax-checkpoint-tmp-convert"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -1,8 +1,10 @@
 """maxctx checkpoint -> Hugging Face model directory (LlamaForCausalLM / MistralForCausalLM).
 
 Writes `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes` (one tensor may exceed it),
-`model.safetensors.index.json` and `config.json`. Each HF tensor is read from the checkpoint on its own (one
-layer of a stacked parameter), converted and written, so host memory holds about one tensor.
+`model.safetensors.index.json` and `config.json`. Each HF tensor is read, converted and written on its own: one
+layer of a stacked parameter where the checkpoint stores layers as chunks (from_hf writes them so), else the
+stacked parameter is read once for its layers (a training run's checkpoint, chunked by device shards). Host memory
+holds one tensor, or one stacked parameter.
 
 The model keys come from the checkpoint's meta item (a training run records them; from_hf records them and the
 source config.json, whose token ids and context length are carried over), then the key=value overrides.
@@ -82,10 +84,18 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
     out = epath.Path(os.path.abspath(output_path))
     out.mkdir(parents=True, exist_ok=True)
     opened = open_arrays(step_dir / STATE, [("params", *t.path) for t in hf_layout.tensors(keys)])
+    whole: dict[tuple, np.ndarray] = {}
 
     def tensor(t: hf_layout.Tensor, layer: int | None) -> np.ndarray:
-        array = opened[("params", *t.path)]
-        value = np.asarray((array[layer] if t.per_layer else array).read().result())
+        path = ("params", *t.path)
+        array = opened[path]
+        if t.per_layer and array.chunk_layout.read_chunk.shape[0] == 1:  # layer chunks (from_hf): one layer
+            value = np.asarray(array[layer].read().result())
+        else:  # chunks span the layers (a training run's shards): the parameter once, then its layers
+            if path not in whole:
+                whole.clear()
+                whole[path] = np.asarray(array.read().result())
+            value = whole[path][layer] if t.per_layer else whole[path]
         return np.ascontiguousarray(t.to_hf(value, keys).astype(out_dtype))
 
     names, weight_map, done = [], {}, 0
