@@ -14,7 +14,9 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
     llama      Llama 2 style: rope_theta 1e4, untied output
     llama3_1   Llama 3.1 RoPE scaling (rope_type llama3, factor 8, original context 64); S = 128 tokens, so half
                the positions are past the original context and every frequency band (kept, blended, scaled) is used
-    mistral    MistralForCausalLM, no sliding window, rope_theta 1e6, tied embedding (the tied path)
+    mistral    MistralForCausalLM, no sliding window, rope_theta 1e6, tied embedding (the tied path); also
+               logits_sliding_window_32.npy: the same weights with config.json's sliding_window=32 (Mistral v0.1's
+               kind of window, every layer local)
 """
 
 from __future__ import annotations
@@ -73,6 +75,17 @@ def make(name: str, out: str) -> None:
     print(f"{directory}: {sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))} bytes")
 
 
+def window_logits(out: str, window: int = 32) -> None:
+    import transformers
+
+    directory = os.path.join(out, "mistral")
+    model = transformers.MistralForCausalLM.from_pretrained(directory, sliding_window=window,
+                                                            attn_implementation="eager").float().eval()
+    assert model.config.sliding_window == window
+    np.save(os.path.join(directory, f"logits_sliding_window_{window}.npy"),
+            logits(model, np.load(os.path.join(directory, "tokens.npy"))))
+
+
 def check_export(name: str, out: str) -> float:
     """from_hf then to_hf (fp32) with maxctx; the export, loaded by transformers, must give the stored logits.
     Returns the largest difference relative to the logit range."""
@@ -103,6 +116,8 @@ def main() -> None:
     for name in MODELS:
         if not args.check_only:
             make(name, args.out)
+            if name == "mistral":
+                window_logits(args.out)
         check_export(name, args.out)
 
 

@@ -21,6 +21,7 @@ from maxctx.convert import safetensors
 from maxctx.convert.cli import main as convert_main
 from maxctx.convert.from_hf import import_hf
 from maxctx.convert.to_hf import export_hf
+from maxctx.errors import ConfigError
 from maxctx.mesh import batch_sharding, create_mesh
 from maxctx.train_step import jit_train_step, make_setup
 from maxctx.validate import load_config
@@ -88,6 +89,35 @@ def test_llama3_scaling_is_what_makes_llama3_1_match(imported):
     expected = np.load(FIXTURES / "llama3_1" / "logits.npy")
     got = _logits(imported["llama3_1"], np.load(FIXTURES / "llama3_1" / "tokens.npy"), 1, "rope_type=default")
     assert _relative_error(got, expected) > 1e-2
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory) -> Path:
+    """The Mistral fixture with config.json's sliding_window=32 (Mistral v0.1's kind of model), imported."""
+    out = tmp_path_factory.mktemp("windowed")
+    shutil.copytree(FIXTURES / "mistral", out / "hf")
+    config = json.loads((out / "hf" / "config.json").read_text())
+    (out / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": 32}))
+    import_hf(str(out / "hf"), str(out / "ckpt"), [], say=quiet)
+    return out
+
+
+@pytest.mark.parametrize("cp,strategy", [(1, "all_gather"), (4, "all_gather"), (4, "p2p")])
+def test_mistral_sliding_window_imports_as_local_layers(windowed, cp, strategy):
+    expected = np.load(FIXTURES / "mistral" / "logits_sliding_window_32.npy")
+    got = _logits(windowed / "ckpt", np.load(FIXTURES / "mistral" / "tokens.npy"), cp,
+                  f"context_parallel_strategy={strategy}")
+    assert _relative_error(got, expected) < 1e-5
+    model = (windowed / "ckpt" / "model.yml").read_text()
+    assert "sliding_window_size: 32" in model and "attention_layer_pattern: L" in model
+
+
+def test_mistral_sliding_window_exports(windowed, tmp_path):
+    export_hf(str(windowed / "ckpt"), str(tmp_path), "fp32", say=quiet)
+    assert json.loads((tmp_path / "config.json").read_text())["sliding_window"] == 32
+    with pytest.raises(ConfigError, match="no Hugging Face LlamaForCausalLM equivalent"):
+        export_hf(str(windowed / "ckpt"), str(tmp_path / "llama"), "fp32", architecture="llama", say=quiet)
+    assert not (tmp_path / "llama").exists()
 
 
 def _tensors(directory: Path) -> dict[str, np.ndarray]:

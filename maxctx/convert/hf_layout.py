@@ -116,21 +116,20 @@ def _rope_keys(hf: dict, where: str) -> dict[str, Any]:
 def model_keys(hf: dict, where: str) -> dict[str, Any]:
     """maxctx's model keys (config.MODEL_KEYS) for an HF config.json; refuses what maxctx cannot run exactly."""
     architecture(hf, where)
-    for key, fine in (("hidden_act", ("silu", None)), ("attention_bias", (False, None)), ("mlp_bias", (False, None)),
-                      ("sliding_window", (None,))):
+    for key, fine in (("hidden_act", ("silu", None)), ("attention_bias", (False, None)), ("mlp_bias", (False, None))):
         if hf.get(key) not in fine:
             raise ConfigError(f"{where}: {key}={hf.get(key)!r} is not something maxctx's model has (it needs "
-                              f"{' or '.join(map(str, fine))}); " + (
-                                  "maxctx attends over the whole context: set sliding_window to null in config.json "
-                                  "to continue training with full attention" if key == "sliding_window" else
-                                  "this checkpoint cannot be converted"))
+                              f"{' or '.join(map(str, fine))}); this checkpoint cannot be converted")
+    # Mistral's sliding window (q - W < k <= q in every layer) is maxctx's with every layer local (pattern L).
+    window = hf.get("sliding_window") if architecture(hf, where) == "mistral" else None
     heads = hf["num_attention_heads"]
     return {"base_emb_dim": hf["hidden_size"], "base_num_query_heads": heads,
             "base_num_kv_heads": hf.get("num_key_value_heads") or heads, "base_mlp_dim": hf["intermediate_size"],
             "base_num_decoder_layers": hf["num_hidden_layers"],
             "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "vocab_size": hf["vocab_size"],
             "normalization_layer_epsilon": float(hf.get("rms_norm_eps", Config.normalization_layer_epsilon)),
-            "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)), **_rope_keys(hf, where)}
+            "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)), "sliding_window_size": window or 0,
+            "attention_layer_pattern": "L" if window else "", **_rope_keys(hf, where)}
 
 
 def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]) -> dict[str, Any]:
@@ -150,12 +149,18 @@ def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]
         if keys["rope_attention_factor"] > 0:
             rope["attention_factor"] = keys["rope_attention_factor"]
     architecture_name = {v: k for k, v in ARCHITECTURES.items()}[arch]
+    window = keys.get("sliding_window_size", 0)
+    if window and (arch != "mistral" or keys.get("attention_layer_pattern", "").strip("L")):
+        raise ConfigError(f"sliding_window_size={window} with attention_layer_pattern="
+                          f"'{keys.get('attention_layer_pattern', '')}' has no Hugging Face {architecture_name} "
+                          f"equivalent (only Mistral's sliding_window, every layer local); export with "
+                          f"--architecture mistral and every layer local, or train without the window")
     positions = extra.get("max_position_embeddings") or (
         int(keys["original_max_position_embeddings"] * keys["rope_factor"]) if rope and "factor" in rope and
         keys["rope_type"] != "linear" else keys["original_max_position_embeddings"])
     drop = ("rope_scaling", "rope_parameters", "architectures", "model_type", "dtype", "torch_dtype")
-    window = {"sliding_window": None} if arch == "mistral" else {}
-    return {**{k: v for k, v in extra.items() if k not in drop}, **window,
+    mistral = {"sliding_window": window or None} if arch == "mistral" else {}
+    return {**{k: v for k, v in extra.items() if k not in drop}, **mistral,
             "architectures": [architecture_name], "model_type": arch, "hidden_act": "silu",
             "hidden_size": keys["base_emb_dim"], "intermediate_size": keys["base_mlp_dim"],
             "num_attention_heads": keys["base_num_query_heads"], "num_key_value_heads": keys["base_num_kv_heads"],

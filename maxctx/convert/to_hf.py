@@ -57,6 +57,7 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
     config = parse_config([*(f"{k}={v}" for k, v in saved_keys.items()), *overrides])
     keys = {k: getattr(config, k) for k in MODEL_KEYS}
     arch = architecture or meta.get("architecture") or "llama"
+    hf_config = hf_layout.hf_config(keys, arch, TORCH_NAMES[dtype], meta.get("hf_config") or {})
     saved = shapes(step_dir / STATE)
     layers = keys["base_num_decoder_layers"]
     plan = []  # (hf name, shape, tensor, layer)
@@ -116,7 +117,6 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
     total = sum(out_dtype.itemsize * int(np.prod(s)) for _, s, _, _ in plan)
     (out / safetensors.INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2))
-    hf_config = hf_layout.hf_config(keys, arch, TORCH_NAMES[dtype], meta.get("hf_config") or {})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     copied = [f for f in sorted(os.listdir(hf_base)) if f.startswith(TOKENIZER_FILES)] if hf_base else []
     for name in copied:
