@@ -248,8 +248,16 @@ def test_missing_tensor(tmp_path, capsys):
         (d / "model.safetensors").unlink()
         _write_model(d, tensors, json.loads((d / "config.json").read_text()))
 
-    line = _one_line(capsys, _from_hf(_broken(tmp_path, drop), tmp_path))
-    assert "'model.layers.1.mlp.up_proj.weight' is missing" in line and "download it again" in line
+    directory = _broken(tmp_path, drop)
+    line = _one_line(capsys, _from_hf(directory, tmp_path))
+    assert line.startswith(f"convert error: {directory}: tensor 'model.layers.1.mlp.up_proj.weight' is missing")
+    assert "download it again" in line
+    index = json.loads((directory / safetensors.INDEX).read_text())  # the index still lists it: the file is named
+    index["weight_map"]["model.layers.1.mlp.up_proj.weight"] = "model-00001-of-00001.safetensors"
+    (directory / safetensors.INDEX).write_text(json.dumps(index))
+    line = _one_line(capsys, _from_hf(directory, tmp_path))
+    assert f"{directory / 'model-00001-of-00001.safetensors'}: tensor 'model.layers.1.mlp.up_proj.weight'" in line
+    assert "the file is damaged: download it again" in line
 
 
 def test_unknown_architecture(tmp_path, capsys):

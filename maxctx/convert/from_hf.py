@@ -84,6 +84,10 @@ def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list
                 name = "model.embed_tokens.weight"  # tied in the checkpoint, untied in this config
             info = files.get(name)
             if info is None:
+                listed = safetensors.listed_in(hf_path, name)
+                if listed:
+                    raise ConfigError(f"{listed}: tensor '{name}' is missing, though {safetensors.INDEX} puts it "
+                                      f"there; the file is damaged: download it again")
                 raise ConfigError(f"{hf_path}: tensor '{name}' is missing from its *.safetensors; the download is "
                                   f"incomplete (download it again) or the model differs from this config "
                                   f"({'num_hidden_layers' if t.per_layer else 'tie_word_embeddings'} in config.json)")

@@ -117,6 +117,16 @@ def model_tensors(directory: str) -> dict[str, TensorInfo]:
     return tensors
 
 
+def listed_in(directory: str, name: str) -> str | None:
+    """The file model.safetensors.index.json says holds tensor `name`, if it names one."""
+    try:
+        with open(os.path.join(directory, INDEX)) as f:
+            file = json.load(f)["weight_map"].get(name)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return os.path.join(directory, file) if file else None
+
+
 def _header(tensors: Iterable[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
     entries, offset = {"__metadata__": metadata}, 0
     for name, dtype, shape in tensors:
