@@ -102,11 +102,12 @@ def windowed(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("cp,strategy", [(1, "all_gather"), (4, "all_gather"), (4, "p2p")])
+@pytest.mark.parametrize("cp,strategy", [(1, "all_gather"), (4, "all_gather"), (4, "a2a"), (4, "p2p"), (4, "usp")])
 def test_mistral_sliding_window_imports_as_local_layers(windowed, cp, strategy):
     expected = np.load(FIXTURES / "mistral" / "logits_sliding_window_32.npy")
+    extra = ["context_parallel_a2a_degree=2"] if strategy == "usp" else []
     got = _logits(windowed / "ckpt", np.load(FIXTURES / "mistral" / "tokens.npy"), cp,
-                  f"context_parallel_strategy={strategy}")
+                  f"context_parallel_strategy={strategy}", *extra)
     assert _relative_error(got, expected) < 1e-5
     model = (windowed / "ckpt" / "model.yml").read_text()
     assert "sliding_window_size: 32" in model and "attention_layer_pattern: L" in model
