@@ -206,6 +206,16 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def layer_windows(config: Config) -> tuple[int, ...]:
+    """The attention window of each layer of one repeating group (0: global), shortest period first: every layer
+    local (Mistral v0.1) is (W,), LLLLLG is (W, W, W, W, W, 0), no window is (0,)."""
+    pattern = config.attention_layer_pattern or ("L" if config.sliding_window_size > 0 else "G")
+    windows = tuple(config.sliding_window_size if c == "L" else 0 for c in pattern)
+    period = next(p for p in range(1, len(windows) + 1)
+                  if len(windows) % p == 0 and windows == windows[:p] * (len(windows) // p))
+    return windows[:period]
+
+
 MODEL_KEYS = (
     "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers",
     "head_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "logits_via_embedding",

@@ -223,16 +223,6 @@ def validate(config: Config) -> None:
         check_devices(config, topology.parse(config.compile_topology).num_devices * num_slices(config))
 
 
-def layer_windows(config: Config) -> tuple[int, ...]:
-    """The attention window of each layer of one repeating group (0: global), shortest period first: every layer
-    local (Mistral v0.1) is (W,), LLLLLG is (W, W, W, W, W, 0), no window is (0,)."""
-    pattern = config.attention_layer_pattern or ("L" if config.sliding_window_size > 0 else "G")
-    windows = tuple(config.sliding_window_size if c == "L" else 0 for c in pattern)
-    period = next(p for p in range(1, len(windows) + 1)
-                  if len(windows) % p == 0 and windows == windows[:p] * (len(windows) // p))
-    return windows[:period]
-
-
 def _check_window(config: Config) -> None:
     w, pattern = config.sliding_window_size, config.attention_layer_pattern
     if w < 0:

@@ -22,7 +22,8 @@ from maxctx.attention.dot_product import dot_product_attention
 from maxctx.attention.load_balance import restore_order, zigzag_permutation
 from maxctx.attention.strategy import AttentionShape, by_kind
 from maxctx.config import ConfigError
-from maxctx.validate import layer_windows, load_config
+from maxctx.config import layer_windows
+from maxctx.validate import load_config
 from tests.support.hlo import collective_bytes
 from tests.support.meshes import FAST_COMPILE, make_mesh
 from tests.support.processes import cpu_env, python
@@ -246,3 +247,21 @@ def dataclasses_replace(cfg, **changes):
     import dataclasses
 
     return dataclasses.replace(cfg, **changes)
+
+
+def test_model_flops_count_the_band():
+    """MFU's attention FLOPs: a local layer counts the band's pairs, brute-forced here, not S^2 / 2."""
+    from maxctx.metrics.flops import attention_pairs, training_flops_per_step
+
+    seg = np.asarray([[1] * 10 + [2] * 3 + [0] * 3])
+    brute = sum(1 for i in range(16) for j in range(16)
+                if seg[0, i] and seg[0, i] == seg[0, j] and 0 <= i - j < 4)
+    assert attention_pairs(1, 16, segment_ids=seg, window=4) == brute
+    assert attention_pairs(2, 1000, window=100) == 2 * (1000 * 100 - 100 * 100 / 2)
+    assert attention_pairs(2, 1000, window=5000) == attention_pairs(2, 1000)
+    base = ["configs/base.yml", "base_num_decoder_layers=4"]
+    glob = training_flops_per_step(load_config(base), 8, 1024)
+    local = training_flops_per_step(load_config([*base, "sliding_window_size=64"]), 8, 1024)
+    mixed = training_flops_per_step(load_config([*base, "sliding_window_size=64", "attention_layer_pattern=LG"]),
+                                    8, 1024)
+    assert local < mixed < glob and np.isclose(mixed, (local + glob) / 2)

@@ -8,6 +8,9 @@ F mlp, V vocab, L layers.
     attention = 12 * L * H * Dh * A                         # QK^T and PV: 4*H*Dh per (query, key) pair, x3
     A         = B * S^2 / 2                                 # causal pairs (MaxText's halving)
               = sum over rows and documents of n(n+1)/2     # with segment ids: the true area of packed documents
+    A_local   = B * (S W - W^2 / 2)                         # a sliding-window layer (W < S): the band
+              = sum of W(W+1)/2 + (n - W) W per document    # with segment ids (n(n+1)/2 when n <= W)
+    attention = 12 * H * Dh * (sum of A over the layers)     # each layer with its own window
     total     = matmul + attention
 
 Counted: the Q/K/V/O projections, the SwiGLU MLP, the unembedding (also when it reuses the embedding table);
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maxctx.config import Config
+from maxctx.config import Config, layer_windows
 
 
 def matmul_params(config: Config) -> int:
@@ -35,14 +38,18 @@ def matmul_params(config: Config) -> int:
 
 
 def attention_pairs(global_batch: int, seq_len: int, *, segment_ids: np.ndarray | None = None,
-                    causal: bool = True) -> float:
+                    causal: bool = True, window: int = 0) -> float:
     """(query, key) pairs attended per layer and head, summed over the batch: A above.
 
     Without segment ids: B*S^2/2 causal (MaxText's convention, diagonal not added), B*S^2 otherwise. With segment
     ids [B, S] (0 marks padding, which is not counted), each document of n tokens in a row adds n(n+1)/2 causal
     pairs (n^2 otherwise); counts per id, so any token order (e.g. the load-balanced zig-zag) gives the same area.
+    A sliding window W > 0 (causal only) counts the band: S W - W^2 / 2 per row, or per document of n > W tokens
+    W(W+1)/2 + (n - W) W.
     """
     if segment_ids is None:
+        if causal and 0 < window < seq_len:
+            return float(global_batch) * (seq_len * window - window * window / 2)
         full = float(global_batch) * seq_len * seq_len
         return full / 2 if causal else full
     ids = np.asarray(segment_ids, dtype=np.int64)
@@ -51,6 +58,9 @@ def attention_pairs(global_batch: int, seq_len: int, *, segment_ids: np.ndarray 
     # Tokens per (row, document): one bincount over ids made unique across rows; linear in B*S.
     rows = np.arange(ids.shape[0], dtype=np.int64)[:, None] * (int(ids.max(initial=0)) + 1)
     counts = np.bincount((ids + rows)[ids != 0]).astype(np.float64)
+    if causal and window > 0:
+        inside = np.minimum(counts, window)
+        return float(np.sum(inside * (inside + 1) / 2 + (counts - inside) * window))
     return float(np.sum(counts * (counts + 1) / 2 if causal else counts * counts))
 
 
@@ -63,8 +73,10 @@ def training_flops_per_step(config: Config, global_batch: int, seq_len: int, *,
     attention area instead of B*S^2/2. Remat recompute is not counted (MFU counts model FLOPs).
     """
     matmul = 6.0 * matmul_params(config) * global_batch * seq_len
-    pairs = attention_pairs(global_batch, seq_len, segment_ids=segment_ids)
-    attention = 12.0 * config.base_num_decoder_layers * config.base_num_query_heads * config.head_dim * pairs
+    windows = layer_windows(config)  # one group of layers; the pattern repeats L / len(windows) times
+    pairs = sum(attention_pairs(global_batch, seq_len, segment_ids=segment_ids, window=w) for w in windows)
+    pairs *= config.base_num_decoder_layers / len(windows)
+    attention = 12.0 * config.base_num_query_heads * config.head_dim * pairs
     return matmul + attention
 
 

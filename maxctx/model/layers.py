@@ -15,10 +15,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.config import REMAT_NAMES, Config
+from maxctx.config import REMAT_NAMES, Config, layer_windows
 from maxctx.model.rope import RopeSpec, rotary
 from maxctx.model.tiling import map_chunks
-from maxctx.validate import layer_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +44,7 @@ class ModelConfig:
     num_vocab_tiling: int = Config.num_vocab_tiling
     mlp_sequence_chunks: int = Config.mlp_sequence_chunks
     attention: AttentionSpec = AttentionSpec()
-    # The sliding window of each layer of one repeating group (0: global); maxctx.validate.layer_windows.
+    # The sliding window of each layer of one repeating group (0: global); maxctx.config.layer_windows.
     layer_windows: tuple[int, ...] = (0,)
 
     @classmethod
