@@ -1,5 +1,6 @@
-"""The long version of tests/test_faults.py: every checkpoint damage, and kill -9 at random moments of a run that
-saves every step (async), each followed by a resume; prints one row per case and a summary.
+"""The long version of tests/test_faults.py: every checkpoint damage, a full disk during an async save (under both
+checkpoint_failure_policy values), and kill -9 at random moments of a run that saves every step (async), each
+followed by a resume; prints one row per case and a summary.
 
     python scripts/fault_matrix.py [--trials 20] [--steps 10] [--seed 0] [--out DIR]
 
@@ -20,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.support
 
 from tests.support.faults import DAMAGE, copy_steps, kill_at_random_moment, saved_steps  # noqa: E402
-from tests.support.processes import cpu_env, losses, run, steps_on_disk, train_command  # noqa: E402
+from tests.support.processes import HOOKED_TRAIN, cpu_env, losses, run, steps_on_disk, train_command  # noqa: E402
 
 KEYS = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=2",
         "learning_rate_schedule_steps=20", "peak_tflops_per_device=1", "enable_tensorboard=false"]
@@ -56,9 +57,9 @@ def main() -> int:
         out = Path(args.out or tmp)
         env = cpu_env(compile_cache=out / "jax_cache")
 
-        def command(run_name: str, *overrides: str) -> list[str]:
+        def command(run_name: str, *overrides: str, script: Path | None = None) -> list[str]:
             return train_command(*KEYS, f"steps={args.steps}", "checkpoint_period=2", f"base_output_directory={out}",
-                                 f"run_name={run_name}", *overrides)
+                                 f"run_name={run_name}", *overrides, script=script)
 
         straight = run(command("straight"), env=env)
         if straight.returncode != 0:
@@ -77,6 +78,18 @@ def main() -> int:
                 passed, outcome = False, f"{outcome}; {newer} not set aside as {newer}.corrupt"
             rows.append((f"step {newer}: {name}", passed, outcome, start))
             print(*rows[-1], sep=" | ", flush=True)
+        for policy in ("exit", "continue"):  # the save of `newer` fails as on a full disk, then a plain resume
+            run_dir = out / f"disk_full_{policy}"
+            full = run(command(run_dir.name, f"checkpoint_failure_policy={policy}", script=HOOKED_TRAIN),
+                       env={**env, "ENOSPC_STEPS": str(newer)})
+            proc = full if policy == "continue" else run(command(run_dir.name), env=env)
+            passed, outcome, start = judge(proc, reference, run_dir, args.steps)
+            said = [line for line in full.stdout.splitlines() + full.stderr.splitlines()
+                    if line.startswith(("saving checkpoint step", "checkpoint error: saving checkpoint step"))]
+            if full.returncode != {"exit": 2, "continue": 0}[policy] or len(said) != 1 or "Traceback" in full.stderr:
+                passed, outcome = False, f"{outcome}; the failed save exited {full.returncode}, said {said}"
+            rows.append((f"disk full at step {newer}, {policy}", passed, outcome, start))
+            print(*rows[-1], sep=" | ", flush=True)
         rng = random.Random(args.seed)
         for trial in range(args.trials):
             run_dir = out / f"kill_{trial}"
@@ -93,7 +106,8 @@ def main() -> int:
     for case, passed, outcome, start in rows:
         print(f"{case:<{width}}  {'yes' if passed else 'NO':<4}  {start:>4}  {outcome}")
     kills = [r for r in rows if r[0].startswith("kill")]
-    print(f"\ndamage cases passed: {sum(r[1] for r in rows if not r[0].startswith('kill'))}/{len(DAMAGE)}; "
+    print(f"\ndamage and disk-full cases passed: {sum(r[1] for r in rows if not r[0].startswith('kill'))}/"
+          f"{len(DAMAGE) + 2}; "
           f"kill -9 trials passed: {sum(r[1] for r in kills)}/{len(kills)}")
     return 0 if all(r[1] for r in rows) else 1
 
