@@ -5,8 +5,10 @@ AOT-compiled step (memory and FLOPs logged before step 0) -> init or resume -> f
 dispatch the step, log the previous step's metrics (one step late, so the host never blocks the device),
 evaluate and checkpoint on their periods.
 
-Exit status: 0 done, 2 configuration, data or checkpoint error, 3 non-finite loss (the last good checkpoint is
-kept), 4 out of device memory (HBM, or a kernel's on-chip memory), with what to change (maxctx.out_of_memory).
+Exit status: 0 done, 2 configuration, data or checkpoint error (a failed save included, per
+checkpoint_failure_policy; a peer process that never joined), 3 non-finite loss (the last good checkpoint is
+kept), 4 out of device memory (HBM, or a kernel's on-chip memory; host memory too), with what to change
+(maxctx.out_of_memory).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ EXIT_CONFIG, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY = 2, 3, 4
 
 
 USAGE = ("Trains the configured model (python train.py, python -m maxctx.train and maxctx-train are the same).\n"
-         "Exit status: 0 done (also after Ctrl-C or SIGTERM, saved), 2 bad config, data or checkpoint, or the run "
-         "directory in use, 3 non-finite loss, 4 out of device memory.")
+         "Exit status: 0 done (also after Ctrl-C or SIGTERM, saved), 2 bad config, data or checkpoint, a failed "
+         "save, a peer process that never joined, or the run directory in use, 3 non-finite loss, 4 out of device "
+         "or host memory.")
 
 
 def main(argv: list[str]) -> int:
