@@ -43,7 +43,7 @@ from collections.abc import Callable
 from maxctx import topology
 from maxctx.attention import halo, strategies
 from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
-from maxctx.config import Config, ConfigError
+from maxctx.config import Config, ConfigError, layer_windows
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
 
 GIB = 1024 ** 3
@@ -164,12 +164,6 @@ def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> Atten
                           cp=cp, a2a=a2a, window=window, load_balance=config.context_parallel_load_balance)
 
 
-def _windows(config: Config) -> tuple[int, ...]:
-    """Each layer's window over one attention_layer_pattern (0: global; maxctx.validate.layer_windows's rule)."""
-    pattern = config.attention_layer_pattern or ("L" if config.sliding_window_size > 0 else "G")
-    return tuple(config.sliding_window_size if c == "L" else 0 for c in pattern)
-
-
 def _pairs(seq: int, window: int) -> float:
     """Keys a query attends to on average (causal): S / 2, or about W in a local layer."""
     return min(window, seq / 2) if window else seq / 2
@@ -248,7 +242,7 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float, float]:
     p_matmul = layers * (config.base_emb_dim * config.head_dim * (2 * config.base_num_query_heads + 2 *
                          config.base_num_kv_heads) + 3 * config.base_emb_dim * config.base_mlp_dim) + \
         config.base_emb_dim * config.vocab_size
-    windows = _windows(config)
+    windows = layer_windows(config)
     pairs = sum(_pairs(seq, w) for w in windows) / len(windows)
     flops = config.per_device_batch_size * (6 * p_matmul * seq + 12 * layers * config.base_num_query_heads
                                             * config.head_dim * seq * pairs)
@@ -322,7 +316,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
             out.append(Candidate(name, u, cp, dropped=str(e), valid=False))
             continue
         s = _shape(config, cp, tp, u)
-        windows = _windows(config)
+        windows = layer_windows(config)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
         attn = saved + transient_bytes(name, s) if cp > 1 else 0.0
         memory = base_bytes + max(attn, tiles)

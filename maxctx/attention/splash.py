@@ -105,9 +105,24 @@ def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0
     return OrderedCausalMask()
 
 
+class _ConstantBlock(np.ndarray):
+    """A block that is all True or all False. Splash asks `any()` and then `all()` of every block it builds the
+    tables from; reading the elements makes that O(rows x cols) per call (usp's ring hops at 2**24 tokens: 2M x 2M,
+    hours on the host), so these two answer from the known value, in O(1)."""
+
+    def any(self, *args, **kwargs):
+        value = getattr(self, "constant", None)
+        return value if value is not None and not args and not kwargs else np.asarray(self).any(*args, **kwargs)
+
+    def all(self, *args, **kwargs):
+        value = getattr(self, "constant", None)
+        return value if value is not None and not args and not kwargs else np.asarray(self).all(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=16)
 def _constant_block(value: bool, rows: int, cols: int) -> np.ndarray:
-    block = np.full((rows, cols), value)
+    block = np.full((rows, cols), value).view(_ConstantBlock)
+    block.constant = np.bool_(value)
     block.setflags(write=False)  # shared by every caller
     return block
 
