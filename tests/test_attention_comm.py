@@ -24,14 +24,16 @@ B, S, H, K, D, b = 2, 64, 8, 2, 16, 4
 OPS = KINDS
 
 
-def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool) -> Counter:
+def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool, window: int = 0, seq: int = S) -> Counter:
+    """Collective bytes per kind of one attention layer (forward, or forward + backward) from the compiled HLO."""
     mesh = make_mesh(ring, a2a)
-    spec = AttentionSpec(kernel="flash", strategy=strategy, block_q=16, block_kv=16)
+    spec = AttentionSpec(kernel="flash", strategy=strategy, block_q=16, block_kv=16, window=window)
     bs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     qs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
     sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
-    args = [sd((B, S, H, D), sharding=qs), sd((B, S, K, D), sharding=qs), sd((B, S, K, D), sharding=qs),
-            jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs), jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs)]
+    args = [sd((B, seq, H, D), sharding=qs), sd((B, seq, K, D), sharding=qs), sd((B, seq, K, D), sharding=qs),
+            jax.ShapeDtypeStruct((B, seq), jnp.int32, sharding=bs),
+            jax.ShapeDtypeStruct((B, seq), jnp.int32, sharding=bs)]
 
     def fwd(q, k, v, pos, seg):
         return attend(q, k, v, pos, seg, spec, mesh)

@@ -1,5 +1,6 @@
 """TPU without a TPU: every strategy with attention=splash compiles (fwd + bwd) for an abstract v5p-8 topology, for
-global and for local (sliding-window) layers, and so does a call split into row chunks (splash.MAX_TABLE_ENTRIES lowered so 2K tokens need them).
+global and for local (sliding-window) layers, and so does a call split into row chunks (splash.MAX_TABLE_ENTRIES
+lowered so 2K tokens need them).
 
 Runs in a subprocess: the TPU plugin must load, which JAX_PLATFORMS=cpu (set by conftest) forbids. Needs libtpu
 (CI installs `jax[tpu]==<jax version>`); without it the test fails and says so, it does not skip.

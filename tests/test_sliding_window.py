@@ -21,12 +21,11 @@ from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.dot_product import dot_product_attention
 from maxctx.attention.load_balance import restore_order, zigzag_permutation
 from maxctx.attention.strategy import AttentionShape, by_kind
-from maxctx.config import ConfigError
-from maxctx.config import layer_windows
+from maxctx.config import ConfigError, layer_windows
 from maxctx.validate import load_config
-from tests.support.hlo import collective_bytes
 from tests.support.meshes import FAST_COMPILE, make_mesh
 from tests.support.processes import cpu_env, python
+from tests.test_attention_comm import B, D, H, K, b, compiled_bytes
 
 SEQ, DIM, HEADS, KV = 64, 8, 8, 2
 # 3: inside one chunk at every C here (S / 2C >= 4); 12: across up to three chunks (C = 8: chunks of 4 tokens).
@@ -111,26 +110,11 @@ def test_dot_product_kernel_under_a_ring_honours_the_window():
 
 # ---- communication ----
 
-B, S, H, K, D, b = 2, 256, 8, 2, 16, 4
+S = 256  # B, H, K, D and b as in tests/test_attention_comm.py
 
 
 def layer_bytes(strategy: str, ring: int, a2a: int, window: int, backward: bool) -> dict:
-    mesh = make_mesh(ring, a2a)
-    spec = AttentionSpec(kernel="flash", strategy=strategy, block_q=16, block_kv=16, window=window)
-    bs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
-    qs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
-    sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
-    args = [sd((B, S, H, D), sharding=qs), sd((B, S, K, D), sharding=qs), sd((B, S, K, D), sharding=qs),
-            jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs), jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs)]
-
-    def fwd(q, k, v, pos, seg):
-        return attend(q, k, v, pos, seg, spec, mesh)
-
-    def fwd_bwd(q, k, v, pos, seg):
-        out, pullback = jax.vjp(lambda q, k, v: fwd(q, k, v, pos, seg), q, k, v)
-        return pullback(out)
-
-    return collective_bytes(jax.jit(fwd_bwd if backward else fwd).lower(*args).compile().as_text())
+    return compiled_bytes(strategy, ring, a2a, backward, window=window, seq=S)
 
 
 def formula(strategy: str, ring: int, a2a: int, window: int) -> tuple[dict, dict]:

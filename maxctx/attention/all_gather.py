@@ -16,6 +16,7 @@ from maxctx.attention import halo
 from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
 
+LOCAL_BY_HALO = True  # local layers: maxctx.attention.halo, where it moves less
 NAME, ALIASES = "all_gather", ()
 
 
@@ -32,8 +33,9 @@ def query_rows(seq: int, cp: int, a2a: int) -> int:
 
 
 def collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
-    """A local layer: the halo's (maxctx.attention.halo), where it applies. Otherwise forward: all-gather of K, V (2 B S K D b) and of positions, segment ids (2 B S 4);
-    backward: reduce-scatter of dK, dV, the autodiff of the gather (2 B S K D b). Groups of C devices."""
+    """forward: all-gather of K, V (2 B S K D b) and of positions, segment ids (2 B S 4); backward: reduce-scatter
+    of dK, dV, the autodiff of the gather (2 B S K D b). Groups of C devices. A local layer: the halo's
+    (maxctx.attention.halo), where it applies."""
     local = halo.shape_plan(s)
     if local is not None:
         return halo.collective_bytes(local, s.batch, s.kv_heads, s.head_dim, s.itemsize)
@@ -54,16 +56,9 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
            block_q: int, block_kv: int, window: int = 0):
     import jax
 
-    from maxctx.attention import halo
-
     from maxctx.attention.collectives import CONTEXT, context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
 
-    if window:  # a local layer: only the keys in the band travel (maxctx.attention.halo)
-        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
-                          load_balance=load_balance, block_q=block_q, block_kv=block_kv, window=window)
-        if out is not None:
-            return out
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),

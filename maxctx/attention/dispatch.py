@@ -3,7 +3,8 @@
 Layouts: q[B_(data,fsdp), S_(context,context_a2a), H_tensor, D], k/v[B, S, K_tensor, D], positions and segment ids
 [B, S]; out like q. With a mesh, the call goes to a strategy module (one per strategy, same signature), which
 shard_maps over the mesh (C = 1 runs the all_gather module, whose gathers are then no-ops); without a mesh the
-kernel runs on the arrays as they are.
+kernel runs on the arrays as they are. A local (sliding-window) layer under a strategy with LOCAL_BY_HALO runs as
+maxctx.attention.halo's exchange instead, where that moves less.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import strategies
+from maxctx.attention import halo, strategies
 from maxctx.attention.kernels import make_local
 from maxctx.config import AttentionKernel, Config, ConfigError
 
@@ -65,6 +66,12 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
                             segment_ids_BS)[0]
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     strategy = strategies.get(spec.strategy if cp > 1 else "all_gather")
+    if spec.window and cp > 1 and getattr(strategy, "LOCAL_BY_HALO", False):
+        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
+                          load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv,
+                          window=spec.window)
+        if out is not None:  # None: a halo would move as much as the strategy's own path
+            return out
     return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
                     load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv,
                     window=spec.window)

@@ -16,6 +16,7 @@ from maxctx.attention import halo
 from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
 
+LOCAL_BY_HALO = True  # local layers: maxctx.attention.halo, where it moves less
 NAME, ALIASES = "p2p", ("ring",)
 
 
@@ -60,16 +61,10 @@ def activation_bytes(s: AttentionShape) -> float:
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
            block_q: int, block_kv: int, window: int = 0):
-    from maxctx.attention import halo
     from maxctx.attention.collectives import CONTEXT, context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
     from maxctx.attention.ring import ring_attention
 
-    if window:  # a local layer: only the keys in the band travel (maxctx.attention.halo)
-        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
-                          load_balance=load_balance, block_q=block_q, block_kv=block_kv, window=window)
-        if out is not None:
-            return out
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),

@@ -2,6 +2,7 @@
 once in maxctx.attention.strategies, each providing
 
     NAME, ALIASES                          the config value and MaxText's other names for it
+    LOCAL_BY_HALO (optional)               True: local layers run as maxctx.attention.halo's exchange (dispatch)
     a2a_degree(config, cp) -> int          the all-to-all part U of the CP degree C (the ring part is C / U)
     check(config, cp, tensor)              the strategy's own config rules (raise ConfigError); run before JAX starts
     query_rows(seq, cp, a2a) -> int        query rows one device's kernel call tiles (the splash 128-row rule)

@@ -20,6 +20,7 @@ from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_
 from maxctx.config import Config, ConfigError
 from maxctx.parallelism import balanced_a2a_degree
 
+LOCAL_BY_HALO = True  # local layers: maxctx.attention.halo, where it moves less
 NAME, ALIASES = "usp", ()
 RING_AXIS = "context"
 
@@ -66,17 +67,11 @@ def activation_bytes(s: AttentionShape) -> float:
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
            block_q: int, block_kv: int, window: int = 0):
-    from maxctx.attention import halo
     from maxctx.attention.alltoall import a2a_attention
     from maxctx.attention.collectives import context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
     from maxctx.attention.ring import ring_attention
 
-    if window:  # a local layer: only the keys in the band travel (maxctx.attention.halo)
-        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
-                          load_balance=load_balance, block_q=block_q, block_kv=block_kv, window=window)
-        if out is not None:
-            return out
     u, r = mesh.shape["context_a2a"], mesh.shape[RING_AXIS]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u * r, load_balance),
