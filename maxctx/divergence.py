@@ -4,8 +4,9 @@ retention never deletes the last good checkpoint and the NaN guard can name the 
 Step n's metrics (logged as step n) hold the loss and gradient norm of the state after n-1 updates, and `finite`:
 whether the state after n updates (parameters and optimizer moments) is all finite, checked on device in the
 step. A step is suspect when its loss or gradient norm is not finite, its loss exceeds the best loss so far by
-more than max(LOSS_JUMP_NATS, LOSS_JUMP_FRACTION x best), or its gradient norm exceeds GRAD_NORM_JUMP x the median
-of the last GRAD_NORM_WINDOW steps; its state n-1 is then suspect too (it produced that loss and gradient). A
+more than max(LOSS_JUMP_NATS, LOSS_JUMP_FRACTION x best), its gradient norm exceeds GRAD_NORM_JUMP x the median
+of the last GRAD_NORM_WINDOW steps, or its gradient norm is exactly 0 with a positive loss (a model blown up into
+saturation: finite, but it no longer learns, as after learning_rate=1e6); its state n-1 is then suspect too (it produced that loss and gradient). A
 non-finite state n is never saved (maxctx.metrics.check_finite stops the run first).
 
 `good_until` is the newest state known good: n-1 after a step n that is not suspect. A checkpoint of a newer
@@ -56,6 +57,8 @@ class DivergenceWatch:
             return f"loss {loss:.4g}, gradient norm {grad_norm:.4g}"
         if loss - self._best_loss > max(LOSS_JUMP_NATS, LOSS_JUMP_FRACTION * self._best_loss):
             return f"loss {loss:.4g} after a best of {self._best_loss:.4g}"
+        if grad_norm == 0.0 and loss > 0.0:
+            return f"gradient norm 0 at loss {loss:.4g}: the model no longer learns"
         if len(self._grad_norms) >= GRAD_NORM_MIN_HISTORY:
             median = statistics.median(self._grad_norms)
             if grad_norm > GRAD_NORM_JUMP * median:

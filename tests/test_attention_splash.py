@@ -115,14 +115,15 @@ def test_windowed_mask_blocks_equal_the_dense_band():
 
 def test_blocks_grow_before_rows_are_chunked():
     """usp at 2**24 tokens on v5p-128 (U = 8): 2M query rows against 2M keys per ring hop. 512-token blocks would
-    need 256 row-chunk kernels per mask; blocks grown to 2048 need 16. p2p's 26M row (425,984 rows per device)
-    needs one kernel."""
-    from maxctx.attention.splash import MAX_TABLE_ENTRIES, grown_blocks
+    need 256 row-chunk kernels per mask; blocks grown to 1024 need 64. p2p at 2**24 (262,144 rows per device)
+    then needs one kernel instead of four."""
+    from maxctx.attention.splash import MAX_BLOCK, MAX_TABLE_ENTRIES, grown_blocks
 
     rows = 2 ** 24 // 8
-    bq, bkv = grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, 2048)
-    assert (bq, bkv) == (2048, 2048) and (rows // bq) * (rows // bkv) // MAX_TABLE_ENTRIES == 16
-    rows = 27_262_976 // 64
-    bq, bkv = grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, 2048)
+    bq, bkv = grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, MAX_BLOCK)
+    assert (bq, bkv) == (1024, 1024) and (rows // bq) * (rows // bkv) // MAX_TABLE_ENTRIES == 64
+    rows = 2 ** 24 // 64
+    bq, bkv = grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, MAX_BLOCK)
     assert (rows // bq) * (rows // bkv) <= MAX_TABLE_ENTRIES
-    assert grown_blocks(4096, 4096, 512, 512, MAX_TABLE_ENTRIES, 2048) == (512, 512)  # small calls: as configured
+    assert grown_blocks(4096, 4096, 512, 512, MAX_TABLE_ENTRIES, MAX_BLOCK) == (512, 512)  # small calls: as set
+    assert grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, 512) == (512, 512)  # no growth allowed

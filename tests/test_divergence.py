@@ -34,6 +34,14 @@ def test_gradient_norm_jump_and_recovery():
     assert watch.suspect_since is None and watch.good_until == 4
 
 
+def test_a_dead_model_is_suspect():
+    # learning_rate=1e6 on the tiny model: one update saturates it; the loss stays at ln(V) with gradient norm
+    # exactly 0, finite, until NaN. The state that produced it is not good (it was, before this rule).
+    watch = DivergenceWatch(0)
+    feed(watch, 1, [(5.545, 1.3), (5.545, 0.9), (5.545, 0.0), (5.545, 0.0)])
+    assert watch.suspect_since == 3 and watch.good_until == 1 and "no longer learns" in watch.reason
+
+
 def test_keep_last_good_preserves_the_newest_checkpoint_at_or_before_good_until():
     checkpoints = [SimpleNamespace(step=s) for s in (4, 6, 7, 8, 9)]
     assert KeepLastGood(lambda: 6).should_preserve(checkpoints) == [False, True, False, False, False]

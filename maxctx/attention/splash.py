@@ -45,9 +45,10 @@ COMPUTE_BLOCK = 512
 MAX_TABLE_ENTRIES = 2 ** 16
 # A call whose table would pass MAX_TABLE_ENTRIES first gets larger blocks, doubled up to this size, and only then is
 # split into row chunks: usp's ring hops at 2**24 tokens (2M query rows against 2M keys per device) need 2**24
-# entries with 512-token blocks, 256 row-chunk kernels per distinct mask, and compiled for over 40 minutes; with
-# 2048-token blocks they need 16. Key blocks are still computed COMPUTE_BLOCK keys at a time.
-MAX_BLOCK = 2048
+# entries with 512-token blocks, 256 row-chunk kernels per distinct mask; with 1024-token blocks 64. 2048-token
+# blocks would need 16, but the llama3-8b step at 2**24 (usp, v5p-128) then overflows VMEM
+# (CompileTimeScopedVmemOom); 1024 compiled on v5p (benchmarks/splash_masks.md).
+MAX_BLOCK = 1024
 
 
 def _lib():
