@@ -6,7 +6,8 @@ whether the state after n updates (parameters and optimizer moments) is all fini
 step. A step is suspect when its loss or gradient norm is not finite, its loss exceeds the best loss so far by
 more than max(LOSS_JUMP_NATS, LOSS_JUMP_FRACTION x best), its gradient norm exceeds GRAD_NORM_JUMP x the median
 of the last GRAD_NORM_WINDOW steps, or its gradient norm is exactly 0 with a positive loss (a model blown up into
-saturation: finite, but it no longer learns, as after learning_rate=1e6); its state n-1 is then suspect too (it produced that loss and gradient). A
+saturation: finite, but it no longer learns, as after learning_rate=1e6); its state n-1 is then suspect too (it
+produced that loss and gradient). A
 non-finite state n is never saved (maxctx.metrics.check_finite stops the run first).
 
 `good_until` is the newest state known good: n-1 after a step n that is not suspect. A checkpoint of a newer

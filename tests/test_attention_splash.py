@@ -35,9 +35,8 @@ S, H, K, D = 512, 2, 1, 128
 def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window, monkeypatch):
     from maxctx.attention import splash
 
-    if max_table is not None:  # row chunks: the blocks may not grow instead
+    if max_table is not None:
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
-        monkeypatch.setattr(splash, "MAX_BLOCK", 128)
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, S, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(2, S, K, D)).astype(np.float32) for _ in range(2))
@@ -113,17 +112,16 @@ def test_windowed_mask_blocks_equal_the_dense_band():
     assert mask != ordered_causal_mask(q_orig, kv_orig)  # the window is part of the mask's identity
 
 
-def test_blocks_grow_before_rows_are_chunked():
-    """usp at 2**24 tokens on v5p-128 (U = 8): 2M query rows against 2M keys per ring hop. 512-token blocks would
-    need 256 row-chunk kernels per mask; blocks grown to 1024 need 64. p2p at 2**24 (262,144 rows per device)
-    then needs one kernel instead of four."""
-    from maxctx.attention.splash import MAX_BLOCK, MAX_TABLE_ENTRIES, grown_blocks
 
-    rows = 2 ** 24 // 8
-    bq, bkv = grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, MAX_BLOCK)
-    assert (bq, bkv) == (1024, 1024) and (rows // bq) * (rows // bkv) // MAX_TABLE_ENTRIES == 64
-    rows = 2 ** 24 // 64
-    bq, bkv = grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, MAX_BLOCK)
-    assert (rows // bq) * (rows // bkv) <= MAX_TABLE_ENTRIES
-    assert grown_blocks(4096, 4096, 512, 512, MAX_TABLE_ENTRIES, MAX_BLOCK) == (512, 512)  # small calls: as set
-    assert grown_blocks(rows, rows, 512, 512, MAX_TABLE_ENTRIES, 512) == (512, 512)  # no growth allowed
+def test_whole_blocks_answer_any_and_all_without_reading_them():
+    # Splash asks any() then all() of every block; whole blocks answer from their value (O(1)), so the tables of a
+    # 2M x 2M ring hop (usp at 2**24 tokens) build in seconds; partial blocks are plain arrays.
+    from maxctx.attention import splash
+
+    order = np.arange(4096)
+    mask = splash.ordered_causal_mask(order, order)
+    visible, hidden, partial = (mask[slice(r, r + 512), slice(c, c + 512)] for r, c in ((1024, 0), (0, 1024), (0, 0)))
+    assert isinstance(visible, splash._ConstantBlock) and visible.any() and visible.all()
+    assert isinstance(hidden, splash._ConstantBlock) and not hidden.any() and not hidden.all()
+    assert not isinstance(partial, splash._ConstantBlock) and partial.any() and not partial.all()
+    assert visible.any(axis=0).shape == (512,)  # with arguments: numpy's own answer

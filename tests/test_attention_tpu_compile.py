@@ -25,7 +25,7 @@ from maxctx.mesh import AXES
 devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices  # v5p-8: 4 chips
 B, S, H, K, D = 1, 2048, 8, 2, 128
 results = {}
-default_table, default_block = splash.MAX_TABLE_ENTRIES, splash.MAX_BLOCK
+default_table = splash.MAX_TABLE_ENTRIES
 for strategy, ring, a2a, balance, table, window in [
         ("all_gather", 4, 1, True, None, 0), ("p2p", 4, 1, True, None, 0), ("p2p", 4, 1, False, None, 0),
         ("a2a", 1, 4, True, None, 0), ("usp", 2, 2, True, None, 0),
@@ -34,7 +34,6 @@ for strategy, ring, a2a, balance, table, window in [
         ("all_gather", 4, 1, True, None, 256), ("p2p", 4, 1, True, None, 256), ("p2p", 4, 1, False, None, 256),
         ("a2a", 1, 4, True, None, 256), ("usp", 2, 2, True, None, 256), ("p2p", 4, 1, True, None, 1024)]:
     splash.MAX_TABLE_ENTRIES = table or default_table
-    splash.MAX_BLOCK = 256 if table else default_block  # the chunked case: row chunks, not larger blocks
     mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), AXES)
     spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=balance, block_q=256, block_kv=256,
                          window=window)

@@ -145,8 +145,7 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
         return LocalKernel(name, block_q, block_kv, window=window)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     kernels, table = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
-                                     block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
-                                     splash.MAX_BLOCK)
+                                     block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window)
     return LocalKernel(name, block_q, block_kv, q_axes, window, kernels, table)
 
 
@@ -164,8 +163,7 @@ def make_band(name: str, block_q: int, block_kv: int, *, mesh=None, chunk: int, 
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: int, block_q: int, block_kv: int,
-                    ring: bool, interpret: bool, max_table_entries: int, window: int = 0,
-                    max_block: int = splash.MAX_BLOCK) -> tuple[tuple, tuple]:
+                    ring: bool, interpret: bool, max_table_entries: int, window: int = 0) -> tuple[tuple, tuple]:
     """The distinct kernels over all hops and each [hop][query shard]'s index into them. Cached: building the
     mask info walks every block on the host, and the train step, the eval step and rematerialisation trace
     attention again. Kernels are built on the ranks, not the original indices: equal masks then compare equal
@@ -185,8 +183,7 @@ def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: in
                 seen[key] = len(kernels)
                 kernels.append(splash.make_kernel(_expand(key[0]), _expand(key[1]), group, block_q, block_kv,
                                                   save_residuals=ring, interpret=interpret,
-                                                  max_table_entries=max_table_entries, window=window,
-                                                  max_block=max_block))
+                                                  max_table_entries=max_table_entries, window=window))
             row.append(seen[key])
         table.append(tuple(row))
     return tuple(kernels), tuple(table)

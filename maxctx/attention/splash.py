@@ -43,12 +43,6 @@ COMPUTE_BLOCK = 512
 # v5p-128: 2**18 entries in one kernel overflowed SMEM, 2**17 (two chunks) and 2**16 compiled; 2**16 also compiled on
 # v6e (benchmarks/splash_masks.md, fit_table.md). The default stays at the size measured on both.
 MAX_TABLE_ENTRIES = 2 ** 16
-# A call whose table would pass MAX_TABLE_ENTRIES first gets larger blocks, doubled up to this size, and only then is
-# split into row chunks: usp's ring hops at 2**24 tokens (2M query rows against 2M keys per device) need 2**24
-# entries with 512-token blocks, 256 row-chunk kernels per distinct mask; with 1024-token blocks 64. 2048-token
-# blocks would need 16, but the llama3-8b step at 2**24 (usp, v5p-128) then overflows VMEM
-# (CompileTimeScopedVmemOom); 1024 compiled on v5p (benchmarks/splash_masks.md).
-MAX_BLOCK = 1024
 
 
 def _lib():
@@ -130,16 +124,16 @@ def _constant_block(value: bool, rows: int, cols: int) -> np.ndarray:
 
 def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: int, block_kv: int,
                 save_residuals: bool, interpret: bool = False, max_table_entries: int | None = None,
-                window: int = 0, max_block: int | None = None):
+                window: int = 0):
     """Splash kernels over `group` query heads for one device's query rows and key/value block: a tuple of
     (first row, last row + 1, kernel or None) chunks of the rows. One chunk unless the call's block table (query
     blocks x key blocks, in on-chip SMEM) would pass `max_table_entries`: then the rows are split into the fewest
-    equal chunks of whole blocks that keep each chunk's table within it, one kernel each (a2a at 1M tokens), after
-    the blocks have grown as far as `max_block` (MAX_BLOCK). None: a chunk that sees no key (splash refuses an
+    equal chunks of whole blocks that keep each chunk's table within it, one kernel each (a2a at 1M tokens).
+    (Growing the blocks instead does not work at long context: llama3-8b at 2**24 tokens on v5p-128 overflowed VMEM
+    with 1024- and 2048-token blocks under p2p and usp.) None: a chunk that sees no key (splash refuses an
     all-hidden mask)."""
     max_table_entries = MAX_TABLE_ENTRIES if max_table_entries is None else max_table_entries
-    bq, bkv = grown_blocks(len(q_orig), len(kv_orig), block_q, block_kv, max_table_entries,
-                           MAX_BLOCK if max_block is None else max_block)
+    bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
     q_blocks, kv_blocks = len(q_orig) // bq, len(kv_orig) // bkv
     chunks = next((n for n in range(1, q_blocks + 1) if q_blocks % n == 0 and q_blocks // n * kv_blocks
                    <= max_table_entries), q_blocks)
@@ -151,25 +145,6 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
         out.append((start, start + rows, None if hidden else _make_one(q_part, kv_orig, group, bq, bkv,
                                                                          save_residuals, interpret, window)))
     return tuple(out)
-
-
-def grown_blocks(rows: int, cols: int, block_q: int, block_kv: int, max_table_entries: int, max_block: int
-                 ) -> tuple[int, int]:
-    """(query block, key block): the configured ones (or the largest divisors below them), doubled, the smaller
-    first, while the table (rows / bq x cols / bkv) passes `max_table_entries` and a doubled block stays within
-    `max_block` and divides its length."""
-    bq, bkv = block_size(rows, block_q), block_size(cols, block_kv)
-    while (rows // bq) * (cols // bkv) > max_table_entries:
-        options = [(b, i) for i, (b, n) in enumerate(((bq, rows), (bkv, cols)))
-                   if 2 * b <= max_block and n % (2 * b) == 0]
-        if not options:
-            break
-        _, which = min(options)
-        if which == 0:
-            bq *= 2
-        else:
-            bkv *= 2
-    return bq, bkv
 
 
 def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int):
