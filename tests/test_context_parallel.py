@@ -23,16 +23,16 @@ from tests.support.meshes import FAST_COMPILE, make_mesh
 SEQ, DIM, HEADS = 32, 8, 8
 
 
-def inputs(kv_heads: int, seed: int = 0):
-    """Two sequences: row 0 one document, row 1 packed (documents of 5, 11, 9 and 7 tokens)."""
+def inputs(kv_heads: int, seed: int = 0, lengths: tuple[int, ...] = (5, 11, 9, 7)):
+    """Two sequences of sum(lengths) tokens: row 0 one document, row 1 packed (documents of `lengths` tokens)."""
+    seq = sum(lengths)
     rng = np.random.default_rng(seed)
-    q = rng.normal(size=(2, SEQ, HEADS, DIM)).astype(np.float32)
-    k = rng.normal(size=(2, SEQ, kv_heads, DIM)).astype(np.float32)
-    v = rng.normal(size=(2, SEQ, kv_heads, DIM)).astype(np.float32)
-    dout = rng.normal(size=(2, SEQ, HEADS, DIM)).astype(np.float32)
-    lengths = [5, 11, 9, 7]
-    seg = np.stack([np.ones(SEQ, np.int32), np.repeat(np.arange(1, 5), lengths).astype(np.int32)])
-    pos = np.stack([np.arange(SEQ), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
+    q = rng.normal(size=(2, seq, HEADS, DIM)).astype(np.float32)
+    k = rng.normal(size=(2, seq, kv_heads, DIM)).astype(np.float32)
+    v = rng.normal(size=(2, seq, kv_heads, DIM)).astype(np.float32)
+    dout = rng.normal(size=(2, seq, HEADS, DIM)).astype(np.float32)
+    seg = np.stack([np.ones(seq, np.int32), np.repeat(np.arange(1, len(lengths) + 1), lengths).astype(np.int32)])
+    pos = np.stack([np.arange(seq), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
     return q, k, v, pos, seg, dout
 
 

@@ -26,27 +26,16 @@ from maxctx.validate import load_config
 from tests.support.meshes import FAST_COMPILE, make_mesh
 from tests.support.processes import cpu_env, python
 from tests.test_attention_comm import B, D, H, K, b, compiled_bytes
+from tests.test_context_parallel import inputs as packed_inputs, vjp_of
 
-SEQ, DIM, HEADS, KV = 64, 8, 8, 2
+SEQ, KV = 64, 2  # 5 + 23 + 9 + 27 tokens; heads and head dim as in tests/test_context_parallel.py
 # 3: inside one chunk at every C here (S / 2C >= 4); 12: across up to three chunks (C = 8: chunks of 4 tokens).
 WINDOWS = (3, 12)
 
 
-def inputs(seed: int = 0):
+def inputs():
     """Row 0 one document; row 1 packed (documents of 5, 23, 9 and 27 tokens, cut across chunks)."""
-    rng = np.random.default_rng(seed)
-    q = rng.normal(size=(2, SEQ, HEADS, DIM)).astype(np.float32)
-    k, v = (rng.normal(size=(2, SEQ, KV, DIM)).astype(np.float32) for _ in range(2))
-    dout = rng.normal(size=q.shape).astype(np.float32)
-    lengths = [5, 23, 9, 27]
-    seg = np.stack([np.ones(SEQ), np.repeat(np.arange(1, 5), lengths)]).astype(np.int32)
-    pos = np.stack([np.arange(SEQ), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
-    return q, k, v, pos, seg, dout
-
-
-def vjp_of(fn, q, k, v, pos, seg, dout):
-    out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, pos, seg), q, k, v)
-    return (out, *pullback(dout))
+    return packed_inputs(KV, lengths=(5, 23, 9, 27))
 
 
 @functools.cache

@@ -51,7 +51,6 @@ class HaloPlan:
     devices: int
     chunk: int
     slots: int
-    window: int
     pieces: tuple[int, ...]
     rounds: tuple[Round, ...]
     source: tuple[tuple[tuple[int, ...], ...], ...]
@@ -111,19 +110,14 @@ def plan(order: np.ndarray, devices: int, window: int, chunk: int) -> HaloPlan:
                 where[r, j, d] = ("round", rounds.index(found))
     frozen = tuple(Round(t["rows"], t["distance"], tuple(t["perm"]),
                          tuple(t["senders"].get(r, 0) for r in range(devices))) for t in rounds)
-    source = []
-    for r in range(devices):
-        per_slot = []
-        for j in range(m):
-            per_d = []
-            for d in range(1, len(pieces) + 1):
-                of_d = [i for i, t in enumerate(frozen) if t.distance == d]
-                kind = where[r, j, d]
-                per_d.append(of_d.index(kind[1]) if kind[0] == "round" else
-                             len(of_d) + kind[1] if kind[0] == "own" else len(of_d) + m)
-            per_slot.append(tuple(per_d))
-        source.append(tuple(per_slot))
-    return HaloPlan(devices, chunk, m, window, pieces, frozen, tuple(source))
+    of_d = {d: [i for i, t in enumerate(frozen) if t.distance == d] for d in range(1, len(pieces) + 1)}
+
+    def option(kind: tuple, d: int) -> int:  # index into [rounds of distance d] + [own chunks] + [none]
+        return (of_d[d].index(kind[1]) if kind[0] == "round" else
+                len(of_d[d]) + kind[1] if kind[0] == "own" else len(of_d[d]) + m)
+
+    source = tuple(tuple(tuple(option(where[r, j, d], d) for d in of_d) for j in range(m)) for r in range(devices))
+    return HaloPlan(devices, chunk, m, pieces, frozen, source)
 
 
 def layout_plan(seq: int, devices: int, load_balance: bool, window: int) -> HaloPlan | None:
