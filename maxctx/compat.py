@@ -61,7 +61,6 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "dq_reduction_steps": ((0,), "splash's dq is reduced in one step"),
     "context_parallel_reorder_strategy": (("auto", "dual_chunk_swap"),
                                           "load balance is the zig-zag (dual chunk swap) order"),
-    "eval_per_device_batch_size": ((0, 0.0, -1), "eval batches have the training batch size"),
     "jax_cache_dir": (("~/jax_cache", ""), "set JAX_COMPILATION_CACHE_DIR in the environment instead"),
     "base_config": (("base.yml",), "configs/base.yml is always the first layer; put overrides in your YAML"),
     "grain_file_type": (("arrayrecord",), "grain files are ArrayRecord (scripts/prepare_data.py converts text)"),
@@ -132,10 +131,8 @@ def resolve(values: dict[str, Any], user_keys: set[str]) -> tuple[dict[str, Any]
         v["steps"] = schedule
     if isinstance(v.get("eval_interval"), int) and v["eval_interval"] < 0:
         v["eval_interval"] = 0  # MaxText: <= 0 means no eval
-    if v.get("eval_steps") == -1:
-        if v.get("eval_interval", 0) > 0:
-            raise unsupported("eval_steps=-1", "eval runs a fixed number of batches; set eval_steps to a count")
-        v.pop("eval_steps")
+    if isinstance(v.get("eval_per_device_batch_size"), (int, float)) and v["eval_per_device_batch_size"] < 0:
+        v["eval_per_device_batch_size"] = 0  # MaxText: <= 0 means per_device_batch_size
     if _none(v.get("max_num_checkpoints_to_keep")):
         v["max_num_checkpoints_to_keep"] = 0  # keep them all
     if v.get("compile_topology_num_slices") == -1:

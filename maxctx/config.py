@@ -152,7 +152,8 @@ class Config:
     reuse_example_batch: int = 0
     enable_data_shuffling: bool = True
     eval_interval: int = 0
-    eval_steps: int = 4
+    eval_steps: int = 4  # -1: the whole eval split, every eval
+    eval_per_device_batch_size: float = 0.0  # 0: per_device_batch_size
     # Checkpointing.
     enable_checkpointing: bool = True
     async_checkpointing: bool = True
@@ -201,6 +202,10 @@ class Config:
     def global_batch_size(self, num_devices: int) -> int:
         """Sequences per optimiser micro-step across all devices (MaxText: per_device_batch_size x devices)."""
         return int(round(self.per_device_batch_size * num_devices))
+
+    def eval_batch_size(self, num_devices: int) -> int:
+        """Sequences per eval batch (MaxText: eval_per_device_batch_size x devices, no gradient accumulation)."""
+        return int(round((self.eval_per_device_batch_size or self.per_device_batch_size) * num_devices))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

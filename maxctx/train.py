@@ -13,7 +13,6 @@ kept), 4 out of device memory (HBM, or a kernel's on-chip memory; host memory to
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import shlex
@@ -102,6 +101,7 @@ def _train(config: Config) -> int:
 
     from maxctx.checkpoint import Checkpointer
     from maxctx.data.pipeline import create_data_iterator
+    from maxctx.evaluate import make_evaluator
     from maxctx.mesh import create_mesh
     from maxctx.metrics import NonFiniteLossError, Profiler, training_flops_per_step
     from maxctx.runtime import is_primary
@@ -109,7 +109,7 @@ def _train(config: Config) -> int:
 
     primary, setup = is_primary(), make_setup(config, create_mesh(config))
     data = create_data_iterator(config, setup.mesh, "train")  # data errors surface before anything is written
-    evaluate = _evaluator(config, setup)
+    evaluate = make_evaluator(config, setup)
     checkpointer = Checkpointer(config, setup, primary)  # load paths and checkpoint shapes checked before writing
     writer = _open_outputs(config, primary)
     profiler = Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
@@ -231,17 +231,6 @@ def _auto_plan(config: Config) -> Any:
     return plan(config)
 
 
-def _evaluator(config: Config, setup: TrainSetup) -> functools.partial | None:
-    """`evaluate(state, step, writer)` on the eval split, or None with eval_interval=0."""
-    if config.eval_interval <= 0:
-        return None
-    from maxctx.data.pipeline import create_data_iterator
-    from maxctx.train_step import jit_eval_step
-
-    eval_data = create_data_iterator(config, setup.mesh, "eval")
-    return functools.partial(_evaluate, jit_eval_step(setup), eval_data, eval_data.get_state(), config)
-
-
 def _print_end(config: Config, start_step: int, logger: StepLogger, preempted: bool) -> None:
     """The run's last line: nothing to do (already at `steps`), or the first and last loss unless preempted."""
     if start_step >= config.steps:
@@ -250,24 +239,6 @@ def _print_end(config: Config, start_step: int, logger: StepLogger, preempted: b
     if logger.first_loss is not None and not preempted:
         print(f"done: step {config.steps}, loss {logger.first_loss:.4f} (first) -> {logger.last_loss:.4f} (last); "
               f"outputs in {config.run_dir}")
-
-
-def _evaluate(eval_step, eval_data, eval_start: dict, config: Config, state: dict, step: int,
-              writer: MetricsWriter) -> None:
-    import math
-
-    import jax
-
-    eval_data.set_state(eval_start)  # every eval scores the same batches, so evals are comparable
-    loss_sum = weight_sum = 0.0
-    for _ in range(config.eval_steps):
-        sums = jax.device_get(eval_step(state["params"], next(eval_data)))
-        loss_sum, weight_sum = loss_sum + float(sums[0]), weight_sum + float(sums[1])
-    loss = loss_sum / max(weight_sum, 1.0)
-    values = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": weight_sum}
-    writer.write_eval(step, values)
-    if writer.is_primary:
-        print(f"eval at step {step}: loss {loss:.4f}, perplexity {values['perplexity']:.2f}", flush=True)
 
 
 def _print_header(config: Config, record: dict, platform: str, num_devices: int) -> None:

@@ -152,11 +152,16 @@ def jit_train_step(setup: TrainSetup):
 
 
 def jit_eval_step(setup: TrainSetup):
-    """`(params, batch) -> (sum of weighted loss, sum of weights)`, jitted; the caller divides once at the end."""
+    """`(params, batch) -> (sum of weighted loss, sum of weights, rows with a weight)`, jitted for any batch size
+    (one compile per size); the caller divides once at the end."""
     replicated = NamedSharding(setup.mesh, P())
-    return jax.jit(lambda params, batch: loss_sums(setup.graphdef, params, batch),
-                   in_shardings=(setup.state_shardings["params"], setup.batch_shardings),
-                   out_shardings=(replicated, replicated))
+
+    def step(params, batch):
+        loss, weight = loss_sums(setup.graphdef, params, batch)
+        return loss, weight, jnp.sum(jnp.any(batch["weights"] > 0, axis=1).astype(jnp.float32))
+
+    return jax.jit(step, in_shardings=(setup.state_shardings["params"], setup.batch_shardings),
+                   out_shardings=(replicated,) * 3)
 
 
 def compile_train_step(setup: TrainSetup):

@@ -32,6 +32,16 @@ def load_config(argv: list[str]) -> Config:
     return config
 
 
+def _check_eval_batch(config: Config, num_devices: int, batch_shards: int) -> None:
+    if not config.eval_per_device_batch_size:
+        return  # the training batch, checked above
+    batch = config.eval_per_device_batch_size * num_devices
+    if abs(batch - round(batch)) > 1e-9 or round(batch) < 1 or round(batch) % batch_shards:
+        raise ConfigError(f"eval_per_device_batch_size={config.eval_per_device_batch_size} x {num_devices} devices "
+                          f"= {batch:g} sequences is not a whole multiple of data x fsdp = {batch_shards}; choose an "
+                          f"eval_per_device_batch_size that makes it one")
+
+
 def _positive(config: Config, *keys: str, allow_zero: bool = False) -> None:
     for key in keys:
         value = getattr(config, key)
@@ -52,6 +62,8 @@ def check_devices(config: Config, num_devices: int) -> None:
         raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = "
                           f"{round(batch)} sequences is not divisible by data x fsdp = {batch_shards}; change "
                           f"per_device_batch_size or the data/fsdp parallelism")
+    if config.eval_interval > 0:
+        _check_eval_batch(config, num_devices, batch_shards)
     cp = axis["context"]
     chunks = 2 * cp if config.context_parallel_load_balance and cp > 1 else cp
     if config.max_target_length % chunks:
@@ -166,6 +178,9 @@ def _check_data(config: Config) -> None:
     if config.eval_interval > 0 and config.dataset_type in ("arrayrecord", "text") and not config.grain_eval_files:
         raise ConfigError(f"eval_interval={config.eval_interval} with dataset_type={config.dataset_type} needs "
                           f"grain_eval_files (a file glob); set it, or eval_interval=0")
+    if config.eval_interval > 0 and config.eval_steps == -1 and config.dataset_type == "synthetic":
+        raise ConfigError(f"eval_steps=-1 (the whole eval split) with eval_interval={config.eval_interval} needs a "
+                          f"split that ends, and synthetic data does not; set eval_steps to a number of batches")
     if config.eval_interval > 0 and config.dataset_type == "tfds" and not config.eval_split:
         raise ConfigError(f"eval_interval={config.eval_interval} with dataset_type=tfds needs eval_split (e.g. "
                           f"eval_split=validation); set it, or eval_interval=0")
@@ -186,11 +201,13 @@ def validate(config: Config) -> None:
         raise ConfigError("base_output_directory='' is empty; give the folder for runs' outputs (e.g. outputs) or "
                           "gs://bucket/folder")
     _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "reuse_example_batch",
-              "max_num_checkpoints_to_keep", allow_zero=True)
+              "max_num_checkpoints_to_keep", "eval_per_device_batch_size", allow_zero=True)
+    if config.eval_steps <= 0 and config.eval_steps != -1:
+        raise ConfigError(f"eval_steps={config.eval_steps} must be > 0, or -1 for the whole eval split")
     _positive(config, "jax_heartbeat_timeout_seconds", "jax_distributed_initialization_timeout", "base_emb_dim",
               "base_num_query_heads", "base_num_kv_heads",
               "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
-              "checkpoint_period", "gradient_accumulation_steps", "eval_steps",
+              "checkpoint_period", "gradient_accumulation_steps",
               "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale", "num_vocab_tiling",
               "mlp_sequence_chunks")
     if not 0 <= config.learning_rate <= 3.4e38:  # float32's largest finite value: above it the schedule is inf

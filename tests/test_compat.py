@@ -89,6 +89,10 @@ LOADS = {
            "ici_context_parallelism=2 ici_context_usp_ulysses_parallelism=2 context_parallel_strategy=usp "
            "context_parallel_load_balance=false packing=false",
     "tiktoken": "tokenizer_path=assets/tokenizer_llama3.tiktoken tokenizer_type=tiktoken packing=false",
+    # v5e/1b-tfds-eval.sh without its eval_batch_num=5, which is no MaxText key (test_unknown_keys_...)
+    "tfds_eval": "steps=19 per_device_batch_size=8 enable_checkpointing=False max_target_length=2048 "
+                 "global_parameter_scale=1 base_output_directory=$OUT dataset_path=$DATASET_PATH run_name=eval "
+                 "eval_per_device_batch_size=4 eval_interval=10",
 }
 # ... and what maxctx refuses, each with its one line.
 REFUSED = {
@@ -97,7 +101,6 @@ REFUSED = {
     "splash_blocks": ("attention='flash' sa_block_q=1024 sa_block_q_dkv=2048",
                       "MaxText's sa_block_q_dkv is not supported by maxctx"),
     "hf": ("dataset_type=hf", "MaxText's dataset_type=hf is not supported by maxctx"),
-    "eval_everything": ("eval_interval=10 eval_steps=-1", "MaxText's eval_steps=-1 is not supported"),
 }
 
 
@@ -138,6 +141,19 @@ def test_maxtext_meanings(place):
     assert (c.steps, c.eval_interval, c.max_num_checkpoints_to_keep, c.seed) == (40, 0, 0, 7)
     assert (c.cosine_learning_rate_final_fraction, c.attention, c.dataset_split) == (0.05, "auto", "train[:90%]")
     assert c.context_parallel_strategy == "p2p"
+
+
+def test_maxtext_eval_keys(place):
+    c = load_config(maxtext(LOADS["tfds_eval"], place) + ["cpu_devices=2"])
+    assert (c.eval_per_device_batch_size, c.eval_batch_size(2), c.global_batch_size(2)) == (4, 8, 16)
+    c = load_config(maxtext(LOADS["tfds_eval"], place) + ["eval_steps=-1", "eval_per_device_batch_size=-1"])
+    assert (c.eval_steps, c.eval_per_device_batch_size, c.eval_batch_size(2)) == (-1, 0, 16)  # the whole split
+    with pytest.raises(ConfigError, match="eval_steps=-1 .* synthetic data does not"):
+        load_config([BASE, "eval_interval=5", "eval_steps=-1"])
+    with pytest.raises(ConfigError, match="eval_per_device_batch_size=0.25 x 2 devices = 0.5 sequences"):
+        load_config([BASE, "cpu_devices=2", "eval_interval=5", "eval_per_device_batch_size=0.25"])
+    with pytest.raises(ConfigError, match="eval_steps=0 must be > 0, or -1"):
+        load_config([BASE, "eval_steps=0"])
 
 
 def test_a_command_naming_data_never_trains_on_synthetic(place):

@@ -19,7 +19,7 @@ LAYERS = [
     ["maxctx.mesh", "maxctx.runtime"],
     ["maxctx.model", "maxctx.data"],
     ["maxctx.train_step"],
-    ["maxctx.checkpoint", "maxctx.checkpoint_compat", "maxctx.roofline", "maxctx.out_of_memory"],
+    ["maxctx.checkpoint", "maxctx.checkpoint_compat", "maxctx.roofline", "maxctx.out_of_memory", "maxctx.evaluate"],
     ["maxctx.compile", "maxctx.train", "maxctx.convert"],
 ]
 

@@ -12,10 +12,13 @@ The grain pipeline of a file or TFDS source, on each process:
     -> pack into rows (packing.py) -> batch of the process's rows -> zig-zag CP reorder
     -> grain worker processes (grain_worker_count) or a prefetch thread (grain_prefetch_buffer_size)
 
-Eval uses the same steps without shuffling (and one prefetch thread, never worker processes), cycling over the
-eval data forever; to score the same batches at every eval, keep its `get_state()` from creation and `set_state`
-it before each eval. Errors: ConfigError for bad keys, paths or tokenizers (raised here,
-when the iterator is built), maxctx.data.DataError for bad data (here, or from `next()` for a bad record).
+Eval uses the same steps without shuffling (and one prefetch thread, never worker processes) at its own batch
+size (`Config.eval_batch_size`), cycling over the eval data forever; with eval_steps=-1 it reads the eval data
+once instead: the last batch is padded with rows of weight 0, and the iterator stops when every process's part has
+ended (until then, a process whose part ended yields padding). To score the same batches at every eval, keep its
+`get_state()` from creation and `set_state` it before each eval. Errors: ConfigError for bad keys, paths or
+tokenizers (raised here, when the iterator is built), maxctx.data.DataError for bad data (here, or from `next()`
+for a bad record).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from jax.sharding import Mesh
 
 from maxctx.attention.load_balance import reorder_batch
 from maxctx.config import Config, ConfigError
-from maxctx.data import DataError
+from maxctx.data import BATCH_KEYS, DataError
 from maxctx.data.global_batch import HostLayout, host_layout, to_global_arrays
 from maxctx.data.packing import pack
 from maxctx.data.sources import make_source
@@ -55,8 +58,8 @@ class CPReorder:
 class DataIterator:
     """Global-array batches from a per-host grain iterator; the state is the grain iterator's, per process."""
 
-    def __init__(self, iterator, mesh: Mesh, layout: HostLayout):
-        self.mesh, self.layout = mesh, layout
+    def __init__(self, iterator, mesh: Mesh, layout: HostLayout, finite: bool = False):
+        self.mesh, self.layout, self.finite = mesh, layout, finite
         # The grain iterator lives in a list that `close` empties: closing it (prefetch threads, worker processes)
         # when this iterator is dropped or at exit, while grain's modules still exist, keeps grain's own __del__
         # from failing at interpreter teardown.
@@ -73,7 +76,14 @@ class DataIterator:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
-        return to_global_arrays(next(self.iterator), self.mesh, self.layout)
+        if not self.finite:
+            return to_global_arrays(next(self.iterator), self.mesh, self.layout)
+        local = next(self.iterator, None)
+        if not _any_process(local is not None):  # every process has read its whole part: all stop together
+            raise StopIteration
+        if local is None:
+            local = padding_rows(self.layout.local_rows, self.layout.global_shape[1])
+        return to_global_arrays(local, self.mesh, self.layout)
 
     def get_state(self) -> dict[str, Any]:
         return {"process_index": jax.process_index(), "process_count": jax.process_count(),
@@ -112,6 +122,33 @@ class SyntheticIterator:
         self.step = int(state["step"])
 
 
+def padding_rows(rows: int, seq_len: int) -> dict[str, np.ndarray]:
+    """[rows, seq_len] of padding: segment id 0, weight 0 (scored by nothing)."""
+    return {key: np.zeros((rows, seq_len), np.float32 if key == "weights" else np.int32) for key in BATCH_KEYS}
+
+
+class PadBatch:
+    """Pads a batch of fewer than `rows` rows (the end of a split read once) with padding rows."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = self.rows - len(batch["inputs"])
+        if missing == 0:
+            return batch
+        pad = padding_rows(missing, batch["inputs"].shape[1])
+        return {key: np.concatenate([value, pad[key]]) for key, value in batch.items()}
+
+
+def _any_process(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
 def _close(holder: list) -> None:
     while holder:
         iterator = holder.pop()
@@ -127,13 +164,18 @@ def _check_processes(state: dict[str, Any]) -> None:
                         f"processes (each process restores its own state)")
 
 
-def global_batch_rows(config: Config, mesh: Mesh) -> int:
-    """Rows per optimiser step: global_batch_size x gradient_accumulation_steps."""
+def global_batch_rows(config: Config, mesh: Mesh, split: str = "train") -> int:
+    """Rows per batch: for training, per optimiser step (global_batch_size x gradient_accumulation_steps); for
+    eval, eval_per_device_batch_size (or per_device_batch_size) x devices."""
+    if split == "eval":
+        return config.eval_batch_size(mesh.devices.size)
     return config.global_batch_size(mesh.devices.size) * config.gradient_accumulation_steps
 
 
-def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int) -> grain.IterDataset:
-    """The grain dataset yielding this process's [local_rows, S] numpy batches of `split`."""
+def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int,
+                       once: bool = False) -> grain.IterDataset:
+    """The grain dataset yielding this process's [local_rows, S] numpy batches of `split`: endless, or with
+    `once` this process's part of the split read once, the last batch padded."""
     source = make_source(config, split)
     tokenizer = load_tokenizer(config)
     if len(source) < layout.shard_count:
@@ -142,12 +184,15 @@ def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int) 
     ds = grain.MapDataset.source(source)[layout.shard_index::layout.shard_count]
     if split == "train" and config.enable_data_shuffling:
         ds = ds.shuffle(seed=config.data_shuffle_seed)
-    ds = ds.repeat().map(EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos))
+    encode = EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos)
+    ds = (ds if once else ds.repeat()).map(encode)
     ds = ds.filter(_is_document)  # documents of zero tokens, skipped and counted
     rows = layout.local_rows
     seq_len = config.max_target_length
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=max(64, 4 * rows)))
     ds = pack(ds, config.packing, seq_len, num_bins=max(MIN_PACKING_BINS, rows))
+    if once:
+        return ds.batch(rows, drop_remainder=False).map(PadBatch(rows)).map(CPReorder(cp))
     return ds.batch(rows, drop_remainder=True).map(CPReorder(cp))
 
 
@@ -181,9 +226,10 @@ def create_data_iterator(config: Config, mesh: Mesh, split: str = "train"):
         raise ValueError(f"split='{split}' is not one of {', '.join(SPLITS)}")
     if config.max_target_length <= 0:
         raise ConfigError(f"max_target_length={config.max_target_length} must be > 0")
-    layout = host_layout(mesh, global_batch_rows(config, mesh), config.max_target_length)
+    layout = host_layout(mesh, global_batch_rows(config, mesh, split), config.max_target_length)
     cp = context_degree(mesh) if config.context_parallel_load_balance else 1
     if config.dataset_type == "synthetic":
         return SyntheticIterator(config, mesh, layout, stream=SPLITS.index(split))
-    ds = build_host_dataset(config, split, layout, cp)
-    return DataIterator(_start(ds, config, split), mesh, layout)
+    once = split == "eval" and config.eval_steps == -1  # the whole eval split
+    ds = build_host_dataset(config, split, layout, cp, once)
+    return DataIterator(_start(ds, config, split), mesh, layout, finite=once)

@@ -1,0 +1,62 @@
+"""Eval with MaxText's meanings, on 8 simulated devices and a jsonl eval split with one document per row
+(packing=none), so the sequences and tokens an eval scores can be counted from the documents:
+eval_per_device_batch_size sets the rows of an eval batch, and eval_steps=-1 scores the whole split once."""
+
+import numpy as np
+import pytest
+
+from maxctx.data.tokenizer import Tokenizer
+from maxctx.evaluate import Evaluator
+from maxctx.mesh import create_mesh
+from maxctx.train_step import init_state, make_setup
+from maxctx.validate import load_config
+from tests.support import fixtures as F
+
+SEQ, EVAL_DOCS = 32, 44  # 44 documents: not a whole number of 8- or 24-row batches
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    docs = F.make_documents(EVAL_DOCS + 16, seed=5)
+    tok = F.tiny_tokenizer(str(root / "sp.model"), docs)
+    F.write_jsonl(str(root / "train.jsonl"), docs[:16])
+    F.write_jsonl(str(root / "eval.jsonl"), docs[16:])
+    sp = Tokenizer(tok, 256)
+    # Each document is one row: BOS + tokens + EOS gives len + 1 (input, target) pairs, trimmed to the row.
+    tokens = [min(len(sp.encode(d)) + 1, SEQ) for d in docs[16:]]
+    args = ["dataset_type=text", f"grain_train_files={root}/train.jsonl", f"grain_eval_files={root}/eval.jsonl",
+            f"tokenizer_path={tok}", "packing=none", "per_device_batch_size=1", f"max_target_length={SEQ}",
+            "dtype=float32", "base_num_decoder_layers=1", "eval_interval=5", "grain_prefetch_buffer_size=2"]
+    config = load_config(args)
+    setup = make_setup(config, create_mesh(config))
+    return {"args": args, "setup": setup, "params": init_state(setup)["params"], "tokens": tokens}
+
+
+def scores(data, *overrides):
+    evaluator = Evaluator(load_config([*data["args"], *overrides]), data["setup"])
+    try:
+        return evaluator.scores(data["params"]), evaluator.scores(data["params"])
+    finally:
+        evaluator.data.close()
+
+
+def test_eval_per_device_batch_size_sets_the_sequences_scored(data):
+    (default, _), (two, _) = scores(data, "eval_steps=1"), scores(data, "eval_steps=1", "eval_per_device_batch_size=2")
+    assert (default["sequences"], default["batches"]) == (8, 1)  # per_device_batch_size x 8 devices
+    assert (two["sequences"], two["batches"]) == (16, 1)
+    assert two["tokens"] == sum(data["tokens"][:16])
+    (same, _) = scores(data, "eval_steps=2")  # the same 16 documents, in two batches of 8
+    assert same["tokens"] == two["tokens"]
+    np.testing.assert_allclose(same["loss"], two["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_device", [1, 3])
+def test_eval_steps_minus_one_scores_the_whole_split_every_eval(data, per_device):
+    first, second = scores(data, "eval_steps=-1", f"eval_per_device_batch_size={per_device}")
+    rows = 8 * per_device
+    assert first["batches"] == -(-EVAL_DOCS // rows)  # the last batch padded
+    assert first["sequences"] == EVAL_DOCS and first["tokens"] == sum(data["tokens"])
+    assert second == first  # rewound after the split ended: the next eval scores it again
+    whole = scores(data, "eval_steps=-1")[0]  # padding rows weigh nothing: any batch size, the same loss
+    np.testing.assert_allclose(first["loss"], whole["loss"], rtol=1e-5)
