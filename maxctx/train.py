@@ -103,10 +103,12 @@ def _train(config: Config) -> int:
     from maxctx.data.pipeline import create_data_iterator
     from maxctx.evaluate import make_evaluator
     from maxctx.mesh import create_mesh
-    from maxctx.metrics import NonFiniteLossError, Profiler, training_flops_per_step
+    from maxctx.metrics import NonFiniteLossError, Profiler, peak_flops_per_device, training_flops_per_step
     from maxctx.runtime import is_primary
     from maxctx.train_step import make_setup
 
+    # First, on an idle host: on CPU the peak is a timed matmul, which the data pipeline's threads would slow.
+    peak = peak_flops_per_device(jax.devices()[0], config)
     primary, setup = is_primary(), make_setup(config, create_mesh(config))
     data = create_data_iterator(config, setup.mesh, "train")  # data errors surface before anything is written
     evaluate = make_evaluator(config, setup)
@@ -116,11 +118,11 @@ def _train(config: Config) -> int:
     state = None
     try:  # from here on, also on an error: saves already started still commit, logs are flushed
         flops_per_step = training_flops_per_step(config, setup.global_batch, config.max_target_length)
-        compiled, peak = _compile(config, setup, flops_per_step, writer)
+        compiled = _compile(config, setup, flops_per_step, peak, writer)
         state = checkpointer.restore_or_init(data)
         start_step = int(jax.device_get(state["step"]))
         batches = itertools.repeat(next(data)) if config.reuse_example_batch else data  # MaxText's perf test
-        logger = _step_logger(config, setup, writer, flops_per_step, peak, checkpointer)  # just before the loop
+        logger = _step_logger(config, setup, writer, flops_per_step, peak[0], checkpointer)  # just before the loop
         for step in range(start_step, config.steps):
             profiler.step(step, block_on=state)
             state, step_metrics = compiled(state, next(batches))
@@ -188,17 +190,18 @@ def _open_outputs(config: Config, primary: bool) -> MetricsWriter:
     return MetricsWriter(config.run_dir, config.enable_tensorboard, primary, metrics_file=config.metrics_file)
 
 
-def _compile(config: Config, setup: TrainSetup, flops_per_step: float, writer: MetricsWriter) -> tuple[Any, float]:
+def _compile(config: Config, setup: TrainSetup, flops_per_step: float, peak: tuple[float, str],
+             writer: MetricsWriter) -> Any:
     """AOT-compiles the step and records its memory and FLOPs before step 0 (metrics.jsonl, and the header on the
-    primary process); returns the compiled step and the peak FLOP/s per device."""
+    primary process), with `peak` (FLOP/s per device, its source); returns the compiled step."""
     import jax
 
-    from maxctx.metrics import compile_record, peak_flops_per_device
+    from maxctx.metrics import compile_record
     from maxctx.model.decoder import count_params
     from maxctx.train_step import compile_train_step, load_compiled
 
     device, num_devices = jax.devices()[0], setup.mesh.devices.size
-    peak, peak_source = peak_flops_per_device(device, config)
+    peak_flops, peak_source = peak
     start = time.perf_counter()
     if config.compiled_trainstep_file:  # compiled ahead of time by maxctx.compile (MaxText's key)
         compiled = load_compiled(config.compiled_trainstep_file, setup)
@@ -207,7 +210,7 @@ def _compile(config: Config, setup: TrainSetup, flops_per_step: float, writer: M
     record = compile_record(compiled, analytic_flops_per_device=flops_per_step / num_devices)
     record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(setup.mesh.shape),
                   compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch,
-                  seq_len=config.max_target_length, peak_flops_per_device=peak, peak_source=peak_source)
+                  seq_len=config.max_target_length, peak_flops_per_device=peak_flops, peak_source=peak_source)
     plan = _auto_plan(config)
     if plan is not None:
         record["context_parallel_plan"] = plan.rows()
@@ -218,7 +221,7 @@ def _compile(config: Config, setup: TrainSetup, flops_per_step: float, writer: M
             from maxctx.planner import format_plan
 
             print("\n".join(format_plan(plan)), flush=True)
-    return compiled, peak
+    return compiled
 
 
 def _auto_plan(config: Config) -> Any:

@@ -1,21 +1,22 @@
 """FLOPs: the formula against a hand count, packed-document areas, XLA's cost analysis of a Llama-like train
 step written here (unrolled layers, no remat; independent of maxctx.model, whose compiled step is checked in
-test_metrics_xla.py), and MFU on CPU against the measured peak."""
+test_metrics_xla.py), and the measured CPU peak (the best of several timings)."""
 
 import dataclasses
-import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxctx.config import Config
 from maxctx.metrics import (
     attention_pairs,
     matmul_params,
+    measure_matmul_flops,
     peak_flops_per_device,
+    peaks,
     throughput,
     training_flops_per_device,
     training_flops_per_step,
@@ -143,31 +144,17 @@ def test_formula_vs_xla_cost_analysis():
     assert analytic == pytest.approx(xla, rel=0.10)
 
 
-def test_mfu_on_cpu_is_between_0_and_1():
+def test_cpu_peak_is_measured_on_every_device_and_labelled():
+    # No bound on the number itself: it is a wall-clock timing on a host other processes share.
     devices = jax.devices()
-    # This model computes in float32, so the peak is measured for float32 matmuls, on all 8 devices at once.
     peak, source = peak_flops_per_device(devices[0], dataclasses.replace(TINY, dtype="float32"))
-    assert 1e8 < peak < 1e13 and "measured" in source and f"{len(devices)} cpu" in source
-    batch, seq = len(devices), 128
-    mesh = Mesh(np.array(devices), ("data",))
-    data = NamedSharding(mesh, P("data"))
-    params = jax.jit(_init, static_argnums=0, out_shardings=NamedSharding(mesh, P()))(TINY, jax.random.key(0))
-    tokens = jax.device_put(jax.random.randint(jax.random.key(1), (batch, seq), 0, TINY.vocab_size), data)
-    step = jax.jit(_train_step, donate_argnums=0)
-    params, loss = step(params, tokens, tokens)  # compile + warm up
-    jax.block_until_ready(loss)
-    times = []
-    for _ in range(4):
-        start = time.perf_counter()
-        params, loss = step(params, tokens, tokens)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - start)
-    # Other processes share this host's cores: measure the peak again after the steps and keep the better one,
-    # so a burst of load during the first measurement cannot push MFU past 1.
-    peak = max(peak, peak_flops_per_device(devices[0], dataclasses.replace(TINY, dtype="float32"))[0])
-    out = throughput(float(np.median(times)), tokens_per_step=batch * seq,
-                     flops_per_step=training_flops_per_step(TINY, batch, seq), num_devices=len(devices),
-                     peak_flops_per_device=peak)
-    print(f"CPU peak {peak / 1e9:.1f} GFLOP/s/device ({source}); step {out['step_time_s'] * 1e3:.1f} ms, "
-          f"{out['per_device_tflops_per_sec'] * 1e3:.2f} GFLOP/s/device, MFU {out['mfu']:.3f}")
-    assert 0.0 < out["mfu"] < 1.0
+    assert np.isfinite(peak) and peak > 0
+    assert source.startswith("measured: best of float32") and f"on {len(devices)} cpu device(s) at once" in source
+
+
+def test_measured_peak_is_the_best_of_several_timings(monkeypatch):
+    """Three timed runs of one 8x8 matmul taking 1, 0.5 and 2 s (a fake clock): the peak is the fastest run's."""
+    ticks = iter([0.0, 1.0, 10.0, 10.5, 20.0, 22.0])
+    monkeypatch.setattr(peaks, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))  # peaks' clock only
+    flops = measure_matmul_flops(jax.devices()[:1], size=8, chain=1, min_repeats=3, min_seconds=0.0)
+    assert flops == 2 * 8**3 / 0.5

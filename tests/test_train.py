@@ -104,3 +104,28 @@ def test_other_errors_are_not_called_out_of_memory(monkeypatch, error):
     monkeypatch.setattr(train, "train", fails)
     with pytest.raises(type(error)):
         train.main(["configs/base.yml", "steps=3"])
+
+
+def test_the_peak_is_measured_before_the_model_and_the_data(monkeypatch, tmp_path):
+    """On CPU the peak is a timed matmul: it runs first, before the data pipeline's threads load the host."""
+    import maxctx.data.pipeline
+    import maxctx.metrics
+    import maxctx.train_step
+    from maxctx.train import _train
+    from maxctx.validate import load_config
+
+    calls, make_setup = [], maxctx.train_step.make_setup
+
+    class Stop(Exception):
+        pass
+
+    def data(*args):
+        calls.append("data")
+        raise Stop
+
+    monkeypatch.setattr(maxctx.metrics, "peak_flops_per_device", lambda *a: calls.append("peak") or (1e9, "measured"))
+    monkeypatch.setattr(maxctx.train_step, "make_setup", lambda *a: calls.append("setup") or make_setup(*a))
+    monkeypatch.setattr(maxctx.data.pipeline, "create_data_iterator", data)
+    with pytest.raises(Stop):
+        _train(load_config([f"base_output_directory={tmp_path}", "enable_checkpointing=false"]))
+    assert calls == ["peak", "setup", "data"]
