@@ -1,16 +1,23 @@
 """Eval with MaxText's meanings, on 8 simulated devices and a jsonl eval split with one document per row
 (packing=none), so the sequences and tokens an eval scores can be counted from the documents:
-eval_per_device_batch_size sets the rows of an eval batch, and eval_steps=-1 scores the whole split once."""
+eval_per_device_batch_size sets the rows of an eval batch, and eval_steps=-1 scores the whole split once, also
+when two processes' parts of it end at different batches."""
+
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from maxctx.data.sources import encode_tokens
 from maxctx.data.tokenizer import Tokenizer
 from maxctx.evaluate import Evaluator
 from maxctx.mesh import create_mesh
 from maxctx.train_step import init_state, make_setup
 from maxctx.validate import load_config
 from tests.support import fixtures as F
+from tests.support.processes import ROOT, cpu_env, free_port
 
 SEQ, EVAL_DOCS = 32, 44  # 44 documents: not a whole number of 8- or 24-row batches
 
@@ -60,3 +67,46 @@ def test_eval_steps_minus_one_scores_the_whole_split_every_eval(data, per_device
     assert second == first  # rewound after the split ended: the next eval scores it again
     whole = scores(data, "eval_steps=-1")[0]  # padding rows weigh nothing: any batch size, the same loss
     np.testing.assert_allclose(first["loss"], whole["loss"], rtol=1e-5)
+
+
+WORKER = r"""
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from maxctx import runtime
+from maxctx.validate import load_config
+
+pid, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+config = load_config([f"jax_coordinator_address=127.0.0.1:{port}", "jax_num_processes=2", f"jax_process_id={pid}",
+                      "cpu_devices=4", "dataset_type=arrayrecord", f"grain_train_files={path}",
+                      f"grain_eval_files={path}", "eval_interval=5", "eval_steps=-1", "packing=none",
+                      "max_target_length=32", "per_device_batch_size=1", "ici_fsdp_parallelism=8"])
+runtime.initialize(config)
+from maxctx.data.pipeline import create_data_iterator
+from maxctx.mesh import create_mesh
+
+mesh = create_mesh(config)
+rows = jax.jit(lambda w: jnp.sum(jnp.any(w > 0, axis=1)), out_shardings=NamedSharding(mesh, P()))
+it = create_data_iterator(config, mesh, "eval")
+start = it.get_state()
+first = [int(rows(batch["weights"])) for batch in it]
+it.set_state(start)
+print(json.dumps([first, [int(rows(batch["weights"])) for batch in it]]))
+"""
+
+
+def test_whole_split_eval_stops_on_every_process_together(tmp_path):
+    """9 documents over two processes of 4 rows each: process 0 reads 5 (two batches), process 1 reads 4 (one);
+    process 1 pads the second batch instead of stopping early, which would leave process 0 waiting."""
+    path = F.write_arrayrecord(str(tmp_path / "eval.array_record"),
+                               [encode_tokens([10 + i, 20, 30, 40]) for i in range(9)])
+    (tmp_path / "worker.py").write_text(WORKER)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(pid), str(port), path], cwd=ROOT,
+                              env=cpu_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for pid in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    for log in logs:  # rows holding a document, per global batch; the same again after rewinding
+        assert json.loads(log.strip().splitlines()[-1]) == [[8, 1], [8, 1]]
