@@ -22,8 +22,9 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
     step              compute + L x exposed comm (averaged over the pattern)
 
 Bandwidths (per device, one direction): a ring hop uses one ICI link; all-gather and reduce-scatter use both
-directions of every torus dimension their group spans; all-to-all the same, slowed by extent / 4 (its mean hop
-distance on a ring of that extent); a group larger than ici_context_parallelism crosses DCN, whose part goes at
+directions of every torus dimension their group spans; an all-to-all is bisection-bound in each dimension it
+spans (bytes x extent / 8 per link on a wraparound ring, / 4 on a line, the slowest dimension setting the time:
+`_collective_s`); a group larger than ici_context_parallelism crosses DCN, whose part goes at
 DCN_BYTES_PER_S. The all-to-all of a2a and usp must stay inside a slice (maxctx.parallelism.split_context), so
 across slices only ring-style traffic (p2p, usp's ring, all_gather's gather) crosses DCN.
 
@@ -169,26 +170,34 @@ def _pairs(seq: int, window: int) -> float:
     return min(window, seq / 2) if window else seq / 2
 
 
-def _spanned(hw: Hardware, group: int) -> tuple[int, float]:
-    """(torus dimensions a group of `group` devices of one slice spans, its extent along each)."""
-    dims, size = 0, 1
+def _spanned(hw: Hardware, group: int) -> list[tuple[int, int]]:
+    """(devices the group spans, the torus side) per torus dimension it spans. A mesh axis's groups lie on
+    adjacent devices (maxctx.mesh maps the unsplit context axis onto the torus and splits it afterwards), so a group
+    fills the torus dimensions in order: 8 devices of a 4x4x4 torus span 4 along the first and 2 along the second."""
+    out, left = [], group
     for side in hw.torus:
-        if size >= group:
+        if left <= 1:
             break
-        size, dims = size * side, dims + 1
-    dims = max(dims, 1)
-    return dims, group ** (1 / dims)
+        extent = min(side, left)
+        out.append((extent, side))
+        left = -(-left // extent)
+    return out or [(1, 1)]
 
 
 def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
     """Seconds one non-ring collective takes: its ICI part, then (a group beyond the slice) its DCN part."""
     slices = max(1, c.group // ici_cp) if c.group > ici_cp else 1
     inside = c.group // slices
-    dims, extent = _spanned(hw, inside)
-    if c.kind == "all-to-all":  # a message crosses extent / 4 links per dimension on average, 2 x dims links
-        ici = c.bytes * extent / (8 * hw.link_bytes_per_s)
+    spans = _spanned(hw, inside)
+    if c.kind == "all-to-all":
+        # Each device sends bytes / U to every member. Along one dimension of extent e the traffic is an
+        # all-to-all among e devices: on a wraparound ring (e = the torus side) a message crosses e / 4 links on
+        # average and each device has 2 links out, so e x bytes / 8 per link; on a line (a part of a dimension, no
+        # wraparound) the middle link carries e x bytes / 4 each way. Dimensions carry their shares at once, so
+        # the slowest dimension sets the time (bisection bound; docs/choosing_a_strategy.md has the source).
+        ici = max(c.bytes * e / (8 if e == side > 2 else 4) for e, side in spans) / hw.link_bytes_per_s
     else:  # all-gather / reduce-scatter: rings in both directions of every spanned dimension
-        ici = c.bytes * (inside - 1) / c.group / (2 * dims * hw.link_bytes_per_s)
+        ici = c.bytes * (inside - 1) / c.group / (2 * len(spans) * hw.link_bytes_per_s)
     ici = ici + ICI_LATENCY_S if inside > 1 else 0.0
     dcn = c.bytes * (slices - 1) / slices / hw.dcn_bytes_per_s + DCN_LATENCY_S if slices > 1 else 0.0
     return ici + dcn
