@@ -141,8 +141,11 @@ def _fits(config, best, row: dict, compiled: dict | None) -> str:
 
 
 def maxtext_table() -> list[str]:
-    lines = ["| model, S, C (fsdp) | auto's order (choice first), estimated step | p2p / all_gather (estimate) | "
-             "MaxText measured |", "|---|---|---|---|"]
+    """auto's order on MaxText's shapes, and the same order among the candidates MaxText can run: its Ulysses
+    (and USP's Ulysses part) needs the kv heads divisible by the A2A degree, so usp with U > K (maxctx repeats kv
+    heads there) has no MaxText measurement."""
+    lines = ["| model, S, C (fsdp) | auto's order (choice first), estimated step | among MaxText's candidates "
+             "(U divides the kv heads) | p2p / all_gather (estimate) | MaxText measured |", "|---|---|---|---|---|"]
     for model, seq, cp, fsdp, measured in MAXTEXT:
         config = load_config(["configs/base.yml", "compile_topology=v5p-128", f"model_name={model}",
                               f"max_target_length={seq}", f"ici_context_parallelism={cp}",
@@ -151,8 +154,10 @@ def maxtext_table() -> list[str]:
         plan = planner.plan(config)
         ranking = ", ".join(f"{i + 1}. {c.label} {c.step_s:.2f} s" for i, c in enumerate(c for c in plan.ranked
                                                                                        if c.fits))
+        theirs = " < ".join(c.label for c in sorted((c for c in plan.ranked if c.fits and (
+            c.strategy in ("all_gather", "p2p") or config.base_num_kv_heads % c.a2a == 0)), key=lambda c: c.step_s))
         by = {c.label: c for c in plan.ranked}
-        lines.append(f"| {model}, {seq // 1024}K, C={cp} (fsdp {fsdp}) | {ranking} | "
+        lines.append(f"| {model}, {seq // 1024}K, C={cp} (fsdp {fsdp}) | {ranking} | {theirs} | "
                      f"{by['p2p'].step_s / by['all_gather'].step_s:.2f} | {measured} |")
     return lines
 
