@@ -105,48 +105,48 @@ def test_compile_plan_prints_the_table(capsys):
     assert len(rows) == 5 and rows[0]["fits"]
 
 
-def maxtext_plan(model: str, length: int, cp: int, fsdp: int) -> dict[str, planner.Candidate]:
-    """The planner on the shape of MaxText's v5p-128 measurements (2M tokens per step, splash; docs/
-    choosing_a_strategy.md), by label."""
+def maxtext_plan(model: str, length: int, cp: int, fsdp: int
+                 ) -> tuple[planner.Candidate, dict[str, planner.Candidate]]:
+    """(auto's choice, the valid candidates by label) on the shape of MaxText's v5p-128 measurements (2M tokens per
+    step, splash; docs/choosing_a_strategy.md)."""
     plan = planner.plan(load_config(["configs/base.yml", "compile_topology=v5p-128", f"model_name={model}",
                                      f"max_target_length={length}", f"ici_context_parallelism={cp}",
                                      f"ici_fsdp_parallelism={fsdp}", f"per_device_batch_size={2 ** 21 / 64 / length}",
                                      "remat_policy=full", "attention=splash", "context_parallel_strategy=auto"]))
-    return {"choice": plan.choice, **{c.label: c for c in plan.ranked if c.valid}}
+    return plan.choice, {c.label: c for c in plan.ranked if c.valid}
 
 
 def test_ring_is_last_at_32k_as_maxtext_measured():
     # PR #4687, llama2-7b at 32K over C = 16: all_gather 8.83 s, Ulysses 8.90 s, ring 16.38 s (1.86x all_gather).
-    by = maxtext_plan("llama2-7b", 32768, 16, 4)
-    ranked = sorted((c for k, c in by.items() if k != "choice"), key=lambda c: c.step_s)
-    assert ranked[-1].label == "p2p"
+    _, by = maxtext_plan("llama2-7b", 32768, 16, 4)
+    assert max(by.values(), key=lambda c: c.step_s).label == "p2p"
     assert 1.5 < by["p2p"].step_s / by["all_gather"].step_s < 3
-    assert max(by["a2a"].step_s, by["all_gather"].step_s) < by["p2p"].step_s / 1.5
+    assert 1.5 < by["p2p"].step_s / by["a2a"].step_s
 
 
 @pytest.mark.parametrize("length,expected", [(65536, None), (262144, "usp 8x8")])
 def test_llama3_8b_on_v5p_128_prefers_usp_as_maxtext_measured(length, expected):
     # PRs #4836 / #4893 (as issue 17 summarises them): USP ahead of ring and all-gather at 64K and 256K, usp 8x8
     # fastest at 256K.
-    by = maxtext_plan("llama3-8b", length, 64, 1)
-    assert by["choice"].strategy == "usp"
+    choice, by = maxtext_plan("llama3-8b", length, 64, 1)
+    assert choice.strategy == "usp"
     for label, c in by.items():
         if c.strategy == "usp" and c.a2a >= 4:
             assert c.step_s < min(by["all_gather"].step_s, by["p2p"].step_s), label
     if expected:
-        assert by["choice"].label == expected
+        assert choice.label == expected
 
 
-@pytest.mark.xfail(strict=True, reason="known disagreement with MaxText (docs/choosing_a_strategy.md): the model "
+@pytest.mark.xfail(strict=True, reason="known disagreements with MaxText (docs/choosing_a_strategy.md): the model "
                                         "ranks usp 16x4 behind larger A2A degrees at 64K, and a2a 17% ahead of "
                                         "all_gather at 32K; a pass means the doc's table must be updated")
 @pytest.mark.parametrize("case", ["64K usp 16x4 first", "32K all_gather ties a2a"])
 def test_known_disagreements_with_maxtext(case):
     if case.startswith("64K"):
-        assert maxtext_plan("llama3-8b", 65536, 64, 1)["choice"].label == "usp 16x4"
+        assert maxtext_plan("llama3-8b", 65536, 64, 1)[0].label == "usp 16x4"
     else:
-        by = maxtext_plan("llama2-7b", 32768, 16, 4)
-        assert abs(by["all_gather"].step_s / by["a2a"].step_s - 1) <= planner.TIE
+        _, by = maxtext_plan("llama2-7b", 32768, 16, 4)
+        assert by["all_gather"].step_s <= by["a2a"].step_s * (1 + planner.TIE)
 
 
 def test_all_to_all_is_bisection_bound_per_torus_dimension():
@@ -156,8 +156,8 @@ def test_all_to_all_is_bisection_bound_per_torus_dimension():
         hw = planner.Hardware("t", 1e12, 1e9, 1e9, 1.0, torus)
         return planner._collective_s(Collective("all-to-all", 8.0, group), hw, 64) - planner.ICI_LATENCY_S
 
-    assert [a2a((4, 4, 4), u) for u in (2, 4, 8, 16, 32, 64)] == [4.0] * 6
-    assert [a2a((8, 4), u) for u in (2, 4, 8, 16, 32)] == [4.0, 8.0, 8.0, 8.0, 8.0]
+    assert [a2a((4, 4, 4), u) for u in (2, 4, 8, 16, 32, 64)] == pytest.approx([4.0] * 6)
+    assert [a2a((8, 4), u) for u in (2, 4, 8, 16, 32)] == pytest.approx([4.0, 8.0, 8.0, 8.0, 8.0])
 
 
 def test_train_prints_the_table_and_records_it(tmp_path):
