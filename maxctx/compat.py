@@ -24,6 +24,13 @@ RENAMED = {
     "learning_rate_final_fraction": "cosine_learning_rate_final_fraction",
     "sa_block_q": "flash_block_q",
     "sa_block_kv": "flash_block_kv",
+    "sa_block_kv_compute": "flash_block_kv_compute",
+    "sa_block_q_dkv": "flash_block_q_dkv",
+    "sa_block_kv_dkv": "flash_block_kv_dkv",
+    "sa_block_kv_dkv_compute": "flash_block_kv_dkv_compute",
+    "sa_block_q_dq": "flash_block_q_dq",
+    "sa_block_kv_dq": "flash_block_kv_dq",
+    "sa_use_fused_bwd_kernel": "splash_fused_backward",
     "profiler_steps": "profile_steps",
 }
 VALUES = {
@@ -32,10 +39,6 @@ VALUES = {
     "packing": {True: "first_fit", False: "none"},
     "rope_type": {"llama3.1": "llama3"},
 }
-# splash's other block sizes: maxctx's splash uses flash_block_q / flash_block_kv for every pass.
-SPLASH_BLOCKS = {"sa_block_kv_compute": "flash_block_kv", "sa_block_q_dkv": "flash_block_q",
-                 "sa_block_kv_dkv": "flash_block_kv", "sa_block_kv_dkv_compute": "flash_block_kv",
-                 "sa_block_q_dq": "flash_block_q", "sa_block_kv_dq": "flash_block_kv"}
 _ONE_MESH = "maxctx's mesh has the axes data, fsdp, context and tensor; use those"
 # key -> (values that ask for nothing maxctx lacks, why it is refused otherwise)
 MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
@@ -54,7 +57,6 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "num_slices": ((-1,), "the slice count comes from the devices (compile_topology_num_slices when compiling)"),
     "mtp_num_layers": ((0,), "multi-token prediction is not implemented"),
     "logits_dot_in_fp32": ((False,), "the output projection runs in dtype, its loss in fp32"),
-    "sa_use_fused_bwd_kernel": ((False,), "splash runs its separate dq and dkv backward kernels"),
     "use_tokamax_splash": ((False,), "splash is JAX's Pallas kernel (jax.experimental.pallas.ops.tpu)"),
     "use_jax_splash": ((False, True), ""),  # maxctx's splash is JAX's either way
     "ring_scan_unroll": ((1,), "the ring's hop loop is not unrolled"),
@@ -139,7 +141,6 @@ def resolve(values: dict[str, Any], user_keys: set[str]) -> tuple[dict[str, Any]
         v["compile_topology_num_slices"] = 1
     _profiler(v)
     _usp_split(v)
-    _splash_blocks(v)
     if v.get("eval_dataset_name") not in (None, "", v.get("dataset_name")):
         raise unsupported(f"eval_dataset_name={v['eval_dataset_name']}", "eval reads eval_split of dataset_name")
     v.pop("eval_dataset_name", None)
@@ -176,13 +177,6 @@ def _usp_split(v: dict[str, Any]) -> None:
                           f"an explicit ici_context_parallelism (the ring degree)")
     v["ici_context_parallelism"] = ring * ulysses
     v["context_parallel_a2a_degree"] = ulysses
-
-
-def _splash_blocks(v: dict[str, Any]) -> None:
-    for key, ours in SPLASH_BLOCKS.items():
-        if key in v and v.pop(key) != v.get(ours, 512):
-            raise unsupported(key, f"splash uses {ours} (sa_block_{ours[12:]}) for every pass; drop {key} or give "
-                              f"it the same value")
 
 
 def _scale(scale: Any) -> int:

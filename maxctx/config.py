@@ -108,6 +108,14 @@ class Config:
     context_parallel_auto: bool = False
     flash_block_q: int = 512
     flash_block_kv: int = 512
+    # splash's other blocks (MaxText's sa_block_*); 0: from flash_block_q / flash_block_kv (maxctx/attention/splash.py)
+    flash_block_kv_compute: int = 0
+    flash_block_q_dkv: int = 0
+    flash_block_kv_dkv: int = 0
+    flash_block_kv_dkv_compute: int = 0
+    flash_block_q_dq: int = 0
+    flash_block_kv_dq: int = 0
+    splash_fused_backward: bool = False
     # Mesh.
     ici_data_parallelism: int = 1
     ici_fsdp_parallelism: int = -1

@@ -201,7 +201,9 @@ def validate(config: Config) -> None:
         raise ConfigError("base_output_directory='' is empty; give the folder for runs' outputs (e.g. outputs) or "
                           "gs://bucket/folder")
     _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "reuse_example_batch",
-              "max_num_checkpoints_to_keep", "eval_per_device_batch_size", allow_zero=True)
+              "max_num_checkpoints_to_keep", "eval_per_device_batch_size", "flash_block_kv_compute",
+              "flash_block_q_dkv", "flash_block_kv_dkv", "flash_block_kv_dkv_compute", "flash_block_q_dq",
+              "flash_block_kv_dq", allow_zero=True)
     if config.eval_steps <= 0 and config.eval_steps != -1:
         raise ConfigError(f"eval_steps={config.eval_steps} must be > 0, or -1 for the whole eval split")
     _positive(config, "jax_heartbeat_timeout_seconds", "jax_distributed_initialization_timeout", "base_emb_dim",

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.attention import kernels
+from maxctx.attention import index_runs
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.kernels import make_local, stored_order
 from tests.support.meshes import FAST_COMPILE, make_mesh
@@ -72,8 +72,8 @@ def test_rank_runs_equal_the_dense_ranks(order):
         for b in range(cp):
             q_orig, kv_orig = perm[r * n:(r + 1) * n], perm[b * n:(b + 1) * n]
             union = np.unique(np.concatenate([q_orig, kv_orig]))
-            q_key, kv_key = kernels._ranked(kernels._runs(q_orig), kernels._runs(kv_orig))
-            np.testing.assert_array_equal(kernels._expand(q_key), np.searchsorted(union, q_orig))
-            np.testing.assert_array_equal(kernels._expand(kv_key), np.searchsorted(union, kv_orig))
+            q_key, kv_key = index_runs.ranked(index_runs.runs(q_orig), index_runs.runs(kv_orig))
+            np.testing.assert_array_equal(index_runs.expand(q_key), np.searchsorted(union, q_orig))
+            np.testing.assert_array_equal(index_runs.expand(kv_key), np.searchsorted(union, kv_orig))
             for key in (q_key, kv_key):  # maximal runs: the key is canonical
                 assert all(a + la != c for (a, la), (c, _) in zip(key, key[1:])), key

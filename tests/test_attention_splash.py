@@ -37,6 +37,21 @@ def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window,
 
     if max_table is not None:
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
+    check_against_reference(strategy, ring, a2a, window)
+
+
+@pytest.mark.parametrize("strategy,blocks", [
+    # MaxText's sa_block_* (flash_block_*): dK/dV and dQ kernels on other blocks than the forward's 128 x 128.
+    ("a2a", dict(q_dkv=256, kv_dkv=512, kv_dkv_compute=128, q_dq=512, kv_dq=256)),
+    ("all_gather", dict(kv_compute=128, q_dkv=256, kv_dkv=256, fused_backward=True))])
+def test_splash_backward_blocks_match_reference(strategy, blocks):
+    from maxctx.attention import splash
+
+    check_against_reference(strategy, 1 if strategy == "a2a" else 2, 2 if strategy == "a2a" else 1, 0,
+                            splash.Blocks(**blocks))
+
+
+def check_against_reference(strategy, ring, a2a, window, splash_blocks=None):
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, S, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(2, S, K, D)).astype(np.float32) for _ in range(2))
@@ -57,7 +72,7 @@ def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window,
     mesh = make_mesh(ring, a2a)
     cp = ring * a2a
     spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=True, block_q=128, block_kv=128,
-                         window=window)
+                         window=window, **({"splash_blocks": splash_blocks} if splash_blocks else {}))
     perm = zigzag_permutation(S, cp)
     sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     args = [jax.device_put(x[:, perm], sharding) for x in (q, k, v, pos, seg, dout)]

@@ -1,6 +1,7 @@
 """TPU without a TPU: every strategy with attention=splash compiles (fwd + bwd) for an abstract v5p-8 topology, for
 global and for local (sliding-window) layers, and so does a call split into row chunks (splash.MAX_TABLE_ENTRIES
-lowered so 2K tokens need them).
+lowered so 2K tokens need them; ring hops loop one kernel over them), and splash's backward on other blocks than
+the forward's (MaxText's sa_block_*), fused or not.
 
 Runs in a subprocess: the TPU plugin must load, which JAX_PLATFORMS=cpu (set by conftest) forbids. Needs libtpu
 (CI installs `jax[tpu]==<jax version>`); without it the test fails and says so, it does not skip.
@@ -26,17 +27,21 @@ devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices  # v5p-8: 4 c
 B, S, H, K, D = 1, 2048, 8, 2, 128
 results = {}
 default_table = splash.MAX_TABLE_ENTRIES
-for strategy, ring, a2a, balance, table, window in [
+for strategy, ring, a2a, balance, table, window, *blocks in [
         ("all_gather", 4, 1, True, None, 0), ("p2p", 4, 1, True, None, 0), ("p2p", 4, 1, False, None, 0),
         ("a2a", 1, 4, True, None, 0), ("usp", 2, 2, True, None, 0),
         ("a2a", 1, 4, True, 16, 0),  # 8 x 8 blocks per call, at most 16 per kernel: 4 row chunks
+        ("p2p", 4, 1, True, 2, 0),  # ring hops of 2 x 2 blocks, 1 per kernel: one kernel looped over 2 row chunks
+        # splash's backward on its own blocks (MaxText's sa_block_*_dkv/dq), and the fused backward kernel
+        ("a2a", 1, 4, True, None, 0, dict(q_dkv=512, kv_dkv=1024, kv_dkv_compute=256, q_dq=1024, kv_dq=512)),
+        ("all_gather", 4, 1, True, None, 0, dict(kv_compute=128, q_dkv=512, fused_backward=True)),
         # Local layers (sliding window): the halo's band kernel, a2a's windowed mask, a ring with windowed hops.
         ("all_gather", 4, 1, True, None, 256), ("p2p", 4, 1, True, None, 256), ("p2p", 4, 1, False, None, 256),
         ("a2a", 1, 4, True, None, 256), ("usp", 2, 2, True, None, 256), ("p2p", 4, 1, True, None, 1024)]:
     splash.MAX_TABLE_ENTRIES = table or default_table
     mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), AXES)
     spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=balance, block_q=256, block_kv=256,
-                         window=window)
+                         window=window, splash_blocks=splash.Blocks(**(blocks[0] if blocks else {})))
     seq = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     heads = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
     args = [jax.ShapeDtypeStruct((B, S, H, D), jnp.bfloat16, sharding=heads),
@@ -51,7 +56,7 @@ for strategy, ring, a2a, balance, table, window in [
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     hlo = compiled.as_text()
     results[f"{strategy}/{'zigzag' if balance else 'natural'}" + ("/chunked" if table else "")
-            + (f"/window{window}" if window else "")] = {
+            + (f"/window{window}" if window else "") + ("/blocks" if blocks else "")] = {
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
         "pallas_calls": hlo.count("tpu_custom_call")}
 print("RESULT " + json.dumps(results))
@@ -68,9 +73,11 @@ def test_splash_compiles_for_v5p_under_every_strategy():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"compile for v5p failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads(lines[-1].removeprefix("RESULT "))
-    assert len(results) == 12
+    assert len(results) == 15
     # Row chunks are separate kernels (forward, dQ, dK/dV each): 4 chunks make at least 3 x 3 more Pallas calls.
     assert results["a2a/zigzag/chunked"]["pallas_calls"] >= results["a2a/zigzag"]["pallas_calls"] + 9, results
+    # Ring hops' row chunks are one kernel in a loop (splash.RowLoop): no more Pallas calls than unchunked.
+    assert results["p2p/zigzag/chunked"]["pallas_calls"] <= results["p2p/zigzag"]["pallas_calls"], results
     for name, stats in results.items():
         assert stats["pallas_calls"] > 0, f"{name}: no Pallas (splash) kernel in the compiled TPU program"
         assert stats["temp_bytes"] < 1 << 30, f"{name}: {stats['temp_bytes']} temp bytes for 2K tokens"

@@ -89,6 +89,11 @@ LOADS = {
            "ici_context_parallelism=2 ici_context_usp_ulysses_parallelism=2 context_parallel_strategy=usp "
            "context_parallel_load_balance=false packing=false",
     "tiktoken": "tokenizer_path=assets/tokenizer_llama3.tiktoken tokenizer_type=tiktoken packing=false",
+    "v6e_llama2_7b_blocks": "model_name=llama2-7b steps=15 per_device_batch_size=12 enable_checkpointing=false "
+                            "remat_policy=full ici_fsdp_parallelism=-1 max_target_length=4096 "
+                            "base_output_directory=$OUT reuse_example_batch=1 dataset_type=synthetic "
+                            "gcs_metrics=true attention='flash' sa_block_q=1024 sa_block_q_dkv=2048 "
+                            "sa_block_q_dq=2048",
     # v5e/1b-tfds-eval.sh without its eval_batch_num=5, which is no MaxText key (test_unknown_keys_...)
     "tfds_eval": "steps=19 per_device_batch_size=8 enable_checkpointing=False max_target_length=2048 "
                  "global_parameter_scale=1 base_output_directory=$OUT dataset_path=$DATASET_PATH run_name=eval "
@@ -98,8 +103,6 @@ LOADS = {
 REFUSED = {
     "fp8": ("quantization=fp8 dataset_type=synthetic", "MaxText's quantization=fp8 is not supported by maxctx"),
     "fsdp_transpose": ("ici_fsdp_transpose_parallelism=16", "MaxText's ici_fsdp_transpose_parallelism=16 is not"),
-    "splash_blocks": ("attention='flash' sa_block_q=1024 sa_block_q_dkv=2048",
-                      "MaxText's sa_block_q_dkv is not supported by maxctx"),
     "hf": ("dataset_type=hf", "MaxText's dataset_type=hf is not supported by maxctx"),
 }
 
@@ -124,6 +127,10 @@ def test_maxtext_meanings(place):
     assert (c.attention, c.remat_policy, c.use_iota_embed, c.hardware) == ("cudnn", "minimal_flash", True, "gpu")
     c = load_config(maxtext(LOADS["grain"], place))
     assert c.dataset_type == "arrayrecord" and c.grain_worker_count == 2
+    c = load_config(maxtext(LOADS["v6e_llama2_7b_blocks"], place))  # splash's backward blocks, MaxText's sa_block_*
+    assert (c.flash_block_q, c.flash_block_kv, c.flash_block_q_dkv, c.flash_block_q_dq, c.flash_block_kv_dkv) == (
+        1024, 512, 2048, 2048, 0)
+    assert load_config([BASE, "sa_use_fused_bwd_kernel=true"]).splash_fused_backward
     c = load_config(maxtext(LOADS["usp"], place))  # MaxText: ring 2 x ulysses 2 = our C = 4, A2A degree 2
     assert (c.ici_context_parallelism, c.context_parallel_a2a_degree, c.packing) == (4, 2, "none")
     c = load_config([BASE, "tokenizer_path=assets/tokenizer_llama3.tiktoken"])  # MaxText infers tiktoken

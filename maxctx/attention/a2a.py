@@ -65,7 +65,7 @@ def activation_bytes(s: AttentionShape) -> float:
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int = 0):
+           block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
     from maxctx.attention.alltoall import A2A_AXIS, a2a_attention
     from maxctx.attention.collectives import context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
@@ -77,7 +77,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     group = h // replicated_kv_heads(kv_heads, u)
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u, load_balance),
-                       group=group, window=window)
+                       group=group, window=window, splash_blocks=splash_blocks)
 
     def inner(q, k, v, pos, seg):
         return local.attend(0, q, k, v, pos, seg, pos, seg)[0]

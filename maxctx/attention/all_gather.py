@@ -53,7 +53,7 @@ def activation_bytes(s: AttentionShape) -> float:
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int = 0):
+           block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
     import jax
 
     from maxctx.attention.collectives import CONTEXT, context_shard_map
@@ -62,7 +62,8 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
-                       q_shards=cp, q_axes=CONTEXT, group=h // kv_heads, window=window)
+                       q_shards=cp, q_axes=CONTEXT, group=h // kv_heads, window=window,
+                       splash_blocks=splash_blocks)
 
     def body(q, k, v, pos, seg):
         k_all, v_all, pos_all, seg_all = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)

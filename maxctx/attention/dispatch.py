@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import halo, strategies
+from maxctx.attention import halo, splash, strategies
 from maxctx.attention.kernels import make_local
 from maxctx.config import AttentionKernel, Config, ConfigError
 
@@ -31,12 +31,13 @@ class AttentionSpec:
     block_q: int = Config.flash_block_q
     block_kv: int = Config.flash_block_kv
     window: int = 0  # this layer's sliding window (0: global); the model sets it per layer from the pattern
+    splash_blocks: splash.Blocks = splash.Blocks()  # splash's other block sizes (flash_block_*_dkv, ...)
 
     @classmethod
     def from_config(cls, config: Config) -> AttentionSpec:
         return cls(kernel=config.attention, strategy=config.context_parallel_strategy,
                    load_balance=config.context_parallel_load_balance, block_q=config.flash_block_q,
-                   block_kv=config.flash_block_kv)
+                   block_kv=config.flash_block_kv, splash_blocks=splash.Blocks.from_config(config))
 
 
 def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
@@ -61,7 +62,8 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
     if mesh is None:
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
-                           group=q_BSHD.shape[2] // k_BSKD.shape[2], window=spec.window)
+                           group=q_BSHD.shape[2] // k_BSKD.shape[2], window=spec.window,
+                           splash_blocks=spec.splash_blocks)
         return local.attend(0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
                             segment_ids_BS)[0]
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
@@ -69,12 +71,12 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
     if spec.window and cp > 1 and getattr(strategy, "LOCAL_BY_HALO", False):
         out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
                           load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv,
-                          window=spec.window)
+                          window=spec.window, splash_blocks=spec.splash_blocks)
         if out is not None:  # None: a halo would move as much as the strategy's own path
             return out
     return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
                     load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv,
-                    window=spec.window)
+                    window=spec.window, splash_blocks=spec.splash_blocks)
 
 
 __all__ = ["AttentionSpec", "attend", "resolve_kernel"]

@@ -195,7 +195,7 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int):
+           block_q: int, block_kv: int, window: int, splash_blocks=None):
     """A local layer over the context axes by halo exchange (any strategy's token layout but a2a's), or None when
     `layout_plan` says the strategy's own path moves no more."""
     from maxctx.attention.collectives import CONTEXT, context_shard_map
@@ -207,7 +207,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     if p is None:
         return None
     local = make_band(kernel, block_q, block_kv, mesh=mesh, chunk=p.chunk, halo=p.halo, window=window,
-                      group=q_BSHD.shape[2] // k_BSKD.shape[2])
+                      group=q_BSHD.shape[2] // k_BSKD.shape[2], splash_blocks=splash_blocks)
 
     def body(q, k, v, pos, seg):
         return local_attention(p, local, CONTEXT, q, k, v, pos, seg)

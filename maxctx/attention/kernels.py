@@ -15,7 +15,6 @@ exposes a backward that takes the ring's merged lse.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 from typing import Any
@@ -26,6 +25,7 @@ import numpy as np
 
 from maxctx.attention import cudnn, flash, splash
 from maxctx.attention.dot_product import dot_product_attention, dot_product_block_backward
+from maxctx.attention.index_runs import expand, ranked, runs, shifted
 from maxctx.attention.load_balance import zigzag_permutation
 
 
@@ -85,54 +85,9 @@ class LocalKernel:
                                     self.block_q, self.block_kv, self.window)
 
 
-def _runs(indices: np.ndarray) -> tuple[tuple[int, int], ...]:
-    """`indices` as maximal runs (start, length) of consecutive integers (two per shard under zig-zag)."""
-    cuts = np.flatnonzero(np.diff(indices) != 1) + 1
-    starts = np.concatenate([[0], cuts])
-    lengths = np.diff(np.concatenate([starts, [len(indices)]]))
-    return tuple(zip(indices[starts].tolist(), lengths.tolist()))
-
-
-def _ranked(q_runs, kv_runs) -> tuple[tuple, tuple]:
-    """The runs with every index replaced by its rank in the union of both sets, re-merged into maximal runs: a
-    canonical form, so two (q, kv) pairs get equal results iff their rank arrays are equal, and then their causal
-    masks are equal (the masks only compare indices). O(runs), not O(tokens): a ring at C = 128 has C^2 pairs."""
-    union: list[list[int]] = []  # disjoint, sorted [start, stop) covering both sets
-    for start, length in sorted(q_runs + kv_runs):
-        if union and start <= union[-1][1]:
-            union[-1][1] = max(union[-1][1], start + length)
-        else:
-            union.append([start, start + length])
-    starts = [lo for lo, _ in union]
-    before = np.cumsum([0] + [hi - lo for lo, hi in union]).tolist()
-
-    def rank(runs):
-        out: list[tuple[int, int]] = []
-        for start, length in runs:
-            i = bisect.bisect_right(starts, start) - 1
-            r = start - starts[i] + before[i]
-            if out and out[-1][0] + out[-1][1] == r:
-                out[-1] = (out[-1][0], out[-1][1] + length)
-            else:
-                out.append((r, length))
-        return tuple(out)
-
-    return rank(q_runs), rank(kv_runs)
-
-
-def _shifted(q_runs, kv_runs) -> tuple[tuple, tuple]:
-    """The runs moved so that the smallest index is 0: equal iff the masks are equal for any index distance."""
-    low = min(start for start, _ in q_runs + kv_runs)
-    return (tuple((start - low, n) for start, n in q_runs), tuple((start - low, n) for start, n in kv_runs))
-
-
-def _expand(runs) -> np.ndarray:
-    return np.concatenate([np.arange(start, start + length) for start, length in runs])
-
-
 def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,
                q_shards: int = 1, kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False,
-               window: int = 0) -> LocalKernel:
+               window: int = 0, splash_blocks: splash.Blocks | None = None) -> LocalKernel:
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
     `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
     sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
@@ -140,30 +95,34 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     across hops too: under zig-zag or without load balance a whole ring has at most 3 distinct masks (the
     diagonal, key block before, key block after), whatever C. A device picks its own with `lax.switch` on a
     [hop, query shard] table. Off TPU (the mesh's devices, else the default backend) splash runs in Pallas
-    interpret mode: slow, for tests. `window` > 0: a sliding window (masks then compare by offset, not rank)."""
+    interpret mode: slow, for tests. `window` > 0: a sliding window (masks then compare by offset, not rank).
+    `splash_blocks`: splash's other block sizes (splash.Blocks; None: all derived from block_q / block_kv)."""
     if name != "splash":
         return LocalKernel(name, block_q, block_kv, window=window)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     kernels, table = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
-                                     block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window)
+                                     block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
+                                     splash_blocks or splash.Blocks())
     return LocalKernel(name, block_q, block_kv, q_axes, window, kernels, table)
 
 
 def make_band(name: str, block_q: int, block_kv: int, *, mesh=None, chunk: int, halo: int, window: int,
-              group: int = 1) -> LocalKernel:
+              group: int = 1, splash_blocks: splash.Blocks | None = None) -> LocalKernel:
     """The kernel of a local layer's chunk (maxctx.attention.halo): `chunk` queries against the `halo` keys before
     them and themselves, all in original order; splash gets the one static sliding-window mask they share."""
     if name != "splash":
         return LocalKernel(name, block_q, block_kv, window=window)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     kernel = splash.make_kernel(np.arange(halo, halo + chunk), np.arange(halo + chunk), group, block_q, block_kv,
-                                save_residuals=False, interpret=platform != "tpu", window=window)
+                                save_residuals=False, interpret=platform != "tpu", window=window,
+                                blocks=splash_blocks or splash.Blocks())
     return LocalKernel(name, block_q, block_kv, None, window, (kernel,), ((0,),))
 
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: int, block_q: int, block_kv: int,
-                    ring: bool, interpret: bool, max_table_entries: int, window: int = 0) -> tuple[tuple, tuple]:
+                    ring: bool, interpret: bool, max_table_entries: int, window: int,
+                    blocks: splash.Blocks) -> tuple[tuple, tuple]:
     """The distinct kernels over all hops and each [hop][query shard]'s index into them. Cached: building the
     mask info walks every block on the host, and the train step, the eval step and rematerialisation trace
     attention again. Kernels are built on the ranks, not the original indices: equal masks then compare equal
@@ -171,19 +130,20 @@ def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: in
     window depends on index distances, which ranks do not keep: its masks are compared shifted to start at 0."""
     order = np.frombuffer(order_bytes, np.int64)
     n, rows = len(order) // kv_blocks, len(order) // q_shards
-    q_runs = [_runs(order[r * rows:(r + 1) * rows]) for r in range(q_shards)]
-    kv_runs = [_runs(order[b * n:(b + 1) * n]) for b in range(kv_blocks)]
+    q_runs = [runs(order[r * rows:(r + 1) * rows]) for r in range(q_shards)]
+    kv_runs = [runs(order[b * n:(b + 1) * n]) for b in range(kv_blocks)]
     kernels, table, seen = [], [], {}
     for hop in range(kv_blocks if ring else 1):
         row = []
         for r in range(q_shards):
             pair = (q_runs[r], kv_runs[(r * kv_blocks // q_shards - hop) % kv_blocks])
-            key = _shifted(*pair) if window else _ranked(*pair)
+            key = shifted(*pair) if window else ranked(*pair)
             if key not in seen:  # a hop that sees no key gets make_kernel's empty chunk (splash refuses its mask)
                 seen[key] = len(kernels)
-                kernels.append(splash.make_kernel(_expand(key[0]), _expand(key[1]), group, block_q, block_kv,
+                kernels.append(splash.make_kernel(expand(key[0]), expand(key[1]), group, block_q, block_kv,
                                                   save_residuals=ring, interpret=interpret,
-                                                  max_table_entries=max_table_entries, window=window))
+                                                  max_table_entries=max_table_entries, window=window,
+                                                  blocks=blocks))
             row.append(seen[key])
         table.append(tuple(row))
     return tuple(kernels), tuple(table)

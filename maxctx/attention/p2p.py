@@ -60,7 +60,7 @@ def activation_bytes(s: AttentionShape) -> float:
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int = 0):
+           block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
     from maxctx.attention.collectives import CONTEXT, context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
     from maxctx.attention.ring import ring_attention
@@ -68,7 +68,8 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     cp = mesh.shape["context"] * mesh.shape["context_a2a"]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
-                       q_shards=cp, kv_blocks=cp, q_axes=CONTEXT, group=h // kv_heads, ring=True, window=window)
+                       q_shards=cp, kv_blocks=cp, q_axes=CONTEXT, group=h // kv_heads, ring=True, window=window,
+                       splash_blocks=splash_blocks)
 
     def body(q, k, v, pos, seg):
         return ring_attention(local, CONTEXT, cp, q, k, v, pos, seg, pos, seg)

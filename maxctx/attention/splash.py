@@ -17,9 +17,12 @@ Splash builds its block tables on the host by asking the mask for every block; t
 all visible or all hidden (nearly all of them at long context) from the block's cached index range, 15.6x faster
 than comparing elementwise (benchmarks/splash_masks.py: 0.79 s vs 12.3 s per all_gather kernel at 256K tokens).
 The tables (query blocks x key blocks per call) live in on-chip SMEM, which 2**18 entries overflow on v5p (an
-all_gather call at 1M tokens with 512-token blocks); a call past MAX_TABLE_ENTRIES runs as several kernels over
-chunks of its query rows (make_kernel). Key blocks are computed 512 keys at a time whatever the block size, so
-larger blocks (flash_block_q/flash_block_kv set both kernels' blocks) do not overflow VMEM.
+all_gather call at 1M tokens with 512-token blocks); a call past MAX_TABLE_ENTRIES runs over chunks of its query
+rows (make_kernel): as several kernels (calls with a backward: a2a, all_gather), or, for ring hops (forward only),
+as one kernel in a loop over the chunks with each chunk's tables as data (RowLoop): usp at 2**24 tokens has 256
+chunks per hop, 768 kernels unrolled. Key blocks are computed 512 keys at a time whatever the block size, so
+larger blocks do not overflow VMEM. flash_block_q / flash_block_kv set every pass's blocks unless the
+flash_block_*_dkv / *_dq / *_compute keys (MaxText's sa_block_*) set the backward's apart (Blocks).
 (Sharding one kernel's mask info over devices with q_seq_shards fails in jax 0.10 for hops whose mask has no
 partial block, as zig-zag ring hops do.)
 
@@ -29,6 +32,7 @@ over the G query heads of each kv head, vmapped over K and B.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -37,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxctx.attention.flash import block_size
+from maxctx.attention.index_runs import expand, ranked, runs, shifted
 
 COMPUTE_BLOCK = 512
 # Block-table entries (query blocks x key blocks) one kernel call may have. llama3-8b all_gather at 1M tokens on
@@ -122,46 +127,169 @@ def _constant_block(value: bool, rows: int, cols: int) -> np.ndarray:
     return block
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Splash's block sizes besides block_q / block_kv (MaxText's sa_block_*; the flash_block_* keys). 0: derived
+    from the forward's blocks, the compute blocks at most COMPUTE_BLOCK keys. Each size is cut to the largest one
+    that divides what it tiles (the call's rows or keys, or its key block)."""
+    kv_compute: int = 0
+    q_dkv: int = 0
+    kv_dkv: int = 0
+    kv_dkv_compute: int = 0
+    q_dq: int = 0
+    kv_dq: int = 0
+    fused_backward: bool = False  # one kernel for dQ, dK and dV (sa_use_fused_bwd_kernel)
+
+    @classmethod
+    def from_config(cls, config) -> Blocks:
+        return cls(config.flash_block_kv_compute, config.flash_block_q_dkv, config.flash_block_kv_dkv,
+                   config.flash_block_kv_dkv_compute, config.flash_block_q_dq, config.flash_block_kv_dq,
+                   config.splash_fused_backward)
+
+    def sizes(self, rows: int, keys: int, bq: int, bkv: int, backward: bool):
+        """splash's BlockSizes for a call of `rows` queries and `keys` keys with forward blocks bq x bkv."""
+        kernel_lib, _ = _lib()
+
+        def compute(block: int, want: int) -> int:
+            # The kernels step through a key block this many keys at a time: blocks larger than COMPUTE_BLOCK (long
+            # context) then do not grow the working set in VMEM (MaxText's default compute blocks).
+            return block_size(block, want) if want else math.gcd(block, COMPUTE_BLOCK) if block > COMPUTE_BLOCK \
+                else block
+
+        sizes = dict(block_q=bq, block_kv=bkv, block_kv_compute=compute(bkv, self.kv_compute))
+        if backward:
+            kv_dkv = block_size(keys, self.kv_dkv or bkv)
+            sizes.update(block_q_dkv=block_size(rows, self.q_dkv or bq), block_kv_dkv=kv_dkv,
+                         block_kv_dkv_compute=compute(kv_dkv, self.kv_dkv_compute),
+                         use_fused_bwd_kernel=self.fused_backward)
+            if not self.fused_backward:
+                sizes.update(block_q_dq=block_size(rows, self.q_dq or bq),
+                             block_kv_dq=block_size(keys, self.kv_dq or bkv))
+        return kernel_lib.BlockSizes(**sizes)
+
+
 def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: int, block_kv: int,
                 save_residuals: bool, interpret: bool = False, max_table_entries: int | None = None,
-                window: int = 0):
-    """Splash kernels over `group` query heads for one device's query rows and key/value block: a tuple of
-    (first row, last row + 1, kernel or None) chunks of the rows. One chunk unless the call's block table (query
-    blocks x key blocks, in on-chip SMEM) would pass `max_table_entries`: then the rows are split into the fewest
-    equal chunks of whole blocks that keep each chunk's table within it, one kernel each (a2a at 1M tokens).
+                window: int = 0, blocks: Blocks = Blocks()):
+    """Splash kernels over `group` query heads for one device's query rows and key/value block. One kernel unless
+    the call's block table (query blocks x key blocks, in on-chip SMEM) would pass `max_table_entries`: then the rows
+    are split into the fewest equal chunks of whole blocks that keep each chunk's table within it (a2a at 1M
+    tokens, ring hops at 2**24). Chunks with equal masks (compared on ranks, index_runs) share a kernel.
+    Returns a tuple of (first row, last row + 1, kernel or None) chunks, None for a chunk that sees no key (splash
+    refuses an all-hidden mask); for ring hops (`save_residuals`, forward only) with several chunks, a `RowLoop`
+    instead: one kernel in a loop over the chunks, whatever their number.
     (Growing the blocks instead does not work at long context: llama3-8b at 2**24 tokens on v5p-128 overflowed VMEM
-    with 1024- and 2048-token blocks under p2p and usp.) None: a chunk that sees no key (splash refuses an
-    all-hidden mask)."""
+    with 1024- and 2048-token blocks under p2p and usp.)"""
     max_table_entries = MAX_TABLE_ENTRIES if max_table_entries is None else max_table_entries
     bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
     q_blocks, kv_blocks = len(q_orig) // bq, len(kv_orig) // bkv
     chunks = next((n for n in range(1, q_blocks + 1) if q_blocks % n == 0 and q_blocks // n * kv_blocks
                    <= max_table_entries), q_blocks)
     rows = len(q_orig) // chunks
-    out = []
+    kv_runs, built, out = runs(kv_orig), {}, []
     for start in range(0, len(q_orig), rows):
         q_part = q_orig[start:start + rows]
-        hidden = kv_orig.min() > q_part.max() or (window and q_part.min() - kv_orig.max() >= window)
-        out.append((start, start + rows, None if hidden else _make_one(q_part, kv_orig, group, bq, bkv,
-                                                                         save_residuals, interpret, window)))
+        kernel = None
+        if not (kv_orig.min() > q_part.max() or (window and q_part.min() - kv_orig.max() >= window)):
+            key = (shifted if window else ranked)(runs(q_part), kv_runs)
+            if key not in built:
+                built[key] = _make_one(expand(key[0]), expand(key[1]), group, bq, bkv, save_residuals, interpret,
+                                       window, blocks)
+            kernel = built[key]
+        out.append((start, start + rows, kernel))
+    if save_residuals and len(out) > 1 and built:
+        return RowLoop(out)
     return tuple(out)
 
 
-def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int):
+def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int,
+              blocks: Blocks):
     kernel_lib, mask_lib = _lib()
     mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig, window)] * group)
-    # The blocks set the block tables (SMEM); the kernels step through a key block COMPUTE_BLOCK keys at a time, so
-    # blocks larger than that (long context) do not grow the working set in VMEM (MaxText's default compute blocks).
-    compute = math.gcd(bkv, COMPUTE_BLOCK) if bkv > COMPUTE_BLOCK else bkv
-    sizes = kernel_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=compute, block_q_dkv=bq,
-                                  block_kv_dkv=bkv, block_kv_dkv_compute=compute, block_q_dq=bq, block_kv_dq=bkv)
-    return kernel_lib.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                      save_residuals=save_residuals, interpret=interpret)
+    # Ring hops (save_residuals) run only splash's forward: their backward is the blockwise one (kernels.py), so
+    # no dQ/dKV block tables are built for them (two thirds of the host time).
+    sizes = blocks.sizes(len(q_orig), len(kv_orig), bq, bkv, backward=not save_residuals)
+    # Concrete tables even when built under a trace (jit stages jnp.array otherwise): kernels are cached across
+    # traces (kernels._splash_kernels), and RowLoop reads the tables on the host.
+    with jax.ensure_compile_time_eval():
+        return kernel_lib.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                          save_residuals=save_residuals, interpret=interpret)
+
+
+class RowLoop:
+    """Forward-only splash kernels over equal row chunks, run as one kernel in a loop over the chunks (lax.map), so
+    the program holds one Pallas call whatever the number of chunks (usp's ring hops at 2**24 tokens: 256 chunks
+    of 2M rows, 768 kernels when unrolled). Splash kernels are pytrees whose leaves are their block tables
+    (MaskInfo), which splash passes to the Pallas call as operands. The distinct chunks' tables are padded to one
+    width the way splash pads its own sequence shards (block mask 0, the edge index repeated, so no block is
+    fetched twice) and stacked; each loop step picks its chunk's by index and runs the kernel with them. The
+    partial (mixed) mask blocks of all chunks are pooled without repeats, each chunk's mask_next mapped into the
+    pool. A chunk
+    that sees no key gets an all-zero block mask: its rows come out as the empty result (lse -inf, out 0)."""
+
+    TABLES = ("data_next", "mask_next", "block_mask")
+
+    def __init__(self, parts):
+        distinct = list(dict.fromkeys(kernel for _, _, kernel in parts))  # by identity; None: sees no key
+        self.index = np.asarray([distinct.index(kernel) for _, _, kernel in parts], np.int32)
+        infos = [None if kernel is None else jax.tree_util.tree_map(np.asarray, kernel.fwd_mask_info)
+                 for kernel in distinct]
+        seen = [info for info in infos if info is not None]
+        width = max(info.block_mask.shape[-1] for info in seen)
+        unique: dict[bytes, int] = {}  # partial blocks over all chunks, deduplicated (the diagonal's repeat)
+        blocks = []
+        tables = {name: [] for name in self.TABLES}
+        for info in infos:
+            if info is None:
+                for name in self.TABLES:
+                    tables[name].append(np.zeros((*seen[0].block_mask.shape[:-1], width), np.int32))
+                continue
+            pad = [(0, 0)] * (info.block_mask.ndim - 1) + [(0, width - info.block_mask.shape[-1])]
+            tables["block_mask"].append(np.pad(info.block_mask, pad).astype(np.int32))
+            tables["data_next"].append(np.pad(info.data_next, pad, mode="edge").astype(np.int32))
+            mask_next = np.zeros(info.block_mask.shape, np.int32)
+            if info.mask_next is not None:
+                ids = []
+                for block in info.partial_mask_blocks:
+                    ids.append(unique.setdefault(block.tobytes(), len(unique)))
+                    if ids[-1] == len(blocks):
+                        blocks.append(block)
+                mask_next = np.asarray(ids, np.int32)[np.pad(info.mask_next, pad, mode="edge")]
+            tables["mask_next"].append(mask_next)
+        self.blocks = np.stack(blocks) if blocks else None
+        # As small an integer type as each table's values allow (they live in on-chip SMEM), as splash does.
+        self.tables = {name: _small(np.stack(arrays)) for name, arrays in tables.items()
+                       if name != "mask_next" or blocks}
+        self.rows, self.chunks = parts[0][1] - parts[0][0], len(parts)
+        self.kernel = next(kernel for kernel in distinct if kernel is not None)
+
+    def __call__(self, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT):
+        b, s, h, d = q_BSHD.shape
+        blocks = None if self.blocks is None else jnp.asarray(self.blocks)
+        tables = {name: jnp.asarray(table) for name, table in self.tables.items()}
+
+        def chunk(xs):
+            q, seg, which = xs
+            picked = {name: jax.lax.dynamic_index_in_dim(table, which, keepdims=False)
+                      for name, table in tables.items()}
+            info = self.kernel.fwd_mask_info._replace(**{"mask_next": None, "partial_mask_blocks": blocks, **picked})
+            step = type(self.kernel)(info, None, None, **self.kernel.kwargs)
+            return _call_one(step, q, k_BTKD, v_BTKD, seg, kv_seg_BT, True)
+
+        split = [jnp.moveaxis(x.reshape(b, self.chunks, self.rows, *x.shape[2:]), 1, 0) for x in (q_BSHD, q_seg_BS)]
+        out, lse = jax.lax.map(chunk, (*split, jnp.asarray(self.index)))
+        return jnp.moveaxis(out, 0, 1).reshape(b, s, h, d), jnp.moveaxis(lse, 0, 2).reshape(b, h, s)
+
+
+def _small(table: np.ndarray) -> np.ndarray:
+    return table.astype(next(t for t in (np.int8, np.int16, np.int32) if table.max() <= np.iinfo(t).max))
 
 
 def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool):
     """Runs the (local) splash kernels of `make_kernel` on their row chunks; returns (out[B, S, H, D], lse[B, H, S]
     fp32 or None). Chunks share the keys, so autodiff sums their dK/dV."""
+    if isinstance(kernels, RowLoop):
+        return kernels(q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT)
     parts = []
     for start, stop, kernel in kernels:
         q, seg = q_BSHD[:, start:stop], q_seg_BS[:, start:stop]

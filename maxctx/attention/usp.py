@@ -66,7 +66,7 @@ def activation_bytes(s: AttentionShape) -> float:
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int = 0):
+           block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
     from maxctx.attention.alltoall import a2a_attention
     from maxctx.attention.collectives import context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
@@ -76,7 +76,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u * r, load_balance),
                        q_shards=r, kv_blocks=r, q_axes=RING_AXIS, group=h // replicated_kv_heads(kv_heads, u),
-                       ring=True, window=window)
+                       ring=True, window=window, splash_blocks=splash_blocks)
 
     def inner(q, k, v, pos, seg):
         return ring_attention(local, RING_AXIS, r, q, k, v, pos, seg, pos, seg)
