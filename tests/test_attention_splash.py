@@ -140,3 +140,23 @@ def test_whole_blocks_answer_any_and_all_without_reading_them():
     assert isinstance(hidden, splash._ConstantBlock) and not hidden.any() and not hidden.all()
     assert not isinstance(partial, splash._ConstantBlock) and partial.any() and not partial.all()
     assert visible.any(axis=0).shape == (512,)  # with arguments: numpy's own answer
+
+
+def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
+    # usp-like ring at small scale: 2 hops over blocks of 4,096 tokens, 32 x 32 blocks of 128 per hop, at most 64
+    # table entries per call: 16 row chunks per hop, looped by one kernel (RowLoop), equal chunks sharing a table.
+    from maxctx.attention import kernels, splash
+
+    monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", 64)
+    local = kernels.make_local("splash", 128, 128, order=kernels.stored_order(8192, 4, True), q_shards=2,
+                               kv_blocks=2, group=2, ring=True)
+    loops = [k for k in local.splash_kernels if isinstance(k, splash.RowLoop)]
+    assert len(loops) == len(local.splash_kernels) == 3  # the diagonal, key block before, key block after
+    assert all(loop.chunks == 16 and loop.rows == 256 for loop in loops)
+    distinct = sorted(int(loop.index.max()) + 1 for loop in loops)
+    assert distinct[0] <= 2 and distinct[1] <= 2 and distinct[2] == 16, distinct  # only the diagonal's all differ
+    diagonal = next(loop for loop in loops if int(loop.index.max()) + 1 == 16)
+    assert len(diagonal.blocks) == 1  # the same causal block on every chunk's diagonal, pooled once
+    for loop in loops:  # block tables shaped [chunk tables, 1, query blocks per chunk, width], small integers
+        assert all(t.shape[:3] == (int(loop.index.max()) + 1, 1, 2) and t.dtype.itemsize <= 2
+                   for t in loop.tables.values())
