@@ -69,7 +69,7 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "hf_path": (("",), "the HuggingFace datasets pipeline is not supported; convert to ArrayRecord with "
                 "scripts/prepare_data.py and use dataset_type=arrayrecord"),
     **{f"{group}_{axis}_parallelism": ((1,), _ONE_MESH) for group in ("ici", "dcn") for axis in (
-        "pipeline", "fsdp_transpose", "sequence", "context_autoregressive", "tensor_transpose", "tensor_sequence",
+        "pipeline", "sequence", "context_autoregressive", "tensor_transpose", "tensor_sequence",
         "expert", "autoregressive", "diloco")},
     "dcn_context_usp_ulysses_parallelism": ((1,), "the all-to-all part of usp stays inside a slice"),
 }
@@ -82,6 +82,20 @@ _DATASETS = {"hf": "the HuggingFace datasets pipeline is not supported; convert 
 
 def unsupported(key: str, why: str) -> ConfigError:
     return ConfigError(f"MaxText's {key} is not supported by maxctx: {why}")
+
+
+# MaxText's model families maxctx has no layers for (prefixes of its model_name values).
+MOE_MODELS = ("mixtral", "deepseek", "qwen3-30b", "qwen3-235b", "qwen3-480b", "llama4", "gpt-oss", "kimi")
+OTHER_MODELS = ("gemma", "gpt3", "qwen", "llama3.2-11b", "phi")
+
+
+def check_model_name(name: str, presets) -> None:
+    """A MaxText model_name without a maxctx preset: a one-line refusal naming why, for MaxText's known families."""
+    why = ("mixture-of-experts layers are not implemented" if name.startswith(MOE_MODELS) else
+           "its layers (attention or normalisation variants) are not implemented" if name.startswith(OTHER_MODELS)
+           else "")
+    if why:
+        raise unsupported(f"model_name={name}", f"{why}; the dense Llama/Mistral presets are {', '.join(presets)}")
 
 
 def _none(value: Any) -> bool:
@@ -141,6 +155,7 @@ def resolve(values: dict[str, Any], user_keys: set[str]) -> tuple[dict[str, Any]
         v["compile_topology_num_slices"] = 1
     _profiler(v)
     _usp_split(v)
+    _fsdp_transpose(v)
     if v.get("eval_dataset_name") not in (None, "", v.get("dataset_name")):
         raise unsupported(f"eval_dataset_name={v['eval_dataset_name']}", "eval reads eval_split of dataset_name")
     v.pop("eval_dataset_name", None)
@@ -177,6 +192,23 @@ def _usp_split(v: dict[str, Any]) -> None:
                           f"an explicit ici_context_parallelism (the ring degree)")
     v["ici_context_parallelism"] = ring * ulysses
     v["context_parallel_a2a_degree"] = ulysses
+
+
+def _fsdp_transpose(v: dict[str, Any]) -> None:
+    """MaxText's fsdp_transpose axis is a second FSDP axis (weights sharded on their other dimension, the batch
+    split over it too): maxctx folds it into fsdp, the same ZeRO-3 sharding and batch split over fsdp x transpose
+    devices (the weights' usual dimension sharded)."""
+    for group, default in (("ici", -1), ("dcn", 1)):
+        transpose = v.pop(f"{group}_fsdp_transpose_parallelism", 1)
+        if transpose in (1, None):
+            continue
+        fsdp = v.get(f"{group}_fsdp_parallelism", default)
+        if not isinstance(transpose, int) or transpose < -1 or transpose == 0 or not isinstance(fsdp, int):
+            raise ConfigError(f"{group}_fsdp_transpose_parallelism={transpose} must be a positive integer or -1")
+        if transpose == -1 and fsdp == -1:
+            raise ConfigError(f"{group}_fsdp_parallelism and {group}_fsdp_transpose_parallelism are both -1; at "
+                              f"most one axis per group fills the rest")
+        v[f"{group}_fsdp_parallelism"] = -1 if -1 in (fsdp, transpose) else fsdp * transpose
 
 
 def _scale(scale: Any) -> int:

@@ -409,6 +409,7 @@ def find_yaml(path: str) -> str:
 def _preset(model_name: str) -> dict[str, Any]:
     path = model_preset_path(model_name)
     if not os.path.isfile(path):
+        compat.check_model_name(model_name, available_models())
         raise ConfigError(f"model_name='{model_name}' has no preset {path}; choose one of "
                           f"{', '.join(available_models())}")
     preset = _read_yaml(path)

@@ -94,6 +94,9 @@ LOADS = {
                             "base_output_directory=$OUT reuse_example_batch=1 dataset_type=synthetic "
                             "gcs_metrics=true attention='flash' sa_block_q=1024 sa_block_q_dkv=2048 "
                             "sa_block_q_dq=2048",
+    "v5e_llama3_8b": "model_name=llama3-8b base_output_directory=$OUT dataset_path=$DATASET_PATH "
+                     "max_target_length=8192 tokenizer_path=assets/tokenizer_llama3.tiktoken per_device_batch_size=1 "
+                     "remat_policy=full ici_fsdp_transpose_parallelism=16 steps=30 enable_checkpointing=false",
     # v5e/1b-tfds-eval.sh without its eval_batch_num=5, which is no MaxText key (test_unknown_keys_...)
     "tfds_eval": "steps=19 per_device_batch_size=8 enable_checkpointing=False max_target_length=2048 "
                  "global_parameter_scale=1 base_output_directory=$OUT dataset_path=$DATASET_PATH run_name=eval "
@@ -102,8 +105,9 @@ LOADS = {
 # ... and what maxctx refuses, each with its one line.
 REFUSED = {
     "fp8": ("quantization=fp8 dataset_type=synthetic", "MaxText's quantization=fp8 is not supported by maxctx"),
-    "fsdp_transpose": ("ici_fsdp_transpose_parallelism=16", "MaxText's ici_fsdp_transpose_parallelism=16 is not"),
     "hf": ("dataset_type=hf", "MaxText's dataset_type=hf is not supported by maxctx"),
+    "mixtral": ("model_name=mixtral-8x7b attention=flash", "MaxText's model_name=mixtral-8x7b is not supported by "
+                "maxctx: mixture-of-experts"),
 }
 
 
@@ -131,6 +135,13 @@ def test_maxtext_meanings(place):
     assert (c.flash_block_q, c.flash_block_kv, c.flash_block_q_dkv, c.flash_block_q_dq, c.flash_block_kv_dkv) == (
         1024, 512, 2048, 2048, 0)
     assert load_config([BASE, "sa_use_fused_bwd_kernel=true"]).splash_fused_backward
+    # fsdp_transpose: folded into fsdp (-1 still fills the rest; an explicit fsdp is multiplied)
+    assert load_config(maxtext(LOADS["v5e_llama3_8b"], place)).ici_fsdp_parallelism == -1
+    c = load_config([BASE, "ici_fsdp_parallelism=2", "ici_fsdp_transpose_parallelism=4",
+                     "dcn_fsdp_transpose_parallelism=2"])
+    assert (c.ici_fsdp_parallelism, c.dcn_fsdp_parallelism) == (8, 2)
+    with pytest.raises(ConfigError, match="both -1"):
+        load_config([BASE, "ici_fsdp_transpose_parallelism=-1"])
     c = load_config(maxtext(LOADS["usp"], place))  # MaxText: ring 2 x ulysses 2 = our C = 4, A2A degree 2
     assert (c.ici_context_parallelism, c.context_parallel_a2a_degree, c.packing) == (4, 2, "none")
     c = load_config([BASE, "tokenizer_path=assets/tokenizer_llama3.tiktoken"])  # MaxText infers tiktoken
