@@ -224,6 +224,11 @@ def validate(config: Config) -> None:
         raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
     _check_rope(config)
     _check_window(config)
+    for key in ("flash_block_kv_compute", "flash_block_q_dkv", "flash_block_kv_dkv", "flash_block_kv_dkv_compute",
+                "flash_block_q_dq", "flash_block_kv_dq"):
+        if getattr(config, key) % 128:
+            raise ConfigError(f"{key}={getattr(config, key)} must be a multiple of 128 (splash's lane width), or 0 "
+                              f"for the forward's block")
     if config.load_parameters_path and config.load_full_state_path:
         raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one "
                           "(parameters only, or a whole training state)")

@@ -160,3 +160,33 @@ def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
     for loop in loops:  # block tables shaped [chunk tables, 1, query blocks per chunk, width], small integers
         assert all(t.shape[:3] == (int(loop.index.max()) + 1, 1, 2) and t.dtype.itemsize <= 2
                    for t in loop.tables.values())
+
+
+def test_row_chunks_keep_the_backward_tables_within_the_limit_too():
+    # Backward blocks smaller than the forward's (MaxText's sa_block_*_dkv/_dq) have larger tables: the chunking
+    # must count them, or the dQ and dK/dV tables overflow SMEM where the forward's fits.
+    from maxctx.attention import splash
+
+    order = np.arange(2048)
+    small = splash.Blocks(q_dkv=128, kv_dkv=128, q_dq=128, kv_dq=128)
+    parts = splash.make_kernel(order, order, 1, 512, 512, save_residuals=False, interpret=True,
+                               max_table_entries=16, blocks=small)
+    assert len(parts) == 16  # 128-row chunks: each pass's table is 1 x 16 query x key blocks at most
+    for _, _, kernel in parts:
+        for info in (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info):
+            assert np.prod(info.block_mask.shape[1:]) <= 16, info.block_mask.shape
+
+
+def test_a_chunk_between_two_key_runs_and_out_of_the_window_is_hidden():
+    # Queries 2048..2559 sit between keys 0..1023 and 3072..4095; with a 100-token window they see none of them.
+    from maxctx.attention import splash
+    from maxctx.attention.index_runs import runs
+
+    kv = np.concatenate([np.arange(1024), np.arange(3072, 4096)])
+    assert not splash.sees_a_key(runs(np.arange(2048, 2560)), runs(kv), 100)
+    assert splash.sees_a_key(runs(np.arange(1024, 1536)), runs(kv), 100)  # 1024 sees 1023
+    assert splash.sees_a_key(runs(np.arange(2048, 2560)), runs(kv), 0)  # causal only: sees all of 0..1023
+    parts = splash.make_kernel(np.arange(1024, 3072), kv, 1, 128, 128, save_residuals=True, interpret=True,
+                               max_table_entries=16, window=100)
+    assert isinstance(parts, splash.RowLoop) and parts.chunks == 16
+    assert int(parts.index.max()) + 1 == 2  # the first chunk sees key 1023; every other chunk sees no key

@@ -146,6 +146,11 @@ class Blocks:
                    config.flash_block_kv_dkv_compute, config.flash_block_q_dq, config.flash_block_kv_dq,
                    config.splash_fused_backward)
 
+    def passes(self, bq: int, bkv: int) -> list[tuple[int, int]]:
+        """The (query block, key block) each kernel of a differentiable call asks for: forward, dK/dV, dQ."""
+        out = [(bq, bkv), (self.q_dkv or bq, self.kv_dkv or bkv)]
+        return out if self.fused_backward else [*out, (self.q_dq or bq, self.kv_dq or bkv)]
+
     def sizes(self, rows: int, keys: int, bq: int, bkv: int, backward: bool):
         """splash's BlockSizes for a call of `rows` queries and `keys` keys with forward blocks bq x bkv."""
         kernel_lib, _ = _lib()
@@ -173,8 +178,9 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
                 window: int = 0, blocks: Blocks = Blocks()):
     """Splash kernels over `group` query heads for one device's query rows and key/value block. One kernel unless
     the call's block table (query blocks x key blocks, in on-chip SMEM) would pass `max_table_entries`: then the rows
-    are split into the fewest equal chunks of whole blocks that keep each chunk's table within it (a2a at 1M
-    tokens, ring hops at 2**24). Chunks with equal masks (compared on ranks, index_runs) share a kernel.
+    are split into the fewest equal chunks that keep each chunk's tables within it, the backward's too (a2a at 1M
+    tokens, ring hops at 2**24); a chunk shorter than a block takes the largest block that divides it. Chunks
+    with equal masks (compared on ranks, index_runs) share a kernel.
     Returns a tuple of (first row, last row + 1, kernel or None) chunks, None for a chunk that sees no key (splash
     refuses an all-hidden mask); for ring hops (`save_residuals`, forward only) with several chunks, a `RowLoop`
     instead: one kernel in a loop over the chunks, whatever their number.
@@ -182,16 +188,24 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     with 1024- and 2048-token blocks under p2p and usp.)"""
     max_table_entries = MAX_TABLE_ENTRIES if max_table_entries is None else max_table_entries
     bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
-    q_blocks, kv_blocks = len(q_orig) // bq, len(kv_orig) // bkv
-    chunks = next((n for n in range(1, q_blocks + 1) if q_blocks % n == 0 and q_blocks // n * kv_blocks
-                   <= max_table_entries), q_blocks)
-    rows = len(q_orig) // chunks
+    n_q, n_kv = len(q_orig), len(kv_orig)
+    passes = [(bq, bkv)] if save_residuals else blocks.passes(bq, bkv)  # (query block, key block) wanted per pass
+
+    def entries(rows: int) -> int:  # the largest block table of a chunk of `rows` queries, over the passes
+        return max(rows // block_size(rows, q) * (n_kv // block_size(n_kv, kv)) for q, kv in passes)
+
+    # Chunks of whole forward blocks first; smaller ones only when a backward block needs them.
+    candidates = [n for n in range(1, n_q // bq + 1) if n_q // bq % n == 0] + [
+        n for n in range(n_q // bq + 1, n_q + 1) if n_q % n == 0]
+    chunks = next((n for n in candidates if entries(n_q // n) <= max_table_entries), n_q // bq)
+    rows = n_q // chunks
+    bq = block_size(rows, bq)
     kv_runs, built, out = runs(kv_orig), {}, []
     for start in range(0, len(q_orig), rows):
-        q_part = q_orig[start:start + rows]
+        q_runs = runs(q_orig[start:start + rows])
         kernel = None
-        if not (kv_orig.min() > q_part.max() or (window and q_part.min() - kv_orig.max() >= window)):
-            key = (shifted if window else ranked)(runs(q_part), kv_runs)
+        if sees_a_key(q_runs, kv_runs, window):
+            key = (shifted if window else ranked)(q_runs, kv_runs)
             if key not in built:
                 built[key] = _make_one(expand(key[0]), expand(key[1]), group, bq, bkv, save_residuals, interpret,
                                        window, blocks)
@@ -200,6 +214,18 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     if save_residuals and len(out) > 1 and built:
         return RowLoop(out)
     return tuple(out)
+
+
+def sees_a_key(q_runs, kv_runs, window: int) -> bool:
+    """Whether any query of `q_runs` sees any key of `kv_runs` (runs of original indices, index_runs.runs): a key
+    j <= q, and q - j < window when window > 0. Per pair of runs, so a chunk between two key runs and farther than
+    the window from the lower one counts as hidden (splash refuses an all-hidden mask)."""
+    for q_start, q_len in q_runs:
+        for kv_start, kv_len in kv_runs:
+            q = max(q_start, kv_start)  # the earliest query at or after the run's first key
+            if q < q_start + q_len and (not window or q - (kv_start + kv_len - 1) < window):
+                return True
+    return False
 
 
 def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int,
@@ -289,7 +315,8 @@ def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_resid
     """Runs the (local) splash kernels of `make_kernel` on their row chunks; returns (out[B, S, H, D], lse[B, H, S]
     fp32 or None). Chunks share the keys, so autodiff sums their dK/dV."""
     if isinstance(kernels, RowLoop):
-        return kernels(q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT)
+        out, lse = kernels(q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT)
+        return out, lse if save_residuals else None
     parts = []
     for start, stop, kernel in kernels:
         q, seg = q_BSHD[:, start:stop], q_seg_BS[:, start:stop]
