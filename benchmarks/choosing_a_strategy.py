@@ -40,7 +40,9 @@ MAXTEXT = [
 # context_parallel_strategy=auto, `python -m maxctx.compile` (model, topology, offload, tokens, label) -> the
 # compiled GiB per chip and HBM.
 COMPILED = {("llama3-8b", "v6e-256", "on", 3670016, "usp 8x32"): (9.03, 32),
-            ("llama3-8b", "v6e-256", "on", 29360128, "usp 32x8"): (24.56, 32)}
+            ("llama3-8b", "v6e-256", "on", 29360128, "usp 32x8"): (24.56, 32),
+            ("llama3-8b", "v6e-256", "off", 13631488, "usp 32x8"): (31.05, 32),
+            ("llama3-8b", "v6e-256", "off", 12582912, "usp 32x8"): (28.70, 32)}
 
 
 def fit_rows() -> list[dict]:

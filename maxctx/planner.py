@@ -48,8 +48,9 @@ from maxctx.config import Config, ConfigError, layer_windows
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
 
 GIB = 1024 ** 3
-# Assumptions (no cited table): DCN 100 Gb/s per chip each way; latency of one collective or ring hop.
-DCN_BYTES_PER_S = 12.5e9
+# DCN bandwidth per chip each way where maxctx.topology has no figure from Google's pages (v4, v6e, tpu7x, and the
+# generic device): an assumption, 100 Gb/s. Latency of one collective or ring hop: assumptions.
+DCN_BYTES_PER_S = topology.DCN_DEFAULT_BYTES_PER_S
 ICI_LATENCY_S, DCN_LATENCY_S = 5e-6, 50e-6
 FIT_FRACTION = 0.9  # of HBM: room for what the memory model leaves out (XLA's own buffers, fragmentation)
 TIE = 0.01  # step times within 1% of the fastest count as equal; the least memory wins among them
@@ -139,7 +140,7 @@ def hardware(config: Config, num_devices: int | None) -> Hardware:
     slices = f"{num_slices(config)} x " if num_slices(config) > 1 else ""
     return Hardware(f"{slices}{topo.name} ({chip.name})", peak, chip.hbm_bytes_per_device,
                     chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / links / per_chip, torus,
-                    DCN_BYTES_PER_S / per_chip)
+                    chip.dcn_bytes_per_s_or_default / per_chip)
 
 
 def transient_bytes(strategy: str, s: AttentionShape) -> float:

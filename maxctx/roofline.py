@@ -15,9 +15,10 @@ step time = max(compute, HBM, ICI, DCN), each term the time at the chip's peak r
              fp32 gradients over the devices a weight is sharded across; data-parallel all-reduce; tensor-parallel
              activation all-reduces; the CP strategy's collectives per layer, from the formulas in
              strategy module's `collectives` (forward ones once per forward pass).
-    DCN      (several slices) bytes that cross slices / the chip's DCN bandwidth (maxctx.planner.DCN_BYTES_PER_S,
-             an assumption): the cross-slice share (d - 1) / d of the weights' gathers and gradients' reductions
-             sharded over dcn_fsdp x dcn_context = d slices and of the data-parallel all-reduce over dcn_data; of
+    DCN      (several slices) bytes that cross slices / the chip's DCN bandwidth (maxctx.topology: Google's figure
+             for v5p and v5e, else an assumed 100 Gb/s): the cross-slice share (d - 1) / d of the weights' gathers
+             and gradients' reductions sharded over dcn_fsdp x dcn_context = d slices and of the data-parallel
+             all-reduce over dcn_data; of
              the CP collectives, every ring hop (the hop at a slice boundary paces the ring) and the cross-slice
              share of a gather over the whole context axis (the all-to-all stays inside a slice).
 Latency, kernel efficiency and load imbalance are not modelled: real step times are longer and real MFU lower.
@@ -31,7 +32,6 @@ from maxctx.attention import strategies
 from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
 from maxctx.parallelism import mesh_sizes, num_slices
-from maxctx.planner import DCN_BYTES_PER_S
 
 
 def _cp_collectives(config: Config, mesh: dict[str, int], t: float, b: int
@@ -115,7 +115,7 @@ def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params
         grads = num_params / (shards * tp) * 4
         dcn_bytes = (fsdp * (across - 1) / across + 2 * (dcn["data"] - 1) / dcn["data"] * grads
                      + layers * (forward_passes * dcn_fwd + dcn_bwd))
-    dcn_s = dcn_bytes / (DCN_BYTES_PER_S / per_chip)
+    dcn_s = dcn_bytes / (chip.dcn_bytes_per_s_or_default / per_chip)
 
     terms = {"compute": compute_s, "hbm": hbm_s, "ici": ici_s, "dcn": dcn_s}
     step = max(terms.values())

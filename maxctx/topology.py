@@ -37,6 +37,11 @@ class Chip:
     hbm_bytes_per_s: float
     ici_bytes_per_s: float  # bidirectional, all ICI links of one chip together
     source: str
+    dcn_bytes_per_s: float = 0.0  # one direction, per chip, when Google's page gives it (0: maxctx.planner's default)
+
+    @property
+    def dcn_bytes_per_s_or_default(self) -> float:
+        return self.dcn_bytes_per_s or DCN_DEFAULT_BYTES_PER_S
 
     @property
     def hbm_bytes_per_device(self) -> int:
@@ -44,14 +49,18 @@ class Chip:
 
 
 GIB = 1024 ** 3
+# DCN bandwidth per chip, one direction, where Google's page gives none (v4, v6e, tpu7x): an assumption, 100 Gb/s.
+DCN_DEFAULT_BYTES_PER_S = 12.5e9
 CHIPS: dict[str, Chip] = {
     "v4": Chip("TPU v4", "v4", "TPU v4", 3, True, 1, True, 32 * GIB, 1200e9, 540e9,
                "https://cloud.google.com/tpu/docs/v4 (32 GiB, 1200 GBps HBM2); ICI: 6 links x 45 GB/s each way, "
                "https://jax-ml.github.io/scaling-book/tpus/"),
     "v5e": Chip("TPU v5e", "v5e", "TPU v5 lite", 2, False, 1, False, 16 * GIB, 819e9, 400e9,
-                "https://cloud.google.com/tpu/docs/v5e (16 GB, 819 GBps HBM2; 400 GBps bidirectional ICI)"),
+                "https://cloud.google.com/tpu/docs/v5e (16 GB, 819 GBps HBM2; 400 GBps bidirectional ICI; DCN: "
+                "2 x 100 Gbps NICs per host of 8 chips, 25 Gbps per chip)", 25e9 / 8),
     "v5p": Chip("TPU v5p", "v5p", "TPU v5", 3, True, 1, True, 95 * GIB, 2765e9, 1200e9,
-                "https://cloud.google.com/tpu/docs/v5p (95 GiB, 2765 GBps HBM2e; 1200 GBps bidirectional ICI)"),
+                "https://cloud.google.com/tpu/docs/v5p (95 GiB, 2765 GBps HBM2e; 1200 GBps bidirectional ICI; DCN "
+                "50 Gbps per chip)", 50e9 / 8),
     "v6e": Chip("TPU v6e", "v6e", "TPU v6 lite", 2, False, 1, False, 32 * GIB, 1640e9, 800e9,
                 "https://cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps HBM; 800 GBps bidirectional ICI)"),
     "tpu7x": Chip("TPU7x (Ironwood)", "tpu7x", "TPU7x", 3, True, 2, False, 192 * GIB, 7380e9, 1200e9,
