@@ -42,6 +42,11 @@ def _check_eval_batch(config: Config, num_devices: int, batch_shards: int) -> No
                           f"eval_per_device_batch_size that makes it one")
 
 
+# splash's other block sizes (MaxText's sa_block_*): 0 = the forward's block, else a multiple of 128
+SPLASH_BLOCK_KEYS = ("flash_block_kv_compute", "flash_block_q_dkv", "flash_block_kv_dkv", "flash_block_kv_dkv_compute",
+                     "flash_block_q_dq", "flash_block_kv_dq")
+
+
 def _positive(config: Config, *keys: str, allow_zero: bool = False) -> None:
     for key in keys:
         value = getattr(config, key)
@@ -201,9 +206,7 @@ def validate(config: Config) -> None:
         raise ConfigError("base_output_directory='' is empty; give the folder for runs' outputs (e.g. outputs) or "
                           "gs://bucket/folder")
     _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "reuse_example_batch",
-              "max_num_checkpoints_to_keep", "eval_per_device_batch_size", "flash_block_kv_compute",
-              "flash_block_q_dkv", "flash_block_kv_dkv", "flash_block_kv_dkv_compute", "flash_block_q_dq",
-              "flash_block_kv_dq", allow_zero=True)
+              "max_num_checkpoints_to_keep", "eval_per_device_batch_size", *SPLASH_BLOCK_KEYS, allow_zero=True)
     if config.eval_steps <= 0 and config.eval_steps != -1:
         raise ConfigError(f"eval_steps={config.eval_steps} must be > 0, or -1 for the whole eval split")
     _positive(config, "jax_heartbeat_timeout_seconds", "jax_distributed_initialization_timeout", "base_emb_dim",
@@ -224,8 +227,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
     _check_rope(config)
     _check_window(config)
-    for key in ("flash_block_kv_compute", "flash_block_q_dkv", "flash_block_kv_dkv", "flash_block_kv_dkv_compute",
-                "flash_block_q_dq", "flash_block_kv_dq"):
+    for key in SPLASH_BLOCK_KEYS:
         if getattr(config, key) % 128:
             raise ConfigError(f"{key}={getattr(config, key)} must be a multiple of 128 (splash's lane width), or 0 "
                               f"for the forward's block")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -194,9 +195,10 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     def entries(rows: int) -> int:  # the largest block table of a chunk of `rows` queries, over the passes
         return max(rows // block_size(rows, q) * (n_kv // block_size(n_kv, kv)) for q, kv in passes)
 
-    # Chunks of whole forward blocks first; smaller ones only when a backward block needs them.
-    candidates = [n for n in range(1, n_q // bq + 1) if n_q // bq % n == 0] + [
-        n for n in range(n_q // bq + 1, n_q + 1) if n_q % n == 0]
+    # Chunks of whole forward blocks first; smaller ones only when a backward block needs them (lazily: the second
+    # range is as long as the call's rows).
+    candidates = itertools.chain((n for n in range(1, n_q // bq + 1) if n_q // bq % n == 0),
+                                 (n for n in range(n_q // bq + 1, n_q + 1) if n_q % n == 0))
     chunks = next((n for n in candidates if entries(n_q // n) <= max_table_entries), n_q // bq)
     rows = n_q // chunks
     bq = block_size(rows, bq)
@@ -250,8 +252,8 @@ class RowLoop:
     width the way splash pads its own sequence shards (block mask 0, the edge index repeated, so no block is
     fetched twice) and stacked; each loop step picks its chunk's by index and runs the kernel with them. The
     partial (mixed) mask blocks of all chunks are pooled without repeats, each chunk's mask_next mapped into the
-    pool. A chunk
-    that sees no key gets an all-zero block mask: its rows come out as the empty result (lse -inf, out 0)."""
+    pool. A chunk that sees no key gets an all-zero block mask: its rows come out as the empty result (lse -inf,
+    out 0)."""
 
     TABLES = ("data_next", "mask_next", "block_mask")
 
