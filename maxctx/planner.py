@@ -16,9 +16,12 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       layer; maxctx.metrics' convention) x 4/3 under full remat, at peak FLOP/s
     exposed comm      per layer of the attention_layer_pattern, from the strategy's `collectives` formulas (forward
                       ones once per forward pass): all-gather, reduce-scatter, all-to-all and a local layer's halo
-                      permutes wait for their bytes (not overlapped); a ring hop overlaps the attention of the block
-                      it carries, so each of its hops exposes max(0, hop bytes / bandwidth - block compute) +
-                      latency + the merge of its result into the fp32 accumulators in HBM
+                      permutes wait for their bytes (not overlapped: synchronous in the program compiled for TPU);
+                      a forward ring hop overlaps the attention of the block it carries, so each of its hops
+                      exposes max(0, hop bytes / bandwidth - block compute) + latency + the merge of its result
+                      into the fp32 accumulators in HBM; a backward hop likewise, which the program does with
+                      ring_backward_overlap=true; in the default program (false) its sends wait for the hop's
+                      kernel, which this estimate leaves out (docs/choosing_a_strategy.md has how much)
     step              compute + L x exposed comm (averaged over the pattern)
 
 Bandwidths (per device, one direction): a ring hop uses one ICI link; all-gather and reduce-scatter use both
@@ -143,17 +146,19 @@ def hardware(config: Config, num_devices: int | None) -> Hardware:
                     chip.dcn_bytes_per_s_or_default / per_chip)
 
 
-def transient_bytes(strategy: str, s: AttentionShape) -> float:
+def transient_bytes(strategy: str, s: AttentionShape, ring_overlap: bool = False) -> float:
     """Buffers one layer's attention backward holds besides the saved activations, per device, rows = S / R:
     all_gather: the gathered dK, dV 2 B S K D b and the dq accumulator B (S/C) H D 4; a ring (R > 1): the
     fp32 accumulator B rows (H/U) D 4, two K/V blocks in flight 4 B rows (K'/U) D b and the travelling fp32 dK/dV
-    4 B rows (K'/U) D 4; an all-to-all (U > 1): the fp32 gradients of q, k, v in head layout B rows (H+2K')/U D 4."""
+    4 B rows (K'/U) D 4, 6 B rows (K'/U) D 4 with ring_backward_overlap (one more block in flight); an all-to-all
+    (U > 1): the fp32 gradients of q, k, v in head layout B rows (H+2K')/U D 4."""
     if strategy == "all_gather":
         return s.batch * s.head_dim * (2 * s.seq * s.kv_heads * s.itemsize + s.seq / s.cp * s.heads * 4)
     rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
     out = 0.0
     if s.ring > 1:
-        out += s.batch * rows * s.head_dim * (s.heads / s.a2a * 4 + kv / s.a2a * (4 * s.itemsize + 16))
+        out += s.batch * rows * s.head_dim * (s.heads / s.a2a * 4 + kv / s.a2a * (4 * s.itemsize + 16
+                                                                                   + 8 * ring_overlap))
     if s.a2a > 1:
         out += s.batch * rows * (s.heads + 2 * kv) / s.a2a * s.head_dim * 4
     return out
@@ -205,9 +210,11 @@ def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
 
 
 def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
-                      forward_passes: int) -> float:
+                      forward_passes: int, ring_overlap: bool = True) -> float:
     """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
-    keys come by halo exchange (maxctx.attention.halo) waits for its permutes."""
+    keys come by halo exchange (maxctx.attention.halo) waits for its permutes. `ring_overlap`: the ring backward's
+    sends overlap its hops' kernels, as the program does with ring_backward_overlap=true; False: each waits in full,
+    as in the default program (the planner ranks with True: module doc)."""
     attn_fwd = 4 * s.batch * (s.seq / s.cp) * _pairs(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
     fwd, bwd = strategies.get(strategy).collectives(s)
     ring_bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if dcn_cp > 1 else hw.link_bytes_per_s
@@ -222,17 +229,18 @@ def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: in
     acc = s.batch * (s.seq / r) * s.head_dim * 4 * s.heads / s.a2a
     kv_acc = 2 * s.batch * (s.seq / r) * s.head_dim * 4 * replicated_kv_heads(s.kv_heads, s.a2a) / s.a2a
 
-    def ring_s(ops: list[Collective], compute: float, hops: int, merged: float) -> float:
+    def ring_s(ops: list[Collective], compute: float, hops: int, merged: float, overlap: bool) -> float:
         sent = sum(c.sent_bytes for c in ops if c.kind == "collective-permute")
         if not sent:
             return 0.0
-        return hops * (max(0.0, sent / hops / ring_bw - compute / r) + latency + 3 * merged / hw.hbm_bytes_per_s)
+        hidden = compute / r if overlap else 0.0
+        return hops * (max(0.0, sent / hops / ring_bw - hidden) + latency + 3 * merged / hw.hbm_bytes_per_s)
 
     def others_s(ops: list[Collective]) -> float:
         return sum(_collective_s(c, hw, ici_cp) for c in ops if c.kind != "collective-permute")
 
-    forward = others_s(fwd) + ring_s(fwd, attn_fwd, r - 1, acc)
-    backward = others_s(bwd) + ring_s(bwd, 2 * attn_fwd, r, acc + kv_acc)
+    forward = others_s(fwd) + ring_s(fwd, attn_fwd, r - 1, acc, True)
+    backward = others_s(bwd) + ring_s(bwd, 2 * attn_fwd, r, acc + kv_acc, ring_overlap)
     return forward_passes * forward + backward
 
 
@@ -328,7 +336,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
         s = _shape(config, cp, tp, u)
         windows = layer_windows(config)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
-        attn = saved + transient_bytes(name, s) if cp > 1 else 0.0
+        attn = saved + transient_bytes(name, s, config.ring_backward_overlap) if cp > 1 else 0.0
         memory = base_bytes + max(attn, tiles)
         exposed = layers * sum(exposed_per_layer(name, _shape(config, cp, tp, u, w), hw, ici["context"],
                                                  dcn["context"], passes) for w in windows) / len(windows) \

@@ -24,10 +24,12 @@ B, S, H, K, D, b = 2, 64, 8, 2, 16, 4
 OPS = KINDS
 
 
-def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool, window: int = 0, seq: int = S) -> Counter:
+def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool, window: int = 0, seq: int = S,
+                   ring_backward_overlap: bool = False) -> Counter:
     """Collective bytes per kind of one attention layer (forward, or forward + backward) from the compiled HLO."""
     mesh = make_mesh(ring, a2a)
-    spec = AttentionSpec(kernel="flash", strategy=strategy, block_q=16, block_kv=16, window=window)
+    spec = AttentionSpec(kernel="flash", strategy=strategy, block_q=16, block_kv=16, window=window,
+                         ring_backward_overlap=ring_backward_overlap)
     bs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     qs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
     sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
@@ -52,12 +54,14 @@ def expected(strategy: str, ring: int, a2a: int) -> tuple[dict, dict]:
     return by_kind(fwd), by_kind(bwd)
 
 
-@pytest.mark.parametrize("strategy,ring,a2a", [("all_gather", 4, 1), ("p2p", 4, 1), ("p2p", 8, 1), ("a2a", 1, 4),
-                                                ("usp", 2, 4), ("usp", 4, 2)])
-def test_collective_bytes_match_docstring(strategy, ring, a2a):
+@pytest.mark.parametrize("strategy,ring,a2a,overlap", [
+    ("all_gather", 4, 1, False), ("p2p", 4, 1, False), ("p2p", 8, 1, False), ("a2a", 1, 4, False),
+    ("usp", 2, 4, False), ("usp", 4, 2, False),
+    ("p2p", 8, 1, True), ("usp", 4, 2, True)])  # the pipelined ring backward sends as much
+def test_collective_bytes_match_docstring(strategy, ring, a2a, overlap):
     want_fwd, want_bwd = expected(strategy, ring, a2a)
     got_fwd = compiled_bytes(strategy, ring, a2a, backward=False)
-    got_all = compiled_bytes(strategy, ring, a2a, backward=True)
+    got_all = compiled_bytes(strategy, ring, a2a, backward=True, ring_backward_overlap=overlap)
     for kind in OPS:
         f, bw = want_fwd.get(kind, 0), want_bwd.get(kind, 0)
         assert np.isclose(got_fwd[kind], f, rtol=0.1), f"{strategy} forward {kind}: HLO {got_fwd[kind]} vs {f}"

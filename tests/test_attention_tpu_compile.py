@@ -26,6 +26,22 @@ from maxctx.mesh import AXES
 devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices  # v5p-8: 4 chips
 B, S, H, K, D = 1, 2048, 8, 2, 128
 results = {}
+
+
+def permutes(hlo):
+    # The program's fp32 collective-permutes (the ring backward's dK/dV), in schedule order: for each, whether a
+    # conditional (a ring hop's kernel call) runs between its start and its done.
+    out = []
+    for comp in hlo.split("\n\n"):
+        lines = comp.splitlines()
+        for i, line in enumerate(lines):
+            if " collective-permute-start(" in line and "= (f32[" in line:
+                name = line.split("=")[0].strip()
+                done = next(j for j, x in enumerate(lines) if f"collective-permute-done({name})" in x)
+                out.append(any(" conditional(" in x for x in lines[i + 1:done]))
+    return out
+
+
 default_table = splash.MAX_TABLE_ENTRIES
 for strategy, ring, a2a, balance, table, window, *blocks in [
         ("all_gather", 4, 1, True, None, 0), ("p2p", 4, 1, True, None, 0), ("p2p", 4, 1, False, None, 0),
@@ -37,11 +53,15 @@ for strategy, ring, a2a, balance, table, window, *blocks in [
         ("all_gather", 4, 1, True, None, 0, dict(kv_compute=128, q_dkv=512, fused_backward=True)),
         # Local layers (sliding window): the halo's band kernel, a2a's windowed mask, a ring with windowed hops.
         ("all_gather", 4, 1, True, None, 256), ("p2p", 4, 1, True, None, 256), ("p2p", 4, 1, False, None, 256),
-        ("a2a", 1, 4, True, None, 256), ("usp", 2, 2, True, None, 256), ("p2p", 4, 1, True, None, 1024)]:
+        ("a2a", 1, 4, True, None, 256), ("usp", 2, 2, True, None, 256), ("p2p", 4, 1, True, None, 1024),
+        # The ring backward software-pipelined (ring_backward_overlap=true).
+        ("p2p", 4, 1, True, None, 0, dict(overlap=True)), ("usp", 2, 2, True, None, 0, dict(overlap=True))]:
     splash.MAX_TABLE_ENTRIES = table or default_table
     mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), AXES)
+    opts = dict(blocks[0]) if blocks else {}
+    overlap = opts.pop("overlap", False)
     spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=balance, block_q=256, block_kv=256,
-                         window=window, splash_blocks=splash.Blocks(**(blocks[0] if blocks else {})))
+                         window=window, splash_blocks=splash.Blocks(**opts), ring_backward_overlap=overlap)
     seq = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     heads = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
     args = [jax.ShapeDtypeStruct((B, S, H, D), jnp.bfloat16, sharding=heads),
@@ -56,9 +76,9 @@ for strategy, ring, a2a, balance, table, window, *blocks in [
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     hlo = compiled.as_text()
     results[f"{strategy}/{'zigzag' if balance else 'natural'}" + ("/chunked" if table else "")
-            + (f"/window{window}" if window else "") + ("/blocks" if blocks else "")] = {
+            + (f"/window{window}" if window else "") + ("/overlap" if overlap else "/blocks" if opts else "")] = {
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-        "pallas_calls": hlo.count("tpu_custom_call")}
+        "pallas_calls": hlo.count("tpu_custom_call"), "fp32_permutes": permutes(hlo)}
 print("RESULT " + json.dumps(results))
 """
 
@@ -73,7 +93,15 @@ def test_splash_compiles_for_v5p_under_every_strategy():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"compile for v5p failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads(lines[-1].removeprefix("RESULT "))
-    assert len(results) == 15
+    assert len(results) == 17
+    # The ring backward's dK/dV sends: in the hop loop (p2p, R = 4) none overlaps a hop's kernel by default; when
+    # software-pipelined every one does but the last, which brings the dK/dV home after the last hop (usp, R = 2,
+    # has no loop: XLA overlaps even the plain backward's one send there).
+    plain = results["p2p/zigzag"]["fp32_permutes"]
+    assert plain and not any(plain), plain
+    for ring in ("p2p", "usp"):
+        piped = results[f"{ring}/zigzag/overlap"]["fp32_permutes"]
+        assert any(piped) and sum(piped) >= len(piped) - 1, (ring, piped)
     # Row chunks are separate kernels (forward, dQ, dK/dV each): 4 chunks make at least 3 x 3 more Pallas calls.
     assert results["a2a/zigzag/chunked"]["pallas_calls"] >= results["a2a/zigzag"]["pallas_calls"] + 9, results
     # Ring hops' row chunks are one kernel in a loop (splash.RowLoop): no more Pallas calls than unchunked.

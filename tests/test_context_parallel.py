@@ -54,10 +54,11 @@ def assert_close(got, want, what):
 
 
 def run_strategy(strategy: str, ring: int, a2a: int, kv_heads: int, kernel: str = "flash",
-                 orders: tuple[bool, ...] = (False, True), tensor: int = 1):
+                 orders: tuple[bool, ...] = (False, True), tensor: int = 1, ring_backward_overlap: bool = False):
     mesh = make_mesh(ring, a2a, tensor)
     cp = ring * a2a
-    spec = AttentionSpec(kernel=kernel, strategy=strategy, block_q=8, block_kv=4)
+    spec = AttentionSpec(kernel=kernel, strategy=strategy, block_q=8, block_kv=4,
+                         ring_backward_overlap=ring_backward_overlap)
     fn = jax.jit(functools.partial(vjp_of, functools.partial(attend, spec=spec, mesh=mesh)))
     q, k, v, pos, seg, dout = inputs(kv_heads)
     want = reference(kv_heads)
@@ -85,6 +86,12 @@ def test_strategy_matches_reference(strategy, ring, a2a, heads):
     # GQA with fewer kv heads than C (and than the A2A degree): K = 1 for C = 2, else K = 2.
     kv_heads = HEADS if heads == "mha" else (1 if ring * a2a == 2 else 2)
     run_strategy(strategy, ring, a2a, kv_heads)
+
+
+@pytest.mark.parametrize("strategy,ring,a2a", [("p2p", 2, 1), ("p2p", 8, 1), ("usp", 4, 2)])
+def test_ring_backward_overlap_matches_reference(strategy, ring, a2a):
+    # The software-pipelined backward (ring_backward_overlap): R = 2 (no loop trips) and R = 8; GQA.
+    run_strategy(strategy, ring, a2a, kv_heads=2 if ring * a2a > 2 else 1, ring_backward_overlap=True)
 
 
 @pytest.mark.parametrize("strategy", ["p2p", "all_gather", "a2a"])

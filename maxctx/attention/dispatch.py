@@ -32,12 +32,14 @@ class AttentionSpec:
     block_kv: int = Config.flash_block_kv
     window: int = 0  # this layer's sliding window (0: global); the model sets it per layer from the pattern
     splash_blocks: splash.Blocks = splash.Blocks()  # splash's other block sizes (flash_block_*_dkv, ...)
+    ring_backward_overlap: bool = Config.ring_backward_overlap  # rings (p2p, usp): maxctx.attention.ring
 
     @classmethod
     def from_config(cls, config: Config) -> AttentionSpec:
         return cls(kernel=config.attention, strategy=config.context_parallel_strategy,
                    load_balance=config.context_parallel_load_balance, block_q=config.flash_block_q,
-                   block_kv=config.flash_block_kv, splash_blocks=splash.Blocks.from_config(config))
+                   block_kv=config.flash_block_kv, splash_blocks=splash.Blocks.from_config(config),
+                   ring_backward_overlap=config.ring_backward_overlap)
 
 
 def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
@@ -74,9 +76,10 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
                           window=spec.window, splash_blocks=spec.splash_blocks)
         if out is not None:  # None: a halo would move as much as the strategy's own path
             return out
+    ring = {"ring_backward_overlap": spec.ring_backward_overlap} if getattr(strategy, "RING", False) else {}
     return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
                     load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv,
-                    window=spec.window, splash_blocks=spec.splash_blocks)
+                    window=spec.window, splash_blocks=spec.splash_blocks, **ring)
 
 
 __all__ = ["AttentionSpec", "attend", "resolve_kernel"]

@@ -17,6 +17,7 @@ from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
 
 LOCAL_BY_HALO = True  # local layers: maxctx.attention.halo, where it moves less
+RING = True  # attend takes ring_backward_overlap (maxctx.attention.ring)
 NAME, ALIASES = "p2p", ("ring",)
 
 
@@ -60,7 +61,8 @@ def activation_bytes(s: AttentionShape) -> float:
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
+           block_q: int, block_kv: int, window: int = 0, splash_blocks=None,
+           ring_backward_overlap: bool = False):
     from maxctx.attention.collectives import CONTEXT, context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
     from maxctx.attention.ring import ring_attention
@@ -72,6 +74,6 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
                        splash_blocks=splash_blocks)
 
     def body(q, k, v, pos, seg):
-        return ring_attention(local, CONTEXT, cp, q, k, v, pos, seg, pos, seg)
+        return ring_attention(local, CONTEXT, cp, ring_backward_overlap, q, k, v, pos, seg, pos, seg)
 
     return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)

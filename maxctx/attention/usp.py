@@ -21,6 +21,7 @@ from maxctx.config import Config, ConfigError
 from maxctx.parallelism import balanced_a2a_degree
 
 LOCAL_BY_HALO = True  # local layers: maxctx.attention.halo, where it moves less
+RING = True  # attend takes ring_backward_overlap (maxctx.attention.ring)
 NAME, ALIASES = "usp", ()
 RING_AXIS = "context"
 
@@ -66,7 +67,8 @@ def activation_bytes(s: AttentionShape) -> float:
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
+           block_q: int, block_kv: int, window: int = 0, splash_blocks=None,
+           ring_backward_overlap: bool = False):
     from maxctx.attention.alltoall import a2a_attention
     from maxctx.attention.collectives import context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
@@ -79,7 +81,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
                        ring=True, window=window, splash_blocks=splash_blocks)
 
     def inner(q, k, v, pos, seg):
-        return ring_attention(local, RING_AXIS, r, q, k, v, pos, seg, pos, seg)
+        return ring_attention(local, RING_AXIS, r, ring_backward_overlap, q, k, v, pos, seg, pos, seg)
 
     def body(q, k, v, pos, seg):
         return a2a_attention(q, k, v, pos, seg, u, inner)
