@@ -2,9 +2,9 @@
 
 Each device runs the kernels it picks by mesh index and hop (ring: the diagonal, or its zig-zag chunks against a
 key block before or after them, by a [hop, shard] table; all_gather: its chunks against the whole gathered order),
-with a packed row whose segment ids cut documents across chunks. Outputs must equal the single-device reference;
-all_gather also checks dQ/dK/dV through splash's own backward (the ring's backward hops use the flash backward,
-covered by test_context_parallel.py).
+with a packed row whose segment ids cut documents across chunks. Outputs and dQ/dK/dV must equal the single-device
+reference: through splash's own backward, for ring hops too (splash.hop_backward, from the merged out and lse),
+except hops in row chunks (RowLoop), whose backward is the blockwise one (covered by test_context_parallel.py).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def check_against_reference(strategy, ring, a2a, window, splash_blocks=None):
     seg = np.stack([np.ones(S), np.repeat(np.arange(1, 4), lengths)]).astype(np.int32)
     pos = np.stack([np.arange(S), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
     dout = rng.normal(size=q.shape).astype(np.float32)
-    grads = strategy in ("all_gather", "a2a") or window > 0
+    grads = True
 
     def run(fn, q, k, v, pos, seg, dout):
         if not grads:
@@ -160,6 +160,20 @@ def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
     for loop in loops:  # block tables shaped [chunk tables, 1, query blocks per chunk, width], small integers
         assert all(t.shape[:3] == (int(loop.index.max()) + 1, 1, 2) and t.dtype.itemsize <= 2
                    for t in loop.tables.values())
+
+
+def test_ring_hops_take_splash_backward_unless_in_row_chunks(monkeypatch):
+    # A ring hop whose dQ and dK/dV tables fit one call builds them and runs splash's backward kernels
+    # (splash.hop_backward); one in row chunks (RowLoop) keeps forward tables only and the blockwise backward.
+    from maxctx.attention import kernels, splash
+
+    assert splash.backward_kernels_available()
+    order = kernels.stored_order(8192, 4, True)
+    whole = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
+    assert all(splash.has_backward(k) for k in whole.splash_kernels)
+    monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", 64)
+    chunked = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
+    assert not any(splash.has_backward(k) for k in chunked.splash_kernels)
 
 
 def test_row_chunks_keep_the_backward_tables_within_the_limit_too():

@@ -81,8 +81,22 @@ class LocalKernel:
     def block_backward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
         if self.name == "dot_product":
             return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, self.window)
-        return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
-                                    self.block_q, self.block_kv, self.window)
+
+        def blockwise(*_):
+            return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
+                                        self.block_q, self.block_kv, self.window)
+
+        if self.name != "splash" or not any(splash.has_backward(kern) for kern in self.splash_kernels):
+            return blockwise()
+        # splash's own dQ and dK/dV kernels for a hop that has their tables (not in row chunks), the blockwise
+        # backward (XLA fusions: fp32 score tiles through HBM) for one in row chunks (RowLoop).
+        branches = [functools.partial(splash.hop_backward, kern) if splash.has_backward(kern) else blockwise
+                    for kern in self.splash_kernels]
+        args = (q, k, v, q_seg, kv_seg, out, lse, dout)
+        if len(branches) == 1:
+            return branches[0](*args)
+        which = jnp.asarray(self.splash_table, jnp.int32)[hop, jax.lax.axis_index(self.q_axes)]
+        return jax.lax.switch(which, branches, *args)
 
 
 def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,
@@ -91,7 +105,8 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
     `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
     sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
-    per kv head; `ring` builds lse-returning kernels for every hop. Calls whose masks are equal share a kernel,
+    per kv head; `ring` builds lse-returning kernels for every hop (with splash's dQ and dK/dV tables where a
+    hop's fit one call, for block_backward). Calls whose masks are equal share a kernel,
     across hops too: under zig-zag or without load balance a whole ring has at most 3 distinct masks (the
     diagonal, key block before, key block after), whatever C. A device picks its own with `lax.switch` on a
     [hop, query shard] table. Off TPU (the mesh's devices, else the default backend) splash runs in Pallas

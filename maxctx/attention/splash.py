@@ -26,6 +26,12 @@ flash_block_*_dkv / *_dq / *_compute keys (MaxText's sa_block_*) set the backwar
 (Sharding one kernel's mask info over devices with q_seq_shards fails in jax 0.10 for hops whose mask has no
 partial block, as zig-zag ring hops do.)
 
+Ring hops' backward: a hop whose forward, dQ and dK/dV tables fit one call (up to 128K rows per hop with 512-token
+blocks) runs splash's own dQ and dK/dV kernels on the merged out and lse of all hops (hop_backward; private
+functions of JAX's splash module, checked by signature, else the blockwise backward). A hop in row chunks takes
+the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM; the TPU compiler
+estimates it at 4x the rest of the backward layer for llama2-7b at 32K, benchmarks/compiled_schedule.md).
+
 Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
 over the G query heads of each kv head, vmapped over K and B.
 """
@@ -190,16 +196,24 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     max_table_entries = MAX_TABLE_ENTRIES if max_table_entries is None else max_table_entries
     bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
     n_q, n_kv = len(q_orig), len(kv_orig)
-    passes = [(bq, bkv)] if save_residuals else blocks.passes(bq, bkv)  # (query block, key block) wanted per pass
 
-    def entries(rows: int) -> int:  # the largest block table of a chunk of `rows` queries, over the passes
-        return max(rows // block_size(rows, q) * (n_kv // block_size(n_kv, kv)) for q, kv in passes)
+    def fewest_chunks(passes: list[tuple[int, int]]) -> int:
+        def entries(rows: int) -> int:  # the largest block table of a chunk of `rows` queries, over the passes
+            return max(rows // block_size(rows, q) * (n_kv // block_size(n_kv, kv)) for q, kv in passes)
 
-    # Chunks of whole forward blocks first; smaller ones only when a backward block needs them (lazily: the second
-    # range is as long as the call's rows).
-    candidates = itertools.chain((n for n in range(1, n_q // bq + 1) if n_q // bq % n == 0),
-                                 (n for n in range(n_q // bq + 1, n_q + 1) if n_q % n == 0))
-    chunks = next((n for n in candidates if entries(n_q // n) <= max_table_entries), n_q // bq)
+        # Chunks of whole forward blocks first; smaller ones only when a backward block needs them (lazily: the
+        # second range is as long as the call's rows).
+        candidates = itertools.chain((n for n in range(1, n_q // bq + 1) if n_q // bq % n == 0),
+                                     (n for n in range(n_q // bq + 1, n_q + 1) if n_q % n == 0))
+        return next((n for n in candidates if entries(n_q // n) <= max_table_entries), n_q // bq)
+
+    # (query block, key block) per pass: forward, dK/dV, dQ. A ring hop (save_residuals) whose tables need row chunks
+    # builds only the forward's: its chunks run in a RowLoop and its backward is the blockwise one.
+    passes, backward = blocks.passes(bq, bkv), True
+    chunks = fewest_chunks(passes)
+    if save_residuals and chunks > 1:
+        passes, backward = passes[:1], False
+        chunks = fewest_chunks(passes)
     rows = n_q // chunks
     bq = block_size(rows, bq)
     kv_runs, built, out = runs(kv_orig), {}, []
@@ -210,12 +224,92 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
             key = (shifted if window else ranked)(q_runs, kv_runs)
             if key not in built:
                 built[key] = _make_one(expand(key[0]), expand(key[1]), group, bq, bkv, save_residuals, interpret,
-                                       window, blocks)
+                                       window, blocks, backward)
             kernel = built[key]
         out.append((start, start + rows, kernel))
     if save_residuals and len(out) > 1 and built:
         return RowLoop(out)
     return tuple(out)
+
+
+# The arguments hop_backward passes to splash's dQ and dK/dV kernels (private functions of
+# jax.experimental.pallas.ops.tpu.splash_attention, so checked against this JAX's signatures).
+_BACKWARD_ARGS = ("q", "k", "v", "segment_ids", "logsumexp", "do", "di", "bq", "bkv", "is_mqa", "mask_info",
+                  "mask_value", "attn_logits_soft_cap", "q_layout", "k_layout", "v_layout", "mask_function",
+                  "interpret")
+
+
+@functools.cache
+def backward_kernels_available() -> bool:
+    """Whether this JAX's splash has the dQ and dK/dV kernels with the arguments hop_backward passes; without
+    them ring hops take the blockwise backward (kernels.LocalKernel.block_backward)."""
+    import inspect
+
+    kernel_lib, _ = _lib()
+    try:
+        dq = inspect.signature(kernel_lib._splash_attention_bwd_dq).parameters
+        dkv = inspect.signature(kernel_lib._splash_attention_bwd_dkv).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return set(_BACKWARD_ARGS) <= set(dq) and set(_BACKWARD_ARGS) | {"bkv_compute", "use_fused_bwd_kernel"} <= set(dkv)
+
+
+def has_backward(kernels) -> bool:
+    """Whether make_kernel's result for a ring hop can run hop_backward: one chunk (not a RowLoop) whose kernel
+    has dQ and dK/dV tables, or no kernel (the hop sees no key)."""
+    return (backward_kernels_available() and not isinstance(kernels, RowLoop) and len(kernels) == 1
+            and (kernels[0][2] is None or kernels[0][2].dkv_mask_info is not None))
+
+
+def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
+    """A ring hop's (dq, dk, dv), fp32, through splash's own dQ and dK/dV kernels, from the *merged* out and lse
+    of all hops (the same residuals the blockwise backward takes): P = exp(s - lse) is then the hop's share of the
+    row's softmax, so the hops' gradients add up to the whole attention's. For kernels with has_backward."""
+    kernel_lib, _ = _lib()
+    (_, _, kernel), = kernels
+    if kernel is None:  # the hop sees no key
+        return (jnp.zeros(q_BSHD.shape, jnp.float32), jnp.zeros(k_BTKD.shape, jnp.float32),
+                jnp.zeros(v_BTKD.shape, jnp.float32))
+    b, s, h, d = q_BSHD.shape
+    kv_heads = k_BTKD.shape[2]
+
+    def heads(x):  # [B, S, H, D] -> [B, K, G, S, D], as _call_one lays out q
+        return x.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
+
+    q_BKGSD, o_BKGSD, do_BKGSD = heads(q_BSHD * d ** -0.5), heads(out_BSHD), heads(dout_BSHD.astype(q_BSHD.dtype))
+    # A row no hop lets see a key has lse -inf; +inf instead makes its P 0 rather than 0 * inf.
+    lse_BKGS = jnp.where(jnp.isfinite(lse_BHS), lse_BHS, jnp.inf).reshape(b, kv_heads, h // kv_heads, s)
+    k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
+    segments = kernel_lib.SegmentIds(q=q_seg_BS.astype(jnp.int32), kv=kv_seg_BT.astype(jnp.int32))
+    sizes, kw = kernel.kwargs["block_sizes"], kernel.kwargs
+    common = dict(is_mqa=True, mask_value=kw["mask_value"], attn_logits_soft_cap=kw.get("attn_logits_soft_cap"),
+                  q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
+                  mask_function=kw.get("mask_function"), interpret=kw["interpret"])
+
+    def one(q, k, v, seg, o, lse, do):
+        args = dict(q=q, k=k, v=v, segment_ids=seg, logsumexp=lse, do=do,
+                    di=jnp.einsum("gsd,gsd->gs", o.astype(jnp.float32), do.astype(jnp.float32)), **common)
+        if "sinks" in _parameters(kernel_lib._splash_attention_bwd_dkv):
+            args["sinks"] = None
+        dq, dk, dv = kernel_lib._splash_attention_bwd_dkv(
+            **args, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv, bkv_compute=sizes.block_kv_dkv_compute,
+            mask_info=kernel.dkv_mask_info, use_fused_bwd_kernel=sizes.use_fused_bwd_kernel)
+        if not sizes.use_fused_bwd_kernel:
+            dq = kernel_lib._splash_attention_bwd_dq(**args, bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
+                                                     mask_info=kernel.dq_mask_info)
+        return dq, dk, dv
+
+    dq, dk, dv = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0)))(
+        q_BKGSD, k_BKTD, v_BKTD, segments, o_BKGSD, lse_BKGS, do_BKGSD)
+    dq = dq.astype(jnp.float32).transpose(0, 3, 1, 2, 4).reshape(b, s, h, d) * d ** -0.5
+    return dq, dk.astype(jnp.float32).transpose(0, 2, 1, 3), dv.astype(jnp.float32).transpose(0, 2, 1, 3)
+
+
+@functools.cache
+def _parameters(fn) -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def sees_a_key(q_runs, kv_runs, window: int) -> bool:
@@ -231,12 +325,12 @@ def sees_a_key(q_runs, kv_runs, window: int) -> bool:
 
 
 def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int,
-              blocks: Blocks):
+              blocks: Blocks, backward: bool):
     kernel_lib, mask_lib = _lib()
     mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig, window)] * group)
-    # Ring hops (save_residuals) run only splash's forward: their backward is the blockwise one (kernels.py), so
-    # no dQ/dKV block tables are built for them (two thirds of the host time).
-    sizes = blocks.sizes(len(q_orig), len(kv_orig), bq, bkv, backward=not save_residuals)
+    # Ring hops (save_residuals) in row chunks run only splash's forward (RowLoop): their backward is the blockwise
+    # one (kernels.py), so no dQ/dKV block tables are built for them (two thirds of the host time).
+    sizes = blocks.sizes(len(q_orig), len(kv_orig), bq, bkv, backward=backward)
     # Concrete tables even when built under a trace (jit stages jnp.array otherwise): kernels are cached across
     # traces (kernels._splash_kernels), and RowLoop reads the tables on the host.
     with jax.ensure_compile_time_eval():

@@ -1,0 +1,185 @@
+"""What the program compiled for a TPU does with context parallelism's collectives: which overlap compute, and what
+the TPU compiler estimates the rest of a layer costs, per strategy. No TPU needed (libtpu compiles for the
+topology); no number here is a measurement on hardware.
+
+    python3 benchmarks/compiled_schedule.py > benchmarks/compiled_schedule.md
+
+The shape is MaxText's llama2-7b measurement (PR #4687: v5p-128, 32K tokens per sequence, C = 16, fsdp 4, 2M tokens
+per step, splash) with 2 decoder layers instead of 32 (the layers are one scanned body, so its schedule is the
+32-layer model's), `remat_policy=full`. For each strategy the step is compiled (`maxctx.train_step`) and the
+optimized, scheduled HLO (`Compiled.as_text()`) is read:
+
+- collectives: each kind, and whether it is asynchronous (`-start` / `-done` pairs, which XLA can overlap with
+  the ops scheduled between them) or synchronous (nothing overlaps it);
+- ring sends (collective-permutes) in the layer bodies: for each, whether a conditional (a ring hop's attention
+  call, `lax.cond` in maxctx.attention.ring) is scheduled between its start and done, i.e. overlaps it;
+- the TPU compiler's own cost estimate (`estimated_cycles` in each fusion's backend config, at v5p's 1.75 GHz)
+  of the forward and backward layer bodies, split into copies (layout changes) and the rest. Pallas kernels
+  (splash) and collectives carry no estimate, so this is the layer's work outside attention and communication;
+- temp memory per device (memory_analysis).
+
+The ring strategies run once with the ring hops' backward through splash's own kernels (splash.hop_backward, every
+hop here) and p2p once more with the blockwise backward (what hops in row chunks still take), whose fusions carry
+the attention backward's work in the estimate.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.pop("JAX_PLATFORMS", None)
+
+CLOCK_HZ = 1.75e9  # v5p TensorCore: 459 TFLOP/s bf16 = 2 cores x 4 MXUs x 128 x 128 x 2 FLOPs x 1.75 GHz
+SHAPE = ["compile_topology=v5p-128", "model_name=llama2-7b", "max_target_length=32768", "ici_context_parallelism=16",
+         "ici_fsdp_parallelism=4", "per_device_batch_size=1", "remat_policy=full", "attention=splash",
+         "base_num_decoder_layers=2"]
+USP = "context_parallel_a2a_degree=4"
+# (strategy, extra keys, ring hops' backward blockwise: as for hops in row chunks, and for every hop before
+# splash.hop_backward)
+RUNS = [("all_gather", [], False), ("a2a", [], False), ("p2p", [], True), ("p2p", [], False),
+        ("p2p", ["ring_backward_overlap=true"], False), ("usp", [USP], False),
+        ("usp", [USP, "ring_backward_overlap=true"], False)]
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    out, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line).group(1)
+            out[name] = []
+        elif line.startswith("  ") and name:
+            out[name].append(line)
+    return out
+
+
+def opcode(line: str) -> str:
+    m = re.match(r"\s+(?:ROOT )?%[\w.\-]+ = .*?[\]})] ([a-z][a-z0-9\-]*)\(", line)
+    return m.group(1) if m else ""
+
+
+def cycles(comps: dict, name: str, kinds: collections.Counter) -> int:
+    """Estimated cycles of one execution of computation `name`: its ops, the costliest branch of a conditional,
+    the bodies of calls, and of loops times their known trip count."""
+    total = 0
+    for line in comps[name]:
+        op = opcode(line)
+        est = re.search(r'"estimated_cycles":"(\d+)"', line)
+        if est:
+            total += int(est.group(1))
+            kinds["copy" if op == "copy" else "other"] += int(est.group(1))
+        if op == "conditional":
+            names = [b.strip().lstrip("%") for b in re.search(r"branch_computations=\{([^}]*)\}", line)[1].split(",")]
+            best = max(names, key=lambda b: cycles(comps, b, collections.Counter()))
+            total += cycles(comps, best, kinds)
+        elif op in ("while", "call"):
+            n = trip_count(comps, lines_of(comps, name), line) if op == "while" else 1
+            for key in ("body", "to_apply"):
+                m = re.search(key + r"=%?([\w.\-]+)", line)
+                if m and m.group(1) in comps:
+                    inner = collections.Counter()
+                    total += cycles(comps, m.group(1), inner) * n
+                    for k, v in inner.items():
+                        kinds[k] += v * n
+    return total
+
+
+def lines_of(comps: dict, name: str) -> dict[str, str]:
+    return {re.match(r"\s+(?:ROOT )?%([\w.\-]+) ", x).group(1): x for x in comps[name]
+            if re.match(r"\s+(?:ROOT )?%([\w.\-]+) ", x)}
+
+
+def trip_count(comps: dict, defs: dict[str, str], line: str) -> int:
+    """A counted loop's trips (the TPU HLO states none): the condition's `i < N` against the counter's initial
+    value in the loop's operand tuple."""
+    cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+    bound = next(int(m[1]) for x in comps[cond] if (m := re.search(r"s32\[\]\S* constant\((-?\d+)\)", x)))
+    operand = re.search(r" while\(%([\w.\-]+)\)", line).group(1)
+    first = re.search(r" tuple\(%([\w.\-]+)", defs[operand]).group(1)
+    start = re.search(r"constant\((-?\d+)\)", defs[first])
+    return bound - int(start[1]) if start else bound
+
+
+def permutes(comps: dict) -> list[tuple[str, bool]]:
+    """(shape, overlaps a conditional) for every collective-permute-start of a loop or layer body."""
+    out = []
+    for lines in comps.values():
+        for i, line in enumerate(lines):
+            if opcode(line) != "collective-permute-start":
+                continue
+            name = re.match(r"\s+%([\w.\-]+) ", line).group(1)
+            done = next(j for j, x in enumerate(lines)
+                        if re.search(rf"collective-permute-done\(%{re.escape(name)}\)", x))
+            shape = re.search(r"= \(?([a-z0-9]+\[[\d,]*\])", line).group(1)
+            out.append((shape, any(opcode(x) == "conditional" for x in lines[i + 1:done])))
+    return out
+
+
+def analyse(hlo: str) -> dict:
+    comps = computations(hlo)
+    ops = collections.Counter(opcode(line) for lines in comps.values() for line in lines)
+    kinds = {c: (ops[c], ops[c + "-start"]) for c in COLLECTIVES if ops[c] or ops[c + "-start"]}
+    bodies = {}
+    for name in comps:  # the layer scans' bodies: XLA names them wide.*; the backward's is the costlier
+        if name.startswith("wide.") and any(opcode(x) for x in comps[name]):
+            split = collections.Counter()
+            total = cycles(comps, name, split)
+            if total:
+                bodies[name] = (total, split["copy"])
+    return {"collectives": kinds, "permutes": permutes(comps), "bodies": sorted(bodies.values())}
+
+
+def main() -> None:
+    from maxctx import topology as topo
+    from maxctx.mesh import create_mesh
+    from maxctx.train_step import compile_train_step, make_setup
+    from maxctx.validate import load_config
+
+    ms = lambda c: c / CLOCK_HZ * 1e3  # noqa: E731
+    print(__doc__.split("\n\n")[0].replace("\n", " "), "\n")
+    print("Written by `python3 benchmarks/compiled_schedule.py > benchmarks/compiled_schedule.md` (libtpu "
+          f"{_libtpu_version()}); the shape: `{' '.join(SHAPE)}`.\n")
+    print("| strategy | temp GiB | collectives: synchronous / asynchronous | ring sends overlapping a hop's "
+          "attention | layer body outside attention and collectives, forward / backward (TPU compiler's estimate) "
+          "| of which copies | compile |")
+    print("|---|---|---|---|---|---|---|")
+    from maxctx.attention import splash
+
+    available = splash.backward_kernels_available
+    for strategy, extra, blockwise in RUNS:
+        splash.backward_kernels_available = (lambda: False) if blockwise else available
+        config = load_config(["configs/base.yml", *SHAPE, f"context_parallel_strategy={strategy}", *extra])
+        target = topo.parse(config.compile_topology)
+        mesh = create_mesh(config, topo.topology_devices(target, 1))
+        start = time.perf_counter()
+        compiled = compile_train_step(make_setup(config, mesh))
+        seconds = time.perf_counter() - start
+        a = analyse(compiled.as_text())
+        temp = compiled.memory_analysis().temp_size_in_bytes / 2 ** 30
+        coll = ", ".join(f"{k} {s}/{n}" for k, (s, n) in a["collectives"].items())
+        sends, dkv = a["permutes"], [o for s, o in a["permutes"] if s.startswith("f32")]
+        overlap = (f"{sum(o for _, o in sends)} of {len(sends)} (fp32 dK/dV: {sum(dkv)} of {len(dkv)})"
+                   if sends else "-")
+        fwd, bwd = a["bodies"][-2], a["bodies"][-1]  # the layer scans' bodies, the costliest two
+        label = strategy + (f" ({', '.join(extra)})" if extra else "") + (", blockwise ring backward" if blockwise
+                                                                            else "")
+        print(f"| {label} | {temp:.2f} | {coll} | {overlap} | {ms(fwd[0]):.1f} / {ms(bwd[0]):.1f} ms | "
+              f"{ms(fwd[1]):.1f} / {ms(bwd[1]):.1f} ms | {seconds:.0f} s |", flush=True)
+
+
+def _libtpu_version() -> str:
+    from importlib.metadata import version
+
+    return version("libtpu")
+
+
+if __name__ == "__main__":
+    main()
