@@ -43,7 +43,10 @@ def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window,
 @pytest.mark.parametrize("strategy,blocks", [
     # MaxText's sa_block_* (flash_block_*): dK/dV and dQ kernels on other blocks than the forward's 128 x 128.
     ("a2a", dict(q_dkv=256, kv_dkv=512, kv_dkv_compute=128, q_dq=512, kv_dq=256)),
-    ("all_gather", dict(kv_compute=128, q_dkv=256, kv_dkv=256, fused_backward=True))])
+    ("all_gather", dict(kv_compute=128, q_dkv=256, kv_dkv=256, fused_backward=True)),
+    # Ring hops' backward through splash (hop_backward): its own blocks, and the fused kernel.
+    ("p2p", dict(q_dkv=128, kv_dkv=256, kv_dkv_compute=128, q_dq=256, kv_dq=128)),
+    ("p2p", dict(fused_backward=True))])
 def test_splash_backward_blocks_match_reference(strategy, blocks):
     from maxctx.attention import splash
 

@@ -29,8 +29,9 @@ partial block, as zig-zag ring hops do.)
 Ring hops' backward: a hop whose forward, dQ and dK/dV tables fit one call (up to 128K rows per hop with 512-token
 blocks) runs splash's own dQ and dK/dV kernels on the merged out and lse of all hops (hop_backward; private
 functions of JAX's splash module, checked by signature, else the blockwise backward). A hop in row chunks takes
-the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM; the TPU compiler
-estimates it at 4x the rest of the backward layer for llama2-7b at 32K, benchmarks/compiled_schedule.md).
+the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM; for llama2-7b at
+32K over C = 16 on v5p the TPU compiler estimates the backward layer at 1,231 ms with it for every hop, 315 ms
+outside splash's kernels with them: benchmarks/compiled_schedule.md).
 
 Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
 over the G query heads of each kv head, vmapped over K and B.
