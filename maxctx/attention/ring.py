@@ -13,7 +13,7 @@ backward's permutes overlaps a hop's attention, where every forward K/V send doe
 (ring_backward_overlap=true) the backward is software-pipelined: a hop sends on the dK/dV the previous hop finished,
 not its own, and its sends overlap its kernel as the forward's do (checked in that compiled program by
 tests/test_attention_tpu_compile.py), for one more fp32 dK/dV block in flight per device (llama3-8b at 10M tokens
-over 64 v5p chips: 95.6 instead of 92.9 GiB, over HBM). The hops are one loop (`lax.fori_loop`; the last hop peeled
+over 64 v5p chips: 95.6 instead of 93.1 GiB, over HBM). The hops are one loop (`lax.fori_loop`; the last hop peeled
 off, which has nothing to send on, and with `overlap` the first too), so the program and its compile time do not
 grow with R; splash picks its hop's kernel by the traced hop index.
 
