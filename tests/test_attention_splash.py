@@ -4,7 +4,7 @@ Each device runs the kernels it picks by mesh index and hop (ring: the diagonal,
 key block before or after them, by a [hop, shard] table; all_gather: its chunks against the whole gathered order),
 with a packed row whose segment ids cut documents across chunks. Outputs and dQ/dK/dV must equal the single-device
 reference: through splash's own backward, for ring hops too (splash.hop_backward, from the merged out and lse),
-except hops in row chunks (RowLoop), whose backward is the blockwise one (covered by test_context_parallel.py).
+except hops in row chunks (RowLoop), whose backward is the blockwise one.
 """
 
 from __future__ import annotations
@@ -22,22 +22,24 @@ from tests.support.meshes import make_mesh
 S, H, K, D = 512, 2, 1, 128
 
 
-@pytest.mark.parametrize("strategy,ring,a2a,max_table,window", [
-    ("p2p", 2, 1, None, 0), ("usp", 2, 2, None, 0), ("all_gather", 2, 1, None, 0),
-    # Four hops: the ring loop's traced hop index picks each device's kernel from the [hop, shard] table.
-    ("p2p", 4, 1, None, 0),
+@pytest.mark.parametrize("strategy,ring,a2a,max_table,window,overlap", [
+    ("p2p", 2, 1, None, 0, False), ("usp", 2, 2, None, 0, False), ("all_gather", 2, 1, None, 0, False),
+    # Four hops: the ring loop's traced hop index picks each device's kernel from the [hop, shard] table, in the
+    # plain and the software-pipelined backward (ring_backward_overlap), whose hops must pick the same kernels.
+    ("p2p", 4, 1, None, 0, False), ("p2p", 4, 1, None, 0, True),
     # Calls whose block table passes the limit run as several kernels over row chunks (a2a at 1M tokens): a2a in
     # 4 chunks with its backward, and ring hops in 2 chunks, one of which sees no key on the off-diagonal hop.
-    ("a2a", 1, 2, 4, 0), ("p2p", 2, 1, 2, 0),
+    ("a2a", 1, 2, 4, 0, False), ("p2p", 2, 1, 2, 0, False),
     # Local layers: p2p's halo runs one band kernel per chunk (with dQ/dK/dV through splash's backward); a2a's
-    # whole-sequence kernel takes the sliding-window mask.
-    ("p2p", 2, 1, None, 128), ("a2a", 1, 2, None, 100)])
-def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window, monkeypatch):
+    # whole-sequence kernel takes the sliding-window mask; a window wider than a device's chunk takes p2p's ring,
+    # whose hops' backward gets the windowed masks.
+    ("p2p", 2, 1, None, 128, False), ("a2a", 1, 2, None, 100, False), ("p2p", 2, 1, None, 300, False)])
+def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window, overlap, monkeypatch):
     from maxctx.attention import splash
 
     if max_table is not None:
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
-    check_against_reference(strategy, ring, a2a, window)
+    check_against_reference(strategy, ring, a2a, window, ring_backward_overlap=overlap)
 
 
 @pytest.mark.parametrize("strategy,blocks", [
@@ -54,7 +56,7 @@ def test_splash_backward_blocks_match_reference(strategy, blocks):
                             splash.Blocks(**blocks))
 
 
-def check_against_reference(strategy, ring, a2a, window, splash_blocks=None):
+def check_against_reference(strategy, ring, a2a, window, splash_blocks=None, ring_backward_overlap=False):
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, S, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(2, S, K, D)).astype(np.float32) for _ in range(2))
@@ -62,11 +64,8 @@ def check_against_reference(strategy, ring, a2a, window, splash_blocks=None):
     seg = np.stack([np.ones(S), np.repeat(np.arange(1, 4), lengths)]).astype(np.int32)
     pos = np.stack([np.arange(S), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
     dout = rng.normal(size=q.shape).astype(np.float32)
-    grads = True
 
     def run(fn, q, k, v, pos, seg, dout):
-        if not grads:
-            return [fn(q, k, v, pos, seg)]
         out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, pos, seg), q, k, v)
         return [out, *pullback(dout)]
 
@@ -75,7 +74,8 @@ def check_against_reference(strategy, ring, a2a, window, splash_blocks=None):
     mesh = make_mesh(ring, a2a)
     cp = ring * a2a
     spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=True, block_q=128, block_kv=128,
-                         window=window, **({"splash_blocks": splash_blocks} if splash_blocks else {}))
+                         window=window, ring_backward_overlap=ring_backward_overlap,
+                         **({"splash_blocks": splash_blocks} if splash_blocks else {}))
     perm = zigzag_permutation(S, cp)
     sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     args = [jax.device_put(x[:, perm], sharding) for x in (q, k, v, pos, seg, dout)]

@@ -88,9 +88,10 @@ def test_strategy_matches_reference(strategy, ring, a2a, heads):
     run_strategy(strategy, ring, a2a, kv_heads)
 
 
-@pytest.mark.parametrize("strategy,ring,a2a", [("p2p", 2, 1), ("p2p", 8, 1), ("usp", 4, 2)])
+@pytest.mark.parametrize("strategy,ring,a2a", [("p2p", 2, 1), ("p2p", 8, 1), ("usp", 4, 2), ("usp", 1, 4)])
 def test_ring_backward_overlap_matches_reference(strategy, ring, a2a):
-    # The software-pipelined backward (ring_backward_overlap): R = 2 (no loop trips) and R = 8; GQA.
+    # The software-pipelined backward (ring_backward_overlap): R = 2 (no loop trips), R = 8, and a ring of one rank
+    # (usp with U = C: nothing to pipeline); GQA.
     run_strategy(strategy, ring, a2a, kv_heads=2 if ring * a2a > 2 else 1, ring_backward_overlap=True)
 
 

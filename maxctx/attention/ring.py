@@ -111,7 +111,7 @@ def _ring_bwd(local, axis, size, overlap, res, dout):
     # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.
     vk, ids = jnp.stack([v, k]), jnp.stack([ks, kp])
     zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((2, *k.shape), jnp.float32))
-    if not overlap:
+    if not overlap or size == 1:  # one rank: nothing to pipeline (its one hop would run twice below)
         # A hop adds its dK/dV and sends them on at once: the sends wait for the hop's kernel (and XLA's schedule
         # on TPU starts the K/V send there too), but no more than one fp32 dK/dV block is in flight.
         def hop_with_send(hop, carry):

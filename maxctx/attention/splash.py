@@ -27,11 +27,12 @@ flash_block_*_dkv / *_dq / *_compute keys (MaxText's sa_block_*) set the backwar
 partial block, as zig-zag ring hops do.)
 
 Ring hops' backward: a hop whose forward, dQ and dK/dV tables fit one call (up to 128K rows per hop with 512-token
-blocks) runs splash's own dQ and dK/dV kernels on the merged out and lse of all hops (hop_backward; private
-functions of JAX's splash module, checked by signature, else the blockwise backward). A hop in row chunks takes
-the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM; for llama2-7b at
-32K over C = 16 on v5p the TPU compiler estimates the backward layer at 1,231 ms with it for every hop, 315 ms
-outside splash's kernels with them: benchmarks/compiled_schedule.md).
+blocks in every pass) runs splash's own dQ and dK/dV kernels on the merged out and lse of all hops (hop_backward;
+private functions of JAX's splash module, checked by signature, else the blockwise backward). A hop in row chunks
+takes the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM; for
+llama2-7b at 32K over C = 16 on v5p the TPU compiler's estimate of the backward layer is 1,231 ms with it for every
+hop, an upper bound that counts skipped block pairs as run, and 315 ms outside splash's kernels with them:
+benchmarks/compiled_schedule.md).
 
 Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
 over the G query heads of each kv head, vmapped over K and B.
@@ -210,9 +211,11 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
 
     # (query block, key block) per pass: forward, dK/dV, dQ. A ring hop (save_residuals) whose tables need row chunks
     # builds only the forward's: its chunks run in a RowLoop and its backward is the blockwise one.
-    passes, backward = blocks.passes(bq, bkv), True
+    passes, backward = blocks.passes(bq, bkv), not save_residuals or backward_kernels_available()
+    if not backward:
+        passes = passes[:1]
     chunks = fewest_chunks(passes)
-    if save_residuals and chunks > 1:
+    if save_residuals and chunks > 1 and backward:
         passes, backward = passes[:1], False
         chunks = fewest_chunks(passes)
     rows = n_q // chunks
@@ -263,9 +266,11 @@ def has_backward(kernels) -> bool:
 
 
 def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
-    """A ring hop's (dq, dk, dv), fp32, through splash's own dQ and dK/dV kernels, from the *merged* out and lse
-    of all hops (the same residuals the blockwise backward takes): P = exp(s - lse) is then the hop's share of the
-    row's softmax, so the hops' gradients add up to the whole attention's. For kernels with has_backward."""
+    """A ring hop's (dq, dk, dv) through splash's own dQ and dK/dV kernels, from the *merged* out and lse of all
+    hops (the same residuals the blockwise backward takes): P = exp(s - lse) is then the hop's share of the row's
+    softmax, so the hops' gradients add up to the whole attention's. Returned as fp32 for the ring's fp32
+    accumulators, but computed in the inputs' dtype (splash's kernels output it: bf16 in training, each hop's
+    gradient rounded to bf16 before the sum). For kernels with has_backward."""
     kernel_lib, _ = _lib()
     (_, _, kernel), = kernels
     if kernel is None:  # the hop sees no key
@@ -290,14 +295,13 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
     def one(q, k, v, seg, o, lse, do):
         args = dict(q=q, k=k, v=v, segment_ids=seg, logsumexp=lse, do=do,
                     di=jnp.einsum("gsd,gsd->gs", o.astype(jnp.float32), do.astype(jnp.float32)), **common)
-        if "sinks" in _parameters(kernel_lib._splash_attention_bwd_dkv):
-            args["sinks"] = None
-        dq, dk, dv = kernel_lib._splash_attention_bwd_dkv(
-            **args, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv, bkv_compute=sizes.block_kv_dkv_compute,
-            mask_info=kernel.dkv_mask_info, use_fused_bwd_kernel=sizes.use_fused_bwd_kernel)
+        dkv_fn, dq_fn = kernel_lib._splash_attention_bwd_dkv, kernel_lib._splash_attention_bwd_dq
+        dq, dk, dv = dkv_fn(**args, **_sinks(dkv_fn), bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
+                            bkv_compute=sizes.block_kv_dkv_compute, mask_info=kernel.dkv_mask_info,
+                            use_fused_bwd_kernel=sizes.use_fused_bwd_kernel)
         if not sizes.use_fused_bwd_kernel:
-            dq = kernel_lib._splash_attention_bwd_dq(**args, bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
-                                                     mask_info=kernel.dq_mask_info)
+            dq = dq_fn(**args, **_sinks(dq_fn), bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
+                       mask_info=kernel.dq_mask_info)
         return dq, dk, dv
 
     dq, dk, dv = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0)))(
@@ -307,10 +311,11 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
 
 
 @functools.cache
-def _parameters(fn) -> frozenset:
+def _sinks(fn) -> dict:
+    """sinks=None where this JAX's splash kernel function takes attention sinks (newer releases)."""
     import inspect
 
-    return frozenset(inspect.signature(fn).parameters)
+    return {"sinks": None} if "sinks" in inspect.signature(fn).parameters else {}
 
 
 def sees_a_key(q_runs, kv_runs, window: int) -> bool:
