@@ -8,8 +8,8 @@ Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mo
 with a stable log-add-exp. Backward (custom VJP): the same hops in the same order, each computing the hop's
 (dq, dk, dv) from the *merged* out and lse; dq stays home, dK/dV accumulators (fp32) travel with their block and
 reach its owner after the last hop, so nothing of size O(S) is saved or held. A hop adds its dK/dV and sends them
-on, so the backward's sends wait for its kernel: in the program compiled for TPU (v5p, libtpu 0.0.42) none of the
-backward's permutes overlaps a hop's attention, where every forward K/V send does. With `overlap`
+on, so the backward's sends wait for its kernel: in the program compiled for TPU (v5p, libtpu 0.0.42.1) none of the
+backward loop's permutes overlaps a hop's attention, where every forward K/V send does. With `overlap`
 (ring_backward_overlap=true) the backward is software-pipelined: a hop sends on the dK/dV the previous hop finished,
 not its own, and its sends overlap its kernel as the forward's do (checked in that compiled program by
 tests/test_attention_tpu_compile.py), for one more fp32 dK/dV block in flight per device (llama3-8b at 10M tokens
