@@ -17,7 +17,8 @@ that a full disk gets its space back before the next try. maxctx.checkpoint appl
 Orbax logs each failed write with its traceback; `QuietStorageErrors` drops those records, since the run reports
 the failure itself in one line. Orbax also closes a write's event loop at its first failed write while TensorStore
 still holds callbacks into it; each then fails with "Event loop is closed", which Python reports as an unraisable
-error; `quiet_abandoned_writes` drops exactly those reports.
+error, and the futures of the other failed writes go unawaited, which asyncio logs when they are collected;
+`quiet_abandoned_writes` drops exactly those reports.
 """
 
 from __future__ import annotations
@@ -122,8 +123,13 @@ class QuietStorageErrors(logging.Filter):
 
 def quiet_abandoned_writes() -> None:
     """Wraps sys.unraisablehook and sys.excepthook (TensorStore's callbacks report through either) to drop "Event
-    loop is closed" from callbacks into a failed save's closed event loop; everything else passes on. Installed
-    once per process and kept to its end, since the callbacks may fire as late as the interpreter's exit."""
+    loop is closed" from callbacks into a failed save's closed event loop; everything else passes on. Also drops
+    asyncio's "Future exception was never retrieved" for a storage error: the other writes of a failed save, whose
+    futures nobody awaits once the first failure is reported, logged when they are collected, as late as the
+    interpreter's exit, after the run's one line. Installed once per process and kept to its end."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, QuietStorageErrors) for f in asyncio_log.filters):
+        asyncio_log.addFilter(QuietStorageErrors())
     def closed_loop(exc_type, value) -> bool:
         return exc_type is RuntimeError and str(value) == "Event loop is closed"
 
