@@ -151,11 +151,12 @@ def main() -> None:
           "attention | layer body outside attention and collectives, forward / backward (TPU compiler's estimate) "
           "| of which copies | compile |")
     print("|---|---|---|---|---|---|---|")
-    from maxctx.attention import splash
+    from maxctx.attention import kernels, splash
 
     available = splash.backward_kernels_available
     for strategy, extra, blockwise in RUNS:
         splash.backward_kernels_available = (lambda: False) if blockwise else available
+        kernels._splash_kernels.cache_clear()  # built with or without the backward tables
         config = load_config(["configs/base.yml", *SHAPE, f"context_parallel_strategy={strategy}", *extra])
         target = topo.parse(config.compile_topology)
         mesh = create_mesh(config, topo.topology_devices(target, 1))

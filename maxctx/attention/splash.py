@@ -282,9 +282,12 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
     def heads(x):  # [B, S, H, D] -> [B, K, G, S, D], as _call_one lays out q
         return x.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
 
-    q_BKGSD, o_BKGSD, do_BKGSD = heads(q_BSHD * d ** -0.5), heads(out_BSHD), heads(dout_BSHD.astype(q_BSHD.dtype))
+    q_BKGSD, do_BKGSD = heads(q_BSHD * d ** -0.5), heads(dout_BSHD.astype(q_BSHD.dtype))
     # A row no hop lets see a key has lse -inf; +inf instead makes its P 0 rather than 0 * inf.
     lse_BKGS = jnp.where(jnp.isfinite(lse_BHS), lse_BHS, jnp.inf).reshape(b, kv_heads, h // kv_heads, s)
+    # di = rowsum(out * dout), from out in its own layout (no head-major copy of the fp32 out).
+    di_BKGS = jnp.einsum("bshd,bshd->bhs", out_BSHD.astype(jnp.float32),
+                         dout_BSHD.astype(jnp.float32)).reshape(b, kv_heads, h // kv_heads, s)
     k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
     segments = kernel_lib.SegmentIds(q=q_seg_BS.astype(jnp.int32), kv=kv_seg_BT.astype(jnp.int32))
     sizes, kw = kernel.kwargs["block_sizes"], kernel.kwargs
@@ -292,9 +295,8 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
                   q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
                   mask_function=kw.get("mask_function"), interpret=kw["interpret"])
 
-    def one(q, k, v, seg, o, lse, do):
-        args = dict(q=q, k=k, v=v, segment_ids=seg, logsumexp=lse, do=do,
-                    di=jnp.einsum("gsd,gsd->gs", o.astype(jnp.float32), do.astype(jnp.float32)), **common)
+    def one(q, k, v, seg, di, lse, do):
+        args = dict(q=q, k=k, v=v, segment_ids=seg, logsumexp=lse, do=do, di=di, **common)
         dkv_fn, dq_fn = kernel_lib._splash_attention_bwd_dkv, kernel_lib._splash_attention_bwd_dq
         dq, dk, dv = dkv_fn(**args, **_sinks(dkv_fn), bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
                             bkv_compute=sizes.block_kv_dkv_compute, mask_info=kernel.dkv_mask_info,
@@ -305,7 +307,7 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
         return dq, dk, dv
 
     dq, dk, dv = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0)))(
-        q_BKGSD, k_BKTD, v_BKTD, segments, o_BKGSD, lse_BKGS, do_BKGSD)
+        q_BKGSD, k_BKTD, v_BKTD, segments, di_BKGS, lse_BKGS, do_BKGSD)
     dq = dq.astype(jnp.float32).transpose(0, 3, 1, 2, 4).reshape(b, s, h, d) * d ** -0.5
     return dq, dk.astype(jnp.float32).transpose(0, 2, 1, 3), dv.astype(jnp.float32).transpose(0, 2, 1, 3)
 
