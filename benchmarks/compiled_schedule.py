@@ -18,9 +18,9 @@ optimized, scheduled HLO (`Compiled.as_text()`) is read:
   (splash) and collectives carry no estimate, so this is the layer's work outside attention and communication;
 - temp memory per device (memory_analysis).
 
-The ring strategies run once with the ring hops' backward through splash's own kernels (splash.hop_backward, every
-hop here) and p2p once more with the blockwise backward (what hops in row chunks still take), whose fusions carry
-the attention backward's work in the estimate.
+The ring strategies run once with the ring hops' backward through splash's own kernels
+(splash_backward.hop_backward, every hop here) and p2p once more with the blockwise backward (what hops in row
+chunks still take), whose fusions carry the attention backward's work in the estimate.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ SHAPE = ["compile_topology=v5p-128", "model_name=llama2-7b", "max_target_length=
          "base_num_decoder_layers=2"]
 USP = "context_parallel_a2a_degree=4"
 # (strategy, extra keys, ring hops' backward blockwise: as for hops in row chunks, and for every hop before
-# splash.hop_backward)
+# splash_backward.hop_backward)
 RUNS = [("all_gather", [], False), ("a2a", [], False), ("p2p", [], True), ("p2p", [], False),
         ("p2p", ["ring_backward_overlap=true"], False), ("usp", [USP], False),
         ("usp", [USP, "ring_backward_overlap=true"], False)]

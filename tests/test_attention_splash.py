@@ -3,7 +3,7 @@
 Each device runs the kernels it picks by mesh index and hop (ring: the diagonal, or its zig-zag chunks against a
 key block before or after them, by a [hop, shard] table; all_gather: its chunks against the whole gathered order),
 with a packed row whose segment ids cut documents across chunks. Outputs and dQ/dK/dV must equal the single-device
-reference: through splash's own backward, for ring hops too (splash.hop_backward, from the merged out and lse),
+reference: through splash's own backward, for ring hops too (splash_backward.hop_backward, from the merged out and lse),
 except hops in row chunks (RowLoop), whose backward is the blockwise one.
 """
 
@@ -167,16 +167,16 @@ def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
 
 def test_ring_hops_take_splash_backward_unless_in_row_chunks(monkeypatch):
     # A ring hop whose dQ and dK/dV tables fit one call builds them and runs splash's backward kernels
-    # (splash.hop_backward); one in row chunks (RowLoop) keeps forward tables only and the blockwise backward.
-    from maxctx.attention import kernels, splash
+    # (splash_backward.hop_backward); one in row chunks (RowLoop) keeps forward tables only and the blockwise backward.
+    from maxctx.attention import kernels, splash, splash_backward
 
     assert splash.backward_kernels_available()
     order = kernels.stored_order(8192, 4, True)
     whole = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
-    assert all(splash.has_backward(k) for k in whole.splash_kernels)
+    assert all(splash_backward.has_backward(k) for k in whole.splash_kernels)
     monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", 64)
     chunked = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
-    assert not any(splash.has_backward(k) for k in chunked.splash_kernels)
+    assert not any(splash_backward.has_backward(k) for k in chunked.splash_kernels)
 
 
 def test_row_chunks_keep_the_backward_tables_within_the_limit_too():

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import cudnn, flash, splash
+from maxctx.attention import cudnn, flash, splash, splash_backward
 from maxctx.attention.dot_product import dot_product_attention, dot_product_block_backward
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
 from maxctx.attention.load_balance import zigzag_permutation
@@ -45,14 +45,18 @@ class LocalKernel:
     splash_kernels: tuple = ()
     splash_table: tuple = ()
 
+    def _pick(self, hop, branches, *args):
+        """Runs this device's branch of `branches` (one per splash kernel) at `hop`."""
+        if len(branches) == 1:
+            return branches[0](*args)
+        # `hop` may be the ring loop's traced index: the table is a constant indexed on the device.
+        which = jnp.asarray(self.splash_table, jnp.int32)[hop, jax.lax.axis_index(self.q_axes)]
+        return jax.lax.switch(which, branches, *args)
+
     def _splash(self, hop, save_residuals, q, k, v, q_seg, kv_seg):
         branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals)
                     for kern in self.splash_kernels]
-        if len(branches) == 1:
-            return branches[0](q, k, v, q_seg, kv_seg)
-        # `hop` may be the ring loop's traced index: the table is a constant indexed on the device.
-        which = jnp.asarray(self.splash_table, jnp.int32)[hop, jax.lax.axis_index(self.q_axes)]
-        return jax.lax.switch(which, branches, q, k, v, q_seg, kv_seg)
+        return self._pick(hop, branches, q, k, v, q_seg, kv_seg)
 
     def attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
@@ -86,17 +90,13 @@ class LocalKernel:
             return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
                                         self.block_q, self.block_kv, self.window)
 
-        if self.name != "splash" or not any(splash.has_backward(kern) for kern in self.splash_kernels):
+        if self.name != "splash" or not any(splash_backward.has_backward(kern) for kern in self.splash_kernels):
             return blockwise()
         # splash's own dQ and dK/dV kernels for a hop that has their tables (not in row chunks), the blockwise
         # backward (XLA fusions: fp32 score tiles through HBM) for one in row chunks (RowLoop).
-        branches = [functools.partial(splash.hop_backward, kern) if splash.has_backward(kern) else blockwise
-                    for kern in self.splash_kernels]
-        args = (q, k, v, q_seg, kv_seg, out, lse, dout)
-        if len(branches) == 1:
-            return branches[0](*args)
-        which = jnp.asarray(self.splash_table, jnp.int32)[hop, jax.lax.axis_index(self.q_axes)]
-        return jax.lax.switch(which, branches, *args)
+        branches = [functools.partial(splash_backward.hop_backward, kern) if splash_backward.has_backward(kern)
+                    else blockwise for kern in self.splash_kernels]
+        return self._pick(hop, branches, q, k, v, q_seg, kv_seg, out, lse, dout)
 
 
 def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,

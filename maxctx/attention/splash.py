@@ -27,7 +27,7 @@ flash_block_*_dkv / *_dq / *_compute keys (MaxText's sa_block_*) set the backwar
 partial block, as zig-zag ring hops do.)
 
 Ring hops' backward: a hop whose forward, dQ and dK/dV tables fit one call (up to 128K rows per hop with 512-token
-blocks in every pass) runs splash's own dQ and dK/dV kernels on the merged out and lse of all hops (hop_backward;
+blocks in every pass) runs splash's own dQ and dK/dV kernels on the merged out and lse of all hops (splash_backward;
 private functions of JAX's splash module, checked by signature, else the blockwise backward). A hop in row chunks
 takes the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM; for
 llama2-7b at 32K over C = 16 on v5p the TPU compiler's estimate of the backward layer is 1,231 ms with it for every
@@ -211,13 +211,12 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
 
     # (query block, key block) per pass: forward, dK/dV, dQ. A ring hop (save_residuals) whose tables need row chunks
     # builds only the forward's: its chunks run in a RowLoop and its backward is the blockwise one.
-    passes, backward = blocks.passes(bq, bkv), not save_residuals or backward_kernels_available()
-    if not backward:
-        passes = passes[:1]
-    chunks = fewest_chunks(passes)
-    if save_residuals and chunks > 1 and backward:
-        passes, backward = passes[:1], False
-        chunks = fewest_chunks(passes)
+    passes = blocks.passes(bq, bkv)
+    backward = not save_residuals or backward_kernels_available()
+    chunks = fewest_chunks(passes if backward else passes[:1])
+    if save_residuals and backward and chunks > 1:
+        backward = False
+        chunks = fewest_chunks(passes[:1])
     rows = n_q // chunks
     bq = block_size(rows, bq)
     kv_runs, built, out = runs(kv_orig), {}, []
@@ -236,7 +235,7 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     return tuple(out)
 
 
-# The arguments hop_backward passes to splash's dQ and dK/dV kernels (private functions of
+# The arguments splash_backward.hop_backward passes to splash's dQ and dK/dV kernels (private functions of
 # jax.experimental.pallas.ops.tpu.splash_attention, so checked against this JAX's signatures).
 _BACKWARD_ARGS = ("q", "k", "v", "segment_ids", "logsumexp", "do", "di", "bq", "bkv", "is_mqa", "mask_info",
                   "mask_value", "attn_logits_soft_cap", "q_layout", "k_layout", "v_layout", "mask_function",
@@ -245,8 +244,8 @@ _BACKWARD_ARGS = ("q", "k", "v", "segment_ids", "logsumexp", "do", "di", "bq", "
 
 @functools.cache
 def backward_kernels_available() -> bool:
-    """Whether this JAX's splash has the dQ and dK/dV kernels with the arguments hop_backward passes; without
-    them ring hops take the blockwise backward (kernels.LocalKernel.block_backward)."""
+    """Whether this JAX's splash has the dQ and dK/dV kernels with the arguments splash_backward.hop_backward
+    passes; without them ring hops take the blockwise backward (kernels.LocalKernel.block_backward)."""
     import inspect
 
     kernel_lib, _ = _lib()
@@ -256,68 +255,6 @@ def backward_kernels_available() -> bool:
     except (AttributeError, TypeError, ValueError):
         return False
     return set(_BACKWARD_ARGS) <= set(dq) and set(_BACKWARD_ARGS) | {"bkv_compute", "use_fused_bwd_kernel"} <= set(dkv)
-
-
-def has_backward(kernels) -> bool:
-    """Whether make_kernel's result for a ring hop can run hop_backward: one chunk (not a RowLoop) whose kernel
-    has dQ and dK/dV tables, or no kernel (the hop sees no key)."""
-    return (backward_kernels_available() and not isinstance(kernels, RowLoop) and len(kernels) == 1
-            and (kernels[0][2] is None or kernels[0][2].dkv_mask_info is not None))
-
-
-def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
-    """A ring hop's (dq, dk, dv) through splash's own dQ and dK/dV kernels, from the *merged* out and lse of all
-    hops (the same residuals the blockwise backward takes): P = exp(s - lse) is then the hop's share of the row's
-    softmax, so the hops' gradients add up to the whole attention's. Returned as fp32 for the ring's fp32
-    accumulators, but computed in the inputs' dtype (splash's kernels output it: bf16 in training, each hop's
-    gradient rounded to bf16 before the sum). For kernels with has_backward."""
-    kernel_lib, _ = _lib()
-    (_, _, kernel), = kernels
-    if kernel is None:  # the hop sees no key
-        return (jnp.zeros(q_BSHD.shape, jnp.float32), jnp.zeros(k_BTKD.shape, jnp.float32),
-                jnp.zeros(v_BTKD.shape, jnp.float32))
-    b, s, h, d = q_BSHD.shape
-    kv_heads = k_BTKD.shape[2]
-
-    def heads(x):  # [B, S, H, D] -> [B, K, G, S, D], as _call_one lays out q
-        return x.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
-
-    q_BKGSD, do_BKGSD = heads(q_BSHD * d ** -0.5), heads(dout_BSHD.astype(q_BSHD.dtype))
-    # A row no hop lets see a key has lse -inf; +inf instead makes its P 0 rather than 0 * inf.
-    lse_BKGS = jnp.where(jnp.isfinite(lse_BHS), lse_BHS, jnp.inf).reshape(b, kv_heads, h // kv_heads, s)
-    # di = rowsum(out * dout), from out in its own layout (no head-major copy of the fp32 out).
-    di_BKGS = jnp.einsum("bshd,bshd->bhs", out_BSHD.astype(jnp.float32),
-                         dout_BSHD.astype(jnp.float32)).reshape(b, kv_heads, h // kv_heads, s)
-    k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
-    segments = kernel_lib.SegmentIds(q=q_seg_BS.astype(jnp.int32), kv=kv_seg_BT.astype(jnp.int32))
-    sizes, kw = kernel.kwargs["block_sizes"], kernel.kwargs
-    common = dict(is_mqa=True, mask_value=kw["mask_value"], attn_logits_soft_cap=kw.get("attn_logits_soft_cap"),
-                  q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
-                  mask_function=kw.get("mask_function"), interpret=kw["interpret"])
-
-    def one(q, k, v, seg, di, lse, do):
-        args = dict(q=q, k=k, v=v, segment_ids=seg, logsumexp=lse, do=do, di=di, **common)
-        dkv_fn, dq_fn = kernel_lib._splash_attention_bwd_dkv, kernel_lib._splash_attention_bwd_dq
-        dq, dk, dv = dkv_fn(**args, **_sinks(dkv_fn), bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
-                            bkv_compute=sizes.block_kv_dkv_compute, mask_info=kernel.dkv_mask_info,
-                            use_fused_bwd_kernel=sizes.use_fused_bwd_kernel)
-        if not sizes.use_fused_bwd_kernel:
-            dq = dq_fn(**args, **_sinks(dq_fn), bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
-                       mask_info=kernel.dq_mask_info)
-        return dq, dk, dv
-
-    dq, dk, dv = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0)))(
-        q_BKGSD, k_BKTD, v_BKTD, segments, di_BKGS, lse_BKGS, do_BKGSD)
-    dq = dq.astype(jnp.float32).transpose(0, 3, 1, 2, 4).reshape(b, s, h, d) * d ** -0.5
-    return dq, dk.astype(jnp.float32).transpose(0, 2, 1, 3), dv.astype(jnp.float32).transpose(0, 2, 1, 3)
-
-
-@functools.cache
-def _sinks(fn) -> dict:
-    """sinks=None where this JAX's splash kernel function takes attention sinks (newer releases)."""
-    import inspect
-
-    return {"sinks": None} if "sinks" in inspect.signature(fn).parameters else {}
 
 
 def sees_a_key(q_runs, kv_runs, window: int) -> bool:
