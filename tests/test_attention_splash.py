@@ -4,7 +4,7 @@ Each device runs the kernels it picks by mesh index and hop (ring: the diagonal,
 key block before or after them, by a [hop, shard] table; all_gather: its chunks against the whole gathered order),
 with a packed row whose segment ids cut documents across chunks. Outputs and dQ/dK/dV must equal the single-device
 reference: through splash's own backward, for ring hops too (splash_backward.hop_backward, from the merged out and lse),
-except hops in row chunks (RowLoop), whose backward is the blockwise one.
+hops in row chunks (RowLoop) included: no case takes the blockwise backward.
 """
 
 from __future__ import annotations
@@ -28,17 +28,19 @@ S, H, K, D = 512, 2, 1, 128
     # plain and the software-pipelined backward (ring_backward_overlap), whose hops must pick the same kernels.
     ("p2p", 4, 1, None, 0, False), ("p2p", 4, 1, None, 0, True),
     # Calls whose block table passes the limit run as several kernels over row chunks (a2a at 1M tokens): a2a in
-    # 4 chunks with its backward, and ring hops in 2 chunks, one of which sees no key on the off-diagonal hop.
-    ("a2a", 1, 2, 4, 0, False), ("p2p", 2, 1, 2, 0, False),
+    # 4 chunks with its backward, and ring hops in 2 chunks looped by one kernel per pass (RowLoop, GQA: 2 query
+    # heads per kv head under p2p), one of which sees no key on the off-diagonal hop.
+    ("a2a", 1, 2, 4, 0, False), ("p2p", 2, 1, 2, 0, False), ("usp", 2, 2, 2, 0, False),
     # Local layers: p2p's halo runs one band kernel per chunk (with dQ/dK/dV through splash's backward); a2a's
     # whole-sequence kernel takes the sliding-window mask; a window wider than a device's chunk takes p2p's ring,
     # whose hops' backward gets the windowed masks.
     ("p2p", 2, 1, None, 128, False), ("a2a", 1, 2, None, 100, False), ("p2p", 2, 1, None, 300, False)])
 def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window, overlap, monkeypatch):
-    from maxctx.attention import splash
+    from maxctx.attention import flash, splash
 
     if max_table is not None:
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
+    monkeypatch.setattr(flash, "flash_backward", None)  # every ring hop runs splash's backward, not the blockwise
     check_against_reference(strategy, ring, a2a, window, ring_backward_overlap=overlap)
 
 
@@ -147,27 +149,8 @@ def test_whole_blocks_answer_any_and_all_without_reading_them():
 
 def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
     # usp-like ring at small scale: 2 hops over blocks of 4,096 tokens, 32 x 32 blocks of 128 per hop, at most 64
-    # table entries per call: 16 row chunks per hop, looped by one kernel (RowLoop), equal chunks sharing a table.
-    from maxctx.attention import kernels, splash
-
-    monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", 64)
-    local = kernels.make_local("splash", 128, 128, order=kernels.stored_order(8192, 4, True), q_shards=2,
-                               kv_blocks=2, group=2, ring=True)
-    loops = [k for k in local.splash_kernels if isinstance(k, splash.RowLoop)]
-    assert len(loops) == len(local.splash_kernels) == 3  # the diagonal, key block before, key block after
-    assert all(loop.chunks == 16 and loop.rows == 256 for loop in loops)
-    distinct = sorted(int(loop.index.max()) + 1 for loop in loops)
-    assert distinct[0] <= 2 and distinct[1] <= 2 and distinct[2] == 16, distinct  # only the diagonal's all differ
-    diagonal = next(loop for loop in loops if int(loop.index.max()) + 1 == 16)
-    assert len(diagonal.blocks) == 1  # the same causal block on every chunk's diagonal, pooled once
-    for loop in loops:  # block tables shaped [chunk tables, 1, query blocks per chunk, width], small integers
-        assert all(t.shape[:3] == (int(loop.index.max()) + 1, 1, 2) and t.dtype.itemsize <= 2
-                   for t in loop.tables.values())
-
-
-def test_ring_hops_take_splash_backward_unless_in_row_chunks(monkeypatch):
-    # A ring hop whose dQ and dK/dV tables fit one call builds them and runs splash's backward kernels
-    # (splash_backward.hop_backward); one in row chunks (RowLoop) keeps forward tables only and the blockwise backward.
+    # table entries per call: 16 row chunks per hop, looped by one kernel per pass (RowLoop), equal chunks sharing
+    # tables, and splash's backward on them (splash_backward).
     from maxctx.attention import kernels, splash, splash_backward
 
     assert splash.backward_kernels_available()
@@ -175,8 +158,63 @@ def test_ring_hops_take_splash_backward_unless_in_row_chunks(monkeypatch):
     whole = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
     assert all(splash_backward.has_backward(k) for k in whole.splash_kernels)
     monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", 64)
-    chunked = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
-    assert not any(splash_backward.has_backward(k) for k in chunked.splash_kernels)
+    local = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
+    loops = [k for k in local.splash_kernels if isinstance(k, splash.RowLoop)]
+    assert len(loops) == len(local.splash_kernels) == 3  # the diagonal, key block before, key block after
+    assert all(splash_backward.has_backward(loop) for loop in loops)
+    assert all(loop.chunks == 16 and loop.rows == 256 for loop in loops)
+    distinct = sorted(int(loop.index.max()) + 1 for loop in loops)
+    assert distinct[0] <= 2 and distinct[1] <= 2 and distinct[2] == 16, distinct  # only the diagonal's all differ
+    diagonal = next(loop for loop in loops if int(loop.index.max()) + 1 == 16)
+    for info in diagonal.infos.values():  # the same causal block on every chunk's diagonal, pooled once per pass
+        assert len(info.partial_mask_blocks) == 1
+    for loop in loops:  # [chunk tables, 1, query blocks per chunk, width] (dK/dV: [..., 1, width, key blocks])
+        for name, info in loop.infos.items():
+            tables = [info.data_next, info.block_mask] + ([info.mask_next] if info.mask_next is not None else [])
+            shape = (int(loop.index.max()) + 1, 1, 2, 32) if name == "dkv_mask_info" else \
+                (int(loop.index.max()) + 1, 1, 2)
+            assert all(t.shape[:len(shape)] == shape and t.dtype.itemsize <= 2 for t in tables), name
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_row_chunked_hop_backward_matches_reference(fused):
+    # One ring hop in 3 row chunks of 2 query blocks, GQA (2 query heads per kv head), checked against the dense
+    # block backward: chunk 0 sees every key (one partial block, the diagonal), chunk 1 sees keys through its first
+    # query block only (3 key blocks, 2 partial: the tables of every pass differ in width from chunk 0's, padded)
+    # and chunk 2 sees none (all-zero tables). The gradients come from the hop's own out and lse, as a one-hop
+    # ring's.
+    import jax.numpy as jnp
+
+    from maxctx.attention import splash, splash_backward
+    from maxctx.attention.dot_product import dot_product_block_backward
+
+    q_orig = np.concatenate([np.arange(1408, 1664), np.arange(700, 828), np.arange(0, 128), np.arange(128, 384)])
+    kv_orig = np.arange(512, 1536)
+    loop = splash.make_kernel(q_orig, kv_orig, 2, 128, 128, save_residuals=True, interpret=True,
+                              max_table_entries=16, blocks=splash.Blocks(fused_backward=fused))
+    assert isinstance(loop, splash.RowLoop) and loop.chunks == 3 and splash_backward.has_backward(loop)
+    assert loop.index.tolist() == [0, 1, 2]
+    dkv = loop.infos["dkv_mask_info"]
+    if not fused:  # splash shrinks the dK/dV tables' query axis (not under the fused kernel): 2, 1 and 0, padded
+        assert dkv.block_mask.shape[2] == 2 and not dkv.block_mask[1, :, 1].any()
+    assert loop.infos["fwd_mask_info"].block_mask.shape[-1] == 8 and len(dkv.partial_mask_blocks) == 3
+    assert not dkv.block_mask[2].any()
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(1, len(q_orig), 4, 128)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(1, len(kv_orig), 2, 128)), jnp.float32) for _ in range(2))
+    dout = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    q_pos, kv_pos = jnp.asarray(q_orig[None], jnp.int32), jnp.asarray(kv_orig[None], jnp.int32)
+    q_seg, kv_seg = jnp.ones_like(q_pos), jnp.ones_like(kv_pos)
+    out, lse = jax.jit(lambda *a: splash.splash_call(loop, *a, save_residuals=True))(q, k, v, q_seg, kv_seg)
+    want_out, want_lse = dot_product_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg)
+    np.testing.assert_allclose(out, want_out, atol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+    got = jax.jit(lambda *a: splash_backward.hop_backward(loop, *a))(q, k, v, q_seg, kv_seg, out, lse, dout)
+    want = dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, want_out, want_lse, dout)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        err = np.abs(np.asarray(g) - w).max() / np.abs(w).max()
+        assert err < 1e-5, f"row-chunked hop backward {name}: relative error {err:.2e}"
+    assert not np.asarray(got[0])[:, 384:].any()  # the hidden rows (chunk 1's second block, chunk 2) get none
 
 
 def test_row_chunks_keep_the_backward_tables_within_the_limit_too():

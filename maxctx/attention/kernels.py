@@ -9,8 +9,9 @@ A `LocalKernel` is built outside shard_map for one strategy's token layout and u
 Kernels: dot_product (reference, O(S T) memory), blockwise (flash.py: the flash-attention algorithm in plain
 JAX, every platform), splash (TPU Pallas), cudnn (GPU). `hop` (a Python int, or the ring loop's traced index) picks
 the ring hop's splash kernel; only splash needs it (its masks are index-based, see splash.py), the others mask from
-positions. cuDNN and splash rings run their backward hops with the blockwise backward (exact, pure JAX): neither
-exposes a backward that takes the ring's merged lse.
+positions. Splash rings run their backward hops through splash's own dQ and dK/dV kernels given the ring's merged
+out and lse (splash_backward); cuDNN rings, and splash's where this JAX lacks those kernels, with the blockwise
+backward (exact, pure JAX): cuDNN exposes no backward that takes the merged lse.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class LocalKernel:
 
         if self.name != "splash" or not any(splash_backward.has_backward(kern) for kern in self.splash_kernels):
             return blockwise()
-        # splash's own dQ and dK/dV kernels for a hop that has their tables (not in row chunks), the blockwise
-        # backward (XLA fusions: fp32 score tiles through HBM) for one in row chunks (RowLoop).
+        # splash's own dQ and dK/dV kernels for a hop that has their tables (in row chunks too), else the blockwise
+        # backward (XLA fusions: fp32 score tiles through HBM).
         branches = [functools.partial(splash_backward.hop_backward, kern) if splash_backward.has_backward(kern)
                     else blockwise for kern in self.splash_kernels]
         return self._pick(hop, branches, q, k, v, q_seg, kv_seg, out, lse, dout)
@@ -105,13 +106,13 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
     `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
     sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
-    per kv head; `ring` builds lse-returning kernels for every hop (with splash's dQ and dK/dV tables where a
-    hop's fit one call, for block_backward). Calls whose masks are equal share a kernel,
-    across hops too: under zig-zag or without load balance a whole ring has at most 3 distinct masks (the
-    diagonal, key block before, key block after), whatever C. A device picks its own with `lax.switch` on a
-    [hop, query shard] table. Off TPU (the mesh's devices, else the default backend) splash runs in Pallas
-    interpret mode: slow, for tests. `window` > 0: a sliding window (masks then compare by offset, not rank).
-    `splash_blocks`: splash's other block sizes (splash.Blocks; None: all derived from block_q / block_kv)."""
+    per kv head; `ring` builds lse-returning kernels for every hop (with splash's dQ and dK/dV tables, for
+    block_backward). Calls whose masks are equal share a kernel, across hops too: under zig-zag or without load
+    balance a whole ring has at most 3 distinct masks (the diagonal, key block before, key block after), whatever
+    C. A device picks its own with `lax.switch` on a [hop, query shard] table. Off TPU (the mesh's devices, else
+    the default backend) splash runs in Pallas interpret mode: slow, for tests. `window` > 0: a sliding window
+    (masks then compare by offset, not rank). `splash_blocks`: splash's other block sizes (splash.Blocks; None:
+    all derived from block_q / block_kv)."""
     if name != "splash":
         return LocalKernel(name, block_q, block_kv, window=window)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()

@@ -18,21 +18,20 @@ all visible or all hidden (nearly all of them at long context) from the block's 
 than comparing elementwise (benchmarks/splash_masks.py: 0.79 s vs 12.3 s per all_gather kernel at 256K tokens).
 The tables (query blocks x key blocks per call) live in on-chip SMEM, which 2**18 entries overflow on v5p (an
 all_gather call at 1M tokens with 512-token blocks); a call past MAX_TABLE_ENTRIES runs over chunks of its query
-rows (make_kernel): as several kernels (calls with a backward: a2a, all_gather), or, for ring hops (forward only),
-as one kernel in a loop over the chunks with each chunk's tables as data (RowLoop): usp at 2**24 tokens has 256
-chunks per hop, 768 kernels unrolled. Key blocks are computed 512 keys at a time whatever the block size, so
-larger blocks do not overflow VMEM. flash_block_q / flash_block_kv set every pass's blocks unless the
-flash_block_*_dkv / *_dq / *_compute keys (MaxText's sa_block_*) set the backward's apart (Blocks).
+rows (make_kernel): as several kernels (calls with autodiff's backward: a2a, all_gather), or, for ring hops, as
+one kernel per pass (forward, dQ, dK/dV) in a loop over the chunks with each chunk's tables as data (RowLoop): usp
+at 2**24 tokens has 256 chunks per hop, 768 kernels unrolled. Key blocks are computed 512 keys at a time whatever
+the block size, so larger blocks do not overflow VMEM. flash_block_q / flash_block_kv set every pass's blocks
+unless the flash_block_*_dkv / *_dq / *_compute keys (MaxText's sa_block_*) set the backward's apart (Blocks).
 (Sharding one kernel's mask info over devices with q_seq_shards fails in jax 0.10 for hops whose mask has no
 partial block, as zig-zag ring hops do.)
 
-Ring hops' backward: a hop whose forward, dQ and dK/dV tables fit one call (up to 128K rows per hop with 512-token
-blocks in every pass) runs splash's own dQ and dK/dV kernels on the merged out and lse of all hops (splash_backward;
-private functions of JAX's splash module, checked by signature, else the blockwise backward). A hop in row chunks
-takes the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM; for
-llama2-7b at 32K over C = 16 on v5p the TPU compiler's estimate of the backward layer is 1,231 ms with it for every
-hop, an upper bound that counts skipped block pairs as run, and 315 ms outside splash's kernels with them:
-benchmarks/compiled_schedule.md).
+Ring hops' backward: every hop, in row chunks or not, runs splash's own dQ and dK/dV kernels on the merged out and
+lse of all hops (splash_backward; private functions of JAX's splash module, checked by signature). Without them
+(backward_kernels_available) hops build forward tables only and take the blockwise backward (maxctx.attention.flash:
+XLA fusions whose fp32 score tiles go through HBM; for llama2-7b at 32K over C = 16 on v5p the TPU compiler's
+estimate of the backward layer is 1,231 ms with it for every hop, an upper bound that counts skipped block pairs as
+run, and 315 ms outside splash's kernels with them: benchmarks/compiled_schedule.md).
 
 Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
 over the G query heads of each kv head, vmapped over K and B.
@@ -191,8 +190,8 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     tokens, ring hops at 2**24); a chunk shorter than a block takes the largest block that divides it. Chunks
     with equal masks (compared on ranks, index_runs) share a kernel.
     Returns a tuple of (first row, last row + 1, kernel or None) chunks, None for a chunk that sees no key (splash
-    refuses an all-hidden mask); for ring hops (`save_residuals`, forward only) with several chunks, a `RowLoop`
-    instead: one kernel in a loop over the chunks, whatever their number.
+    refuses an all-hidden mask); for ring hops (`save_residuals`) with several chunks, a `RowLoop` instead: one
+    kernel per pass in a loop over the chunks, whatever their number.
     (Growing the blocks instead does not work at long context: llama3-8b at 2**24 tokens on v5p-128 overflowed VMEM
     with 1024- and 2048-token blocks under p2p and usp.)"""
     max_table_entries = MAX_TABLE_ENTRIES if max_table_entries is None else max_table_entries
@@ -209,14 +208,11 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
                                      (n for n in range(n_q // bq + 1, n_q + 1) if n_q % n == 0))
         return next((n for n in candidates if entries(n_q // n) <= max_table_entries), n_q // bq)
 
-    # (query block, key block) per pass: forward, dK/dV, dQ. A ring hop (save_residuals) whose tables need row chunks
-    # builds only the forward's: its chunks run in a RowLoop and its backward is the blockwise one.
+    # (query block, key block) per pass: forward, dK/dV, dQ; a ring hop (save_residuals) builds only the forward's
+    # where this JAX lacks the backward kernels splash_backward.hop_backward calls (its backward is then blockwise).
     passes = blocks.passes(bq, bkv)
     backward = not save_residuals or backward_kernels_available()
     chunks = fewest_chunks(passes if backward else passes[:1])
-    if save_residuals and backward and chunks > 1:
-        backward = False
-        chunks = fewest_chunks(passes[:1])
     rows = n_q // chunks
     bq = block_size(rows, bq)
     kv_runs, built, out = runs(kv_orig), {}, []
@@ -273,8 +269,6 @@ def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bo
               blocks: Blocks, backward: bool):
     kernel_lib, mask_lib = _lib()
     mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig, window)] * group)
-    # Ring hops (save_residuals) in row chunks run only splash's forward (RowLoop): their backward is the blockwise
-    # one (kernels.py), so no dQ/dKV block tables are built for them (two thirds of the host time).
     sizes = blocks.sizes(len(q_orig), len(kv_orig), bq, bkv, backward=backward)
     # Concrete tables even when built under a trace (jit stages jnp.array otherwise): kernels are cached across
     # traces (kernels._splash_kernels), and RowLoop reads the tables on the host.
@@ -284,68 +278,90 @@ def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bo
 
 
 class RowLoop:
-    """Forward-only splash kernels over equal row chunks, run as one kernel in a loop over the chunks (lax.map), so
-    the program holds one Pallas call whatever the number of chunks (usp's ring hops at 2**24 tokens: 256 chunks
-    of 2M rows, 768 kernels when unrolled). Splash kernels are pytrees whose leaves are their block tables
-    (MaskInfo), which splash passes to the Pallas call as operands. The distinct chunks' tables are padded to one
-    width the way splash pads its own sequence shards (block mask 0, the edge index repeated, so no block is
-    fetched twice) and stacked; each loop step picks its chunk's by index and runs the kernel with them. The
-    partial (mixed) mask blocks of all chunks are pooled without repeats, each chunk's mask_next mapped into the
-    pool. A chunk that sees no key gets an all-zero block mask: its rows come out as the empty result (lse -inf,
-    out 0)."""
+    """Splash kernels over equal row chunks, run as one kernel in a loop over the chunks (lax.map; the backward's
+    in splash_backward), so the program holds one Pallas call per pass whatever the number of chunks (usp's ring
+    hops at 2**24 tokens: 256 chunks of 2M rows, 768 kernels when unrolled). Splash kernels are pytrees whose
+    leaves are their block tables (MaskInfo), which splash passes to the Pallas call as operands. Per pass
+    (forward, and dQ and dK/dV where the chunks' kernels have them), the distinct chunks' tables are stacked as
+    `infos` (_stack); each loop step picks its chunk's by index (`pick`) and runs the kernel with them. A chunk
+    that sees no key gets an all-zero block mask: its rows come out as the empty result (lse -inf, out 0) and
+    add nothing to the backward."""
 
-    TABLES = ("data_next", "mask_next", "block_mask")
+    # The axis of each pass's [1, query blocks, key blocks] tables that splash shrinks to the visited blocks, the
+    # one the chunks' widths differ on: the key axis, but the query axis for dK/dV (whose data_next holds query
+    # blocks and whose partial blocks are transposed: _process_mask(is_dkv=True)).
+    PASSES = {"fwd_mask_info": 2, "dq_mask_info": 2, "dkv_mask_info": 1}
 
     def __init__(self, parts):
         distinct = list(dict.fromkeys(kernel for _, _, kernel in parts))  # by identity; None: sees no key
         self.index = np.asarray([distinct.index(kernel) for _, _, kernel in parts], np.int32)
-        infos = [None if kernel is None else jax.tree_util.tree_map(np.asarray, kernel.fwd_mask_info)
-                 for kernel in distinct]
-        seen = [info for info in infos if info is not None]
-        width = max(info.block_mask.shape[-1] for info in seen)
-        unique: dict[bytes, int] = {}  # partial blocks over all chunks, deduplicated (the diagonal's repeat)
-        blocks = []
-        tables = {name: [] for name in self.TABLES}
-        for info in infos:
-            if info is None:
-                for name in self.TABLES:
-                    tables[name].append(np.zeros((*seen[0].block_mask.shape[:-1], width), np.int32))
-                continue
-            pad = [(0, 0)] * (info.block_mask.ndim - 1) + [(0, width - info.block_mask.shape[-1])]
-            tables["block_mask"].append(np.pad(info.block_mask, pad).astype(np.int32))
-            tables["data_next"].append(np.pad(info.data_next, pad, mode="edge").astype(np.int32))
-            mask_next = np.zeros(info.block_mask.shape, np.int32)
-            if info.mask_next is not None:
-                ids = []
-                for block in info.partial_mask_blocks:
-                    ids.append(unique.setdefault(block.tobytes(), len(unique)))
-                    if ids[-1] == len(blocks):
-                        blocks.append(block)
-                mask_next = np.asarray(ids, np.int32)[np.pad(info.mask_next, pad, mode="edge")]
-            tables["mask_next"].append(mask_next)
-        self.blocks = np.stack(blocks) if blocks else None
-        # As small an integer type as each table's values allow (they live in on-chip SMEM), as splash does.
-        self.tables = {name: _small(np.stack(arrays)) for name, arrays in tables.items()
-                       if name != "mask_next" or blocks}
-        self.rows, self.chunks = parts[0][1] - parts[0][0], len(parts)
         self.kernel = next(kernel for kernel in distinct if kernel is not None)
+        self.infos = {name: _stack([None if kernel is None else getattr(kernel, name) for kernel in distinct], axis)
+                      for name, axis in self.PASSES.items() if getattr(self.kernel, name) is not None}
+        self.rows, self.chunks = parts[0][1] - parts[0][0], len(parts)
+
+    def device_info(self, name: str):
+        """Pass `name`'s stacked MaskInfo (`infos`) as device arrays, made once outside the loop that picks from it."""
+        return jax.tree_util.tree_map(jnp.asarray, self.infos[name])
+
+    @staticmethod
+    def pick(info, which):
+        """One chunk's MaskInfo from a stacked one: table `which` (traced) of each stacked table."""
+        return info._replace(**{name: jax.lax.dynamic_index_in_dim(getattr(info, name), which, keepdims=False)
+                                for name in _TABLES if getattr(info, name) is not None})
 
     def __call__(self, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT):
         b, s, h, d = q_BSHD.shape
-        blocks = None if self.blocks is None else jnp.asarray(self.blocks)
-        tables = {name: jnp.asarray(table) for name, table in self.tables.items()}
+        info = self.device_info("fwd_mask_info")
 
         def chunk(xs):
             q, seg, which = xs
-            picked = {name: jax.lax.dynamic_index_in_dim(table, which, keepdims=False)
-                      for name, table in tables.items()}
-            info = self.kernel.fwd_mask_info._replace(**{"mask_next": None, "partial_mask_blocks": blocks, **picked})
-            step = type(self.kernel)(info, None, None, **self.kernel.kwargs)
+            step = type(self.kernel)(self.pick(info, which), None, None, **self.kernel.kwargs)
             return _call_one(step, q, k_BTKD, v_BTKD, seg, kv_seg_BT, True)
 
         split = [jnp.moveaxis(x.reshape(b, self.chunks, self.rows, *x.shape[2:]), 1, 0) for x in (q_BSHD, q_seg_BS)]
         out, lse = jax.lax.map(chunk, (*split, jnp.asarray(self.index)))
         return jnp.moveaxis(out, 0, 1).reshape(b, s, h, d), jnp.moveaxis(lse, 0, 2).reshape(b, h, s)
+
+
+_TABLES = ("data_next", "mask_next", "block_mask")
+
+
+def _stack(infos: list, axis: int):
+    """One pass's MaskInfo of each distinct chunk (None: sees no key) as one MaskInfo whose tables are stacked on a
+    leading axis, padded along `axis` (the one splash shrinks) to one width the way splash pads its own sequence
+    shards: block mask 0, data_next and mask_next edge-repeated, so no block is fetched twice. The partial (mixed)
+    mask blocks of all chunks are pooled without repeats (the diagonal's), each chunk's mask_next mapped into the
+    pool. A chunk that sees no key gets all-zero tables (block mask 0: nothing runs). As small an integer type as
+    each table's values allow (they live in on-chip SMEM), as splash does."""
+    infos = [None if info is None else jax.tree_util.tree_map(np.asarray, info) for info in infos]
+    seen = [info for info in infos if info is not None]
+    shape = list(seen[0].block_mask.shape)
+    shape[axis] = max(info.block_mask.shape[axis] for info in seen)
+    unique: dict[bytes, int] = {}
+    blocks = []
+    tables = {name: [] for name in _TABLES}
+    for info in infos:
+        if info is None:
+            for name in _TABLES:
+                tables[name].append(np.zeros(shape, np.int32))
+            continue
+        pad = [(0, 0)] * len(shape)
+        pad[axis] = (0, shape[axis] - info.block_mask.shape[axis])
+        tables["block_mask"].append(np.pad(info.block_mask, pad).astype(np.int32))
+        tables["data_next"].append(np.pad(info.data_next, pad, mode="edge").astype(np.int32))
+        mask_next = np.zeros(shape, np.int32)
+        if info.mask_next is not None:
+            ids = []
+            for block in info.partial_mask_blocks:
+                ids.append(unique.setdefault(block.tobytes(), len(unique)))
+                if ids[-1] == len(blocks):
+                    blocks.append(block)
+            mask_next = np.asarray(ids, np.int32)[np.pad(info.mask_next, pad, mode="edge")]
+        tables["mask_next"].append(mask_next)
+    stacked = {name: _small(np.stack(arrays)) if blocks or name != "mask_next" else None
+               for name, arrays in tables.items()}
+    return seen[0]._replace(partial_mask_blocks=np.stack(blocks) if blocks else None, **stacked)
 
 
 def _small(table: np.ndarray) -> np.ndarray:

@@ -1,7 +1,8 @@
 """A ring hop's backward through splash's own dQ and dK/dV kernels (maxctx.attention.ring calls it through
-kernels.LocalKernel.block_backward), for hops whose tables fit one splash call (splash.make_kernel built them);
-hops in row chunks (splash.RowLoop) take the blockwise backward. The kernels are private functions of JAX's
-splash module: splash.backward_kernels_available checks their signatures.
+kernels.LocalKernel.block_backward), for the kernels splash.make_kernel built with their tables: one call, or row
+chunks looped as one kernel per pass (splash.RowLoop: dQ per chunk, dK/dV summed over the chunks). The kernels are
+private functions of JAX's splash module: splash.backward_kernels_available checks their signatures; without
+them a hop takes the blockwise backward.
 
 Legend: B batch, S query rows, T keys, H query heads, K kv heads, G = H // K, D head dim.
 """
@@ -17,10 +18,14 @@ from maxctx.attention import splash
 
 
 def has_backward(kernels) -> bool:
-    """Whether make_kernel's result for a ring hop can run hop_backward: one chunk (not a RowLoop) whose kernel
-    has dQ and dK/dV tables, or no kernel (the hop sees no key)."""
-    return (splash.backward_kernels_available() and not isinstance(kernels, splash.RowLoop) and len(kernels) == 1
-            and (kernels[0][2] is None or kernels[0][2].dkv_mask_info is not None))
+    """Whether make_kernel's result for a ring hop can run hop_backward: a RowLoop or one call whose kernel has dQ
+    and dK/dV tables, or no kernel at all (the hop sees no key)."""
+    if not splash.backward_kernels_available():
+        return False
+    if isinstance(kernels, splash.RowLoop):
+        return "dkv_mask_info" in kernels.infos
+    return all(kernel is None for _, _, kernel in kernels) or (
+        len(kernels) == 1 and kernels[0][2].dkv_mask_info is not None)
 
 
 def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
@@ -28,12 +33,34 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
     hops (the same residuals the blockwise backward takes): P = exp(s - lse) is then the hop's share of the row's
     softmax, so the hops' gradients add up to the whole attention's. Returned as fp32 for the ring's fp32
     accumulators, but computed in the inputs' dtype (splash's kernels output it: bf16 in training, each hop's
-    gradient rounded to bf16 before the sum). For kernels with has_backward."""
+    (and row chunk's) gradient rounded to bf16 before the sum). For kernels with has_backward. A RowLoop runs its
+    chunks in a scan: each chunk's dq fills its rows, its dk and dv add up, in fp32 carries."""
+    if not isinstance(kernels, splash.RowLoop):
+        if kernels[0][2] is None:  # the hop sees no key
+            return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))
+        kernel = kernels[0][2]
+        return _backward(kernel, kernel.dq_mask_info, kernel.dkv_mask_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS,
+                         kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
+    loop = kernels
+    infos = {name: loop.device_info(name) for name in ("dq_mask_info", "dkv_mask_info") if name in loop.infos}
+
+    def chunk(grads, xs):  # slices in the loop rather than chunk-major copies of q, out and dout
+        i, which = xs
+        q, seg, out, lse, dout = (jax.lax.dynamic_slice_in_dim(x, i * loop.rows, loop.rows, axis) for x, axis in
+                                  ((q_BSHD, 1), (q_seg_BS, 1), (out_BSHD, 1), (lse_BHS, 2), (dout_BSHD, 1)))
+        dq_info, dkv_info = (None if name not in infos else loop.pick(infos[name], which)
+                             for name in ("dq_mask_info", "dkv_mask_info"))
+        dq, dk, dv = _backward(loop.kernel, dq_info, dkv_info, q, k_BTKD, v_BTKD, seg, kv_seg_BT, out, lse, dout)
+        return (jax.lax.dynamic_update_slice_in_dim(grads[0], dq, i * loop.rows, 1), grads[1] + dk, grads[2] + dv), None
+
+    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))
+    return jax.lax.scan(chunk, zeros, (jnp.arange(loop.chunks), jnp.asarray(loop.index)))[0]
+
+
+def _backward(kernel, dq_info, dkv_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
+    """hop_backward of one splash call: `kernel`'s block sizes and settings with the dQ and dK/dV tables given
+    (dq_info None under the fused backward)."""
     kernel_lib, _ = splash._lib()
-    (_, _, kernel), = kernels
-    if kernel is None:  # the hop sees no key
-        return (jnp.zeros(q_BSHD.shape, jnp.float32), jnp.zeros(k_BTKD.shape, jnp.float32),
-                jnp.zeros(v_BTKD.shape, jnp.float32))
     b, s, h, d = q_BSHD.shape
     kv_heads = k_BTKD.shape[2]
 
@@ -57,11 +84,10 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
         args = dict(q=q, k=k, v=v, segment_ids=seg, logsumexp=lse, do=do, di=di, **common)
         dkv_fn, dq_fn = kernel_lib._splash_attention_bwd_dkv, kernel_lib._splash_attention_bwd_dq
         dq, dk, dv = dkv_fn(**args, **_sinks(dkv_fn), bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
-                            bkv_compute=sizes.block_kv_dkv_compute, mask_info=kernel.dkv_mask_info,
+                            bkv_compute=sizes.block_kv_dkv_compute, mask_info=dkv_info,
                             use_fused_bwd_kernel=sizes.use_fused_bwd_kernel)
         if not sizes.use_fused_bwd_kernel:
-            dq = dq_fn(**args, **_sinks(dq_fn), bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
-                       mask_info=kernel.dq_mask_info)
+            dq = dq_fn(**args, **_sinks(dq_fn), bq=sizes.block_q_dq, bkv=sizes.block_kv_dq, mask_info=dq_info)
         return dq, dk, dv
 
     dq, dk, dv = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0)))(
