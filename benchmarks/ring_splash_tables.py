@@ -6,7 +6,8 @@ A ring of R = C / U hops over blocks of S / R tokens (usp: U = --a2a; p2p: --a2a
 per call in on-chip SMEM, so a hop whose table passes splash.MAX_TABLE_ENTRIES runs over row chunks; for ring hops
 they are one kernel looped over the chunks with each chunk's tables as data (splash.RowLoop). Prints the seconds to
 build every distinct hop kernel (maxctx.attention.kernels, the same call the model makes), and per kernel the
-chunks, the distinct chunk tables and their MiB (these become constants of the compiled program). No TPU needed.
+chunks, the distinct chunk tables and, per pass (forward, dQ, dK/dV), their MiB (these become
+constants of the compiled program). No TPU needed.
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ def main() -> None:
           f"{len(local.splash_kernels)} distinct hop kernels built in {seconds:.1f} s")
     for i, kernel in enumerate(local.splash_kernels):
         if isinstance(kernel, splash.RowLoop):
-            mib = sum(t.nbytes for t in kernel.tables.values()) / 2 ** 20
-            blocks = 0 if kernel.blocks is None else len(kernel.blocks)
+            passes = []
+            for name, info in kernel.infos.items():  # forward, dQ, dK/dV
+                mib = sum(np.asarray(t).nbytes for t in (info.data_next, info.mask_next, info.block_mask)
+                          if t is not None) / 2 ** 20
+                blocks = 0 if info.partial_mask_blocks is None else len(info.partial_mask_blocks)
+                passes.append(f"{name.split('_')[0]} {mib:.2f} MiB + {blocks} partial blocks")
             print(f"  kernel {i}: one kernel looped over {kernel.chunks} row chunks of {kernel.rows:,} queries, "
-                  f"{int(np.max(kernel.index)) + 1} distinct chunk tables, {mib:.2f} MiB, {blocks} partial blocks")
+                  f"{int(np.max(kernel.index)) + 1} distinct chunk tables; {', '.join(passes)}")
         else:
             print(f"  kernel {i}: {len(kernel)} call(s) of {kernel[0][1] - kernel[0][0]:,} queries")
 
