@@ -18,6 +18,13 @@ optimized, scheduled HLO (`Compiled.as_text()`) is read:
   (splash) and collectives carry no estimate, so this is the layer's work outside attention and communication;
 - temp memory per device (memory_analysis).
 
+A second table compiles all_gather, a2a and usp again with MaxText's async collective fusion flags in
+`LIBTPU_INIT_ARGS` (MAXTEXT_FLAGS: CF_FOR_ALL_GATHER and the all-reduce ones of MaxText's
+benchmarks/xla_flags_library.py; maxctx sets none by default), in a subprocess since libtpu reads them once. There
+a collective can become an async collective fusion (`async-collective-start` / `-done` around other ops): for each
+context-parallel collective of the layer bodies (its group inside the context axis), whether it is async, and the
+compiler's estimate of the compute scheduled between its start and done (what can hide it).
+
 The ring strategies run once with the ring hops' backward through splash's own kernels
 (splash_backward.hop_backward, every hop here) and p2p once more with the blockwise backward (what hops in row
 chunks still take), whose fusions carry the attention backward's work in the estimate.
@@ -26,8 +33,10 @@ chunks still take), whose fusions carry the attention backward's work in the est
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -48,6 +57,14 @@ RUNS = [("all_gather", [], False), ("a2a", [], False), ("p2p", [], True), ("p2p"
         ("p2p", ["ring_backward_overlap=true"], False), ("usp", [USP], False),
         ("usp", [USP, "ring_backward_overlap=true"], False)]
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# MaxText's CF_FOR_ALL_GATHER and CF_FOR_ALL_REDUCE (benchmarks/xla_flags_library.py), as its launch scripts set them.
+MAXTEXT_FLAGS = " ".join([
+    "--xla_tpu_enable_async_collective_fusion=true", "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true", "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true", "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
+    "--xla_enable_async_all_reduce=true"])
+FLAG_RUNS = [("all_gather", []), ("a2a", []), ("usp", [USP])]
+CONTEXT = 16  # ici_context_parallelism of SHAPE: collectives over at most this many devices are context-parallel
 
 
 def computations(hlo: str) -> dict[str, list[str]]:
@@ -66,11 +83,11 @@ def opcode(line: str) -> str:
     return m.group(1) if m else ""
 
 
-def cycles(comps: dict, name: str, kinds: collections.Counter) -> int:
-    """Estimated cycles of one execution of computation `name`: its ops, the costliest branch of a conditional,
-    the bodies of calls, and of loops times their known trip count."""
+def cycles(comps: dict, name: str, kinds: collections.Counter, lines: list[str] | None = None) -> int:
+    """Estimated cycles of one execution of computation `name` (or of `lines` of it): its ops, the costliest branch
+    of a conditional, the bodies of calls, and of loops times their known trip count."""
     total = 0
-    for line in comps[name]:
+    for line in comps[name] if lines is None else lines:
         op = opcode(line)
         est = re.search(r'"estimated_cycles":"(\d+)"', line)
         if est:
@@ -123,6 +140,51 @@ def permutes(comps: dict) -> list[tuple[str, bool]]:
     return out
 
 
+def group_size(line: str) -> int:
+    """Devices per replica group of a collective: `{{0,1,..},..}` lists, or `mesh['axis_0'=64,..] {'axis_0'}`."""
+    listed = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", line))
+    named = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line).group(1)
+    return math.prod(int(sizes[a.strip().strip("'")]) for a in named.split(","))
+
+
+def activations(line: str) -> bool:
+    """A context-parallel collective of floating-point activations (K/V, their gradients, all-to-all's q/k/v/out)."""
+    return group_size(line) <= CONTEXT and re.search(r"= \(?(bf16|f32)\[", line) is not None
+
+
+def context_collectives(comps: dict) -> list[tuple[str, str, bool, int]]:
+    """(layer body, kind, async, estimated cycles scheduled between start and done) for every context-parallel
+    collective of activations (a group of at most CONTEXT devices, not the weights' fsdp x context; floating point,
+    not the segment ids' small gathers) of the layer bodies; an async one is an async collective fusion
+    (`async-collective-start.N` calls a fusion holding the collective)."""
+    out = []
+    for name, lines in comps.items():
+        if not name.startswith("wide."):
+            continue
+        starts = {}
+        for i, line in enumerate(lines):
+            m = re.match(r"\s+%async-collective-(start|done)(\.\d+)? = ", line)
+            if m and m.group(1) == "start":
+                starts[m.group(2)] = i
+            elif m:
+                i0 = starts.pop(m.group(2))
+                inner = next(x for x in comps[re.search(r"calls=%?([\w.\-]+)", lines[i0]).group(1)]
+                             if opcode(x) in COLLECTIVES)
+                if activations(inner):
+                    between = cycles(comps, name, collections.Counter(), lines[i0 + 1:i])
+                    out.append((name, opcode(inner), True, between))
+            elif opcode(line) in COLLECTIVES[:4] and activations(line):
+                out.append((name, opcode(line), False, 0))
+            elif opcode(line) == "fusion" and not re.search(r"calls=%?async_collective_fusion", line):
+                # A collective fused with its neighbours (all-reduce + dynamic-slice), synchronous.
+                fused = comps[re.search(r"calls=%?([\w.\-]+)", line).group(1)]
+                out += [(name, opcode(x), False, 0) for x in fused if opcode(x) in COLLECTIVES[:4] and activations(x)]
+    return out
+
+
 def analyse(hlo: str) -> dict:
     comps = computations(hlo)
     ops = collections.Counter(opcode(line) for lines in comps.values() for line in lines)
@@ -137,13 +199,29 @@ def analyse(hlo: str) -> dict:
     return {"collectives": kinds, "permutes": permutes(comps), "bodies": sorted(bodies.values())}
 
 
-def main() -> None:
+def compile_run(strategy: str, extra: list[str]):
+    """(compiled train step, seconds) for SHAPE with this strategy, for the topology through libtpu."""
     from maxctx import topology as topo
     from maxctx.mesh import create_mesh
     from maxctx.train_step import compile_train_step, make_setup
     from maxctx.validate import load_config
 
-    ms = lambda c: c / CLOCK_HZ * 1e3  # noqa: E731
+    config = load_config(["configs/base.yml", *SHAPE, f"context_parallel_strategy={strategy}", *extra])
+    mesh = create_mesh(config, topo.topology_devices(topo.parse(config.compile_topology), 1))
+    start = time.perf_counter()
+    compiled = compile_train_step(make_setup(config, mesh))
+    return compiled, time.perf_counter() - start
+
+
+def ms(c: int) -> float:
+    return c / CLOCK_HZ * 1e3
+
+
+def label(strategy: str, extra: list[str]) -> str:
+    return strategy + (f" ({', '.join(extra)})" if extra else "")
+
+
+def main() -> None:
     print(__doc__.split("\n\n")[0].replace("\n", " "), "\n")
     print("Written by `python3 benchmarks/compiled_schedule.py > benchmarks/compiled_schedule.md` (libtpu "
           f"{_libtpu_version()}); the shape: `{' '.join(SHAPE)}`.\n")
@@ -157,12 +235,7 @@ def main() -> None:
     for strategy, extra, blockwise in RUNS:
         splash.backward_kernels_available = (lambda: False) if blockwise else available
         kernels._splash_kernels.cache_clear()  # built with or without the backward tables
-        config = load_config(["configs/base.yml", *SHAPE, f"context_parallel_strategy={strategy}", *extra])
-        target = topo.parse(config.compile_topology)
-        mesh = create_mesh(config, topo.topology_devices(target, 1))
-        start = time.perf_counter()
-        compiled = compile_train_step(make_setup(config, mesh))
-        seconds = time.perf_counter() - start
+        compiled, seconds = compile_run(strategy, extra)
         a = analyse(compiled.as_text())
         temp = compiled.memory_analysis().temp_size_in_bytes / 2 ** 30
         coll = ", ".join(f"{k} {s}/{n}" for k, (s, n) in a["collectives"].items())
@@ -170,10 +243,34 @@ def main() -> None:
         overlap = (f"{sum(o for _, o in sends)} of {len(sends)} (fp32 dK/dV: {sum(dkv)} of {len(dkv)})"
                    if sends else "-")
         fwd, bwd = a["bodies"][-2], a["bodies"][-1]  # the layer scans' bodies, the costliest two
-        label = strategy + (f" ({', '.join(extra)})" if extra else "") + (", blockwise ring backward" if blockwise
-                                                                            else "")
-        print(f"| {label} | {temp:.2f} | {coll} | {overlap} | {ms(fwd[0]):.1f} / {ms(bwd[0]):.1f} ms | "
+        name = label(strategy, extra) + (", blockwise ring backward" if blockwise else "")
+        print(f"| {name} | {temp:.2f} | {coll} | {overlap} | {ms(fwd[0]):.1f} / {ms(bwd[0]):.1f} ms | "
               f"{ms(fwd[1]):.1f} / {ms(bwd[1]):.1f} ms | {seconds:.0f} s |", flush=True)
+    splash.backward_kernels_available = available
+    print("\nWith MaxText's async collective fusion flags (`LIBTPU_INIT_ARGS` = MAXTEXT_FLAGS): the context-parallel "
+          "collectives of the two layer bodies (forward; backward with the forward's recompute), and the compute the "
+          "compiler scheduled between each async one's start and done (its estimate).\n")
+    print("| strategy | temp GiB | context-parallel collectives: synchronous / async | compute under the async ones, "
+          "forward / backward (TPU compiler's estimate) | compile |")
+    print("|---|---|---|---|---|")
+    env = {**os.environ, "LIBTPU_INIT_ARGS": f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {MAXTEXT_FLAGS}".strip()}
+    subprocess.run([sys.executable, __file__, "--flagged"], env=env, check=True)
+
+
+def flagged() -> None:
+    """The second table's rows; run with MAXTEXT_FLAGS in LIBTPU_INIT_ARGS."""
+    for strategy, extra in FLAG_RUNS:
+        compiled, seconds = compile_run(strategy, extra)
+        found = context_collectives(computations(compiled.as_text()))
+        bodies = sorted({body for body, *_ in found}, key=lambda b: -sum(1 for x in found if x[0] == b))
+        counts = collections.Counter((kind, asynchronous) for _, kind, asynchronous, _ in found)
+        kinds = ", ".join(f"{k} {counts[(k, False)]}/{counts[(k, True)]}" for k in COLLECTIVES
+                          if counts[(k, False)] or counts[(k, True)])
+        under = {body: sum(c for b, _, _, c in found if b == body) for body in bodies}
+        fwd, bwd = sorted(under.values())  # the backward body holds more of them
+        temp = compiled.memory_analysis().temp_size_in_bytes / 2 ** 30
+        print(f"| {label(strategy, extra)} | {temp:.2f} | {kinds} | {ms(fwd):.1f} / {ms(bwd):.1f} ms | "
+              f"{seconds:.0f} s |", flush=True)
 
 
 def _libtpu_version() -> str:
@@ -183,4 +280,4 @@ def _libtpu_version() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    flagged() if sys.argv[1:] == ["--flagged"] else main()
