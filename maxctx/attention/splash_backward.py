@@ -34,13 +34,15 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
     softmax, so the hops' gradients add up to the whole attention's. Returned as fp32 for the ring's fp32
     accumulators, but computed in the inputs' dtype (splash's kernels output it: bf16 in training, each hop's
     (and row chunk's) gradient rounded to bf16 before the sum). For kernels with has_backward. A RowLoop runs its
-    chunks in a scan: each chunk's dq fills its rows, its dk and dv add up, in fp32 carries."""
+    chunks in a scan: each chunk's dq comes out as its rows (in the kernel's dtype: no fp32 carry of every row,
+    which cost 2.5 GiB per device on the fit table's 10M p2p row), its dk and dv add up in fp32 carries."""
     if not isinstance(kernels, splash.RowLoop):
         if kernels[0][2] is None:  # the hop sees no key
             return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))
         kernel = kernels[0][2]
-        return _backward(kernel, kernel.dq_mask_info, kernel.dkv_mask_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS,
-                         kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
+        dq, dk, dv = _backward(kernel, kernel.dq_mask_info, kernel.dkv_mask_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS,
+                               kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
+        return _scaled(dq), dk, dv
     loop = kernels
     infos = {name: loop.device_info(name) for name in ("dq_mask_info", "dkv_mask_info") if name in loop.infos}
 
@@ -51,15 +53,22 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
         dq_info, dkv_info = (None if name not in infos else loop.pick(infos[name], which)
                              for name in ("dq_mask_info", "dkv_mask_info"))
         dq, dk, dv = _backward(loop.kernel, dq_info, dkv_info, q, k_BTKD, v_BTKD, seg, kv_seg_BT, out, lse, dout)
-        return (jax.lax.dynamic_update_slice_in_dim(grads[0], dq, i * loop.rows, 1), grads[1] + dk, grads[2] + dv), None
+        return (grads[0] + dk, grads[1] + dv), dq
 
-    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))
-    return jax.lax.scan(chunk, zeros, (jnp.arange(loop.chunks), jnp.asarray(loop.index)))[0]
+    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (k_BTKD, v_BTKD))
+    (dk, dv), dq_chunks = jax.lax.scan(chunk, zeros, (jnp.arange(loop.chunks), jnp.asarray(loop.index)))
+    return _scaled(jnp.moveaxis(dq_chunks, 0, 1).reshape(q_BSHD.shape)), dk, dv
+
+
+def _scaled(dq_BSHD):
+    """dq in fp32 for the ring's accumulator, times the D**-0.5 splash's queries were pre-scaled by."""
+    return dq_BSHD.astype(jnp.float32) * dq_BSHD.shape[-1] ** -0.5
 
 
 def _backward(kernel, dq_info, dkv_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
     """hop_backward of one splash call: `kernel`'s block sizes and settings with the dQ and dK/dV tables given
-    (dq_info None under the fused backward)."""
+    (dq_info None under the fused backward). dq in the kernel's dtype without the query scale (_scaled), dk and dv
+    in fp32."""
     kernel_lib, _ = splash._lib()
     b, s, h, d = q_BSHD.shape
     kv_heads = k_BTKD.shape[2]
@@ -92,7 +101,7 @@ def _backward(kernel, dq_info, dkv_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_se
 
     dq, dk, dv = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None, 0, 0, 0)))(
         q_BKGSD, k_BKTD, v_BKTD, segments, di_BKGS, lse_BKGS, do_BKGSD)
-    dq = dq.astype(jnp.float32).transpose(0, 3, 1, 2, 4).reshape(b, s, h, d) * d ** -0.5
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)  # unscaled, in the kernel's dtype (_scaled)
     return dq, dk.astype(jnp.float32).transpose(0, 2, 1, 3), dv.astype(jnp.float32).transpose(0, 2, 1, 3)
 
 
