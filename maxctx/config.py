@@ -119,6 +119,7 @@ class Config:
     flash_block_q_dq: int = 0
     flash_block_kv_dq: int = 0
     splash_fused_backward: bool = False
+    ring_splash_backward: bool = True
     # Mesh.
     ici_data_parallelism: int = 1
     ici_fsdp_parallelism: int = -1
