@@ -5,7 +5,7 @@ Legend: B batch, S query length, T key/value length, H query heads, K kv heads, 
 A `LocalKernel` is built outside shard_map for one strategy's token layout and used inside it:
   attend(hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg)           -> (out, lse|None), differentiable in out
   block_forward(hop, ...)                                      -> (out fp32, lse fp32), for ring hops
-  block_backward(hop, dq, ..., out, lse, dout)                 -> (dq + the hop's dq, dk, dv) fp32, merged out/lse
+  block_backward(hop, ..., out, lse, dout)                     -> (dq, dk, dv) fp32 given the merged out/lse
 Kernels: dot_product (reference, O(S T) memory), blockwise (flash.py: the flash-attention algorithm in plain
 JAX, every platform), splash (TPU Pallas), cudnn (GPU). `hop` (a Python int, or the ring loop's traced index) picks
 the ring hop's splash kernel; only splash needs it (its masks are index-based, see splash.py), the others mask from
@@ -83,28 +83,21 @@ class LocalKernel:
             out, lse = self._splash(hop, True, q, k, v, q_seg, kv_seg)
         return out.astype(jnp.float32), lse
 
-    def block_backward(self, hop, dq, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
-        """The hop's gradients given the merged out and lse: its dq added to the ring's fp32 accumulator `dq`
-        (splash in row chunks adds chunk by chunk, in place), dk and dv in fp32."""
+    def block_backward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
         if self.name == "dot_product":
-            return _added(dq, dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout,
-                                                         self.window))
+            return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, self.window)
 
-        def blockwise(dq, *_):
-            return _added(dq, flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
-                                                   self.block_q, self.block_kv, self.window))
+        def blockwise(*_):
+            return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
+                                        self.block_q, self.block_kv, self.window)
 
         if self.name != "splash" or not any(splash_backward.has_backward(kern) for kern in self.splash_kernels):
-            return blockwise(dq)
+            return blockwise()
         # splash's own dQ and dK/dV kernels for a hop that has their tables (in row chunks too), else the blockwise
         # backward (XLA fusions: fp32 score tiles through HBM).
         branches = [functools.partial(splash_backward.hop_backward, kern) if splash_backward.has_backward(kern)
                     else blockwise for kern in self.splash_kernels]
-        return self._pick(hop, branches, dq, q, k, v, q_seg, kv_seg, out, lse, dout)
-
-
-def _added(dq, grads):
-    return dq + grads[0], grads[1], grads[2]
+        return self._pick(hop, branches, q, k, v, q_seg, kv_seg, out, lse, dout)
 
 
 def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,

@@ -101,12 +101,11 @@ def _ring_bwd(local, axis, size, overlap, res, dout):
     q, k, v, qp, qs, kp, ks, out, lse = res
 
     def compute(hop, dq, dkv, vk, ids):
-        # The hop adds its dq to the accumulator itself (in place, chunk by chunk for splash in row chunks).
-        skipped = (dq, jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
-        dq, dk_h, dv_h = _maybe(local.window, qp, qs, ids[1], ids[0], skipped,
-                                functools.partial(local.block_backward, hop),
-                                dq, q, vk[1], vk[0], qp, qs, ids[1], ids[0], out, lse, dout)
-        return dq, dkv + jnp.stack([dk_h, dv_h])
+        zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
+        dq_h, dk_h, dv_h = _maybe(local.window, qp, qs, ids[1], ids[0], zeros,
+                                  functools.partial(local.block_backward, hop),
+                                  q, vk[1], vk[0], qp, qs, ids[1], ids[0], out, lse, dout)
+        return dq + dq_h, dkv + jnp.stack([dk_h, dv_h])
 
     # The blocks are stacked in the other order than in the forward: XLA would otherwise merge the backward's
     # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.

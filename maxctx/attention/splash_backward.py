@@ -28,38 +28,36 @@ def has_backward(kernels) -> bool:
         len(kernels) == 1 and kernels[0][2].dkv_mask_info is not None)
 
 
-def hop_backward(kernels, dq_BSHD, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
-    """A ring hop's (dq_BSHD + its dq, dk, dv) through splash's own dQ and dK/dV kernels, from the *merged* out and
-    lse of all hops (the same residuals the blockwise backward takes): P = exp(s - lse) is then the hop's share of
-    the row's softmax, so the hops' gradients add up to the whole attention's. `dq_BSHD` is the ring's fp32 dq
-    accumulator; dk and dv come back in fp32 for its dK/dV; all computed in the inputs' dtype (splash's kernels
-    output it: bf16 in training, each hop's (and row chunk's) gradient rounded to bf16 before the sum). For kernels
-    with has_backward. A RowLoop runs its chunks in a scan that adds each chunk's dq into its rows of the
-    accumulator in place (no buffer of the hop's whole dq: 3.25 GiB per device on the fit table's 26M p2p row)
-    and sums dk and dv in fp32 carries."""
+def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
+    """A ring hop's (dq, dk, dv) through splash's own dQ and dK/dV kernels, from the *merged* out and lse of all
+    hops (the same residuals the blockwise backward takes): P = exp(s - lse) is then the hop's share of the row's
+    softmax, so the hops' gradients add up to the whole attention's. Returned as fp32 for the ring's fp32
+    accumulators, but computed in the inputs' dtype (splash's kernels output it: bf16 in training, each hop's
+    (and row chunk's) gradient rounded to bf16 before the sum). For kernels with has_backward. A RowLoop runs its
+    chunks in a scan: each chunk's dq comes out as its rows (in the kernel's dtype: no fp32 carry of every row,
+    which cost 2.5 GiB per device on the fit table's 10M p2p row), its dk and dv add up in fp32 carries."""
     if not isinstance(kernels, splash.RowLoop):
         if kernels[0][2] is None:  # the hop sees no key
-            return dq_BSHD, jnp.zeros(k_BTKD.shape, jnp.float32), jnp.zeros(v_BTKD.shape, jnp.float32)
+            return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))
         kernel = kernels[0][2]
         dq, dk, dv = _backward(kernel, kernel.dq_mask_info, kernel.dkv_mask_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS,
                                kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
-        return dq_BSHD + _scaled(dq), dk, dv
+        return _scaled(dq), dk, dv
     loop = kernels
     infos = {name: loop.device_info(name) for name in ("dq_mask_info", "dkv_mask_info") if name in loop.infos}
 
     def chunk(grads, xs):  # slices in the loop rather than chunk-major copies of q, out and dout
-        (dq_acc, dk_acc, dv_acc), (i, which) = grads, xs
-        q, seg, out, lse, dout, rows = (jax.lax.dynamic_slice_in_dim(x, i * loop.rows, loop.rows, axis)
-                                        for x, axis in ((q_BSHD, 1), (q_seg_BS, 1), (out_BSHD, 1), (lse_BHS, 2),
-                                                        (dout_BSHD, 1), (dq_acc, 1)))
+        i, which = xs
+        q, seg, out, lse, dout = (jax.lax.dynamic_slice_in_dim(x, i * loop.rows, loop.rows, axis) for x, axis in
+                                  ((q_BSHD, 1), (q_seg_BS, 1), (out_BSHD, 1), (lse_BHS, 2), (dout_BSHD, 1)))
         dq_info, dkv_info = (None if name not in infos else loop.pick(infos[name], which)
                              for name in ("dq_mask_info", "dkv_mask_info"))
         dq, dk, dv = _backward(loop.kernel, dq_info, dkv_info, q, k_BTKD, v_BTKD, seg, kv_seg_BT, out, lse, dout)
-        dq_acc = jax.lax.dynamic_update_slice_in_dim(dq_acc, rows + _scaled(dq), i * loop.rows, 1)
-        return (dq_acc, dk_acc + dk, dv_acc + dv), None
+        return (grads[0] + dk, grads[1] + dv), dq
 
-    init = (dq_BSHD, *(jnp.zeros(x.shape, jnp.float32) for x in (k_BTKD, v_BTKD)))
-    return jax.lax.scan(chunk, init, (jnp.arange(loop.chunks), jnp.asarray(loop.index)))[0]
+    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (k_BTKD, v_BTKD))
+    (dk, dv), dq_chunks = jax.lax.scan(chunk, zeros, (jnp.arange(loop.chunks), jnp.asarray(loop.index)))
+    return _scaled(jnp.moveaxis(dq_chunks, 0, 1).reshape(q_BSHD.shape)), dk, dv
 
 
 def _scaled(dq_BSHD):
