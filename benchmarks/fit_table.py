@@ -1,7 +1,7 @@
 """The longest single sequence that fits, per CP strategy, with and without host offload of the layer inputs.
 
     python3 benchmarks/fit_table.py [--only llama3-8b/v5p-128] [--strategies p2p,usp] [--offload on,off]
-                                    [--splash-check] [--table-only] [--time-limit-s 1800]
+                                    [--splash-check [--splash-again]] [--table-only] [--time-limit-s 1800]
 
 One sequence per step, sharded over every chip of the slice (C = chips: 64 on v5p-128, 256 on v6e-256 and
 v5p-512), fsdp = 1 (weights sharded over the context axis, as MaxText does), scan over layers, attention=blockwise
@@ -292,8 +292,9 @@ def write_table(results: dict) -> None:
         "remat_policy=full. Max context: doubling, then bisection to 1/8 of the power of two. GiB per chip: what",
         "the program needs / HBM (+ pinned host memory). Largest part: the category of XLA's buffers",
         "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.roofline's step",
-        "time and MFU (not a measurement). Splash: the same command with attention=splash. Compile: seconds on the",
-        "2-core development VM.",
+        "time and MFU (not a measurement). Splash: the same command with attention=splash (ring hops' backward",
+        "through splash's own kernels, since 2026-12-03; where that is over, docs/long_context.md has the row with",
+        "ring_splash_backward=false). Compile: seconds on the 2-core development VM.",
         "",
         "| model | topology | strategy | offload | max tokens | tokens per chip | GiB per chip | largest part "
         "| estimate (step, MFU) | splash at max | compile | command |",
@@ -324,6 +325,8 @@ def main() -> None:
     parser.add_argument("--time-limit-s", type=float, default=1800.0, help="per compile")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results file")
     parser.add_argument("--splash-check", action="store_true", help="compile each row's maximum with splash")
+    parser.add_argument("--splash-again", action="store_true",
+                        help="with --splash-check: compile it again even where the results have it (after a change)")
     args = parser.parse_args()
     results = load_results()
     if not args.table_only:
@@ -331,6 +334,8 @@ def main() -> None:
             search(row, results, args)
             top = best(row, results)
             if args.splash_check and top is not None:
+                if args.splash_again:
+                    results.pop((*row, top["seq"], "splash"), None)
                 probe((*row, top["seq"], "splash"), results, args)
     write_table(results)
 
