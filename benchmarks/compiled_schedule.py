@@ -26,8 +26,8 @@ context-parallel collective of the layer bodies (its group inside the context ax
 compiler's estimate of the compute scheduled between its start and done (what can hide it).
 
 The ring strategies run once with the ring hops' backward through splash's own kernels
-(splash_backward.hop_backward, every hop here) and p2p once more with the blockwise backward (what hops in row
-chunks still take), whose fusions carry the attention backward's work in the estimate.
+(splash_backward.hop_backward, every hop here) and p2p once more with the blockwise backward
+(`ring_splash_backward=false`), whose fusions carry the attention backward's work in the estimate.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ SHAPE = ["compile_topology=v5p-128", "model_name=llama2-7b", "max_target_length=
          "ici_fsdp_parallelism=4", "per_device_batch_size=1", "remat_policy=full", "attention=splash",
          "base_num_decoder_layers=2"]
 USP = "context_parallel_a2a_degree=4"
-# (strategy, extra keys, ring hops' backward blockwise: as for hops in row chunks, and for every hop before
+# (strategy, extra keys, ring hops' backward blockwise: ring_splash_backward=false, as for every hop before
 # splash_backward.hop_backward)
 RUNS = [("all_gather", [], False), ("a2a", [], False), ("p2p", [], True), ("p2p", [], False),
         ("p2p", ["ring_backward_overlap=true"], False), ("usp", [USP], False),
@@ -229,13 +229,8 @@ def main() -> None:
           "attention | layer body outside attention and collectives, forward / backward (TPU compiler's estimate) "
           "| of which copies | compile |")
     print("|---|---|---|---|---|---|---|")
-    from maxctx.attention import kernels, splash
-
-    available = splash.backward_kernels_available
     for strategy, extra, blockwise in RUNS:
-        splash.backward_kernels_available = (lambda: False) if blockwise else available
-        kernels._splash_kernels.cache_clear()  # built with or without the backward tables
-        compiled, seconds = compile_run(strategy, extra)
+        compiled, seconds = compile_run(strategy, extra + ["ring_splash_backward=false"] * blockwise)
         a = analyse(compiled.as_text())
         temp = compiled.memory_analysis().temp_size_in_bytes / 2 ** 30
         coll = ", ".join(f"{k} {s}/{n}" for k, (s, n) in a["collectives"].items())
@@ -246,7 +241,6 @@ def main() -> None:
         name = label(strategy, extra) + (", blockwise ring backward" if blockwise else "")
         print(f"| {name} | {temp:.2f} | {coll} | {overlap} | {ms(fwd[0]):.1f} / {ms(bwd[0]):.1f} ms | "
               f"{ms(fwd[1]):.1f} / {ms(bwd[1]):.1f} ms | {seconds:.0f} s |", flush=True)
-    splash.backward_kernels_available = available
     print("\nWith MaxText's async collective fusion flags (`LIBTPU_INIT_ARGS` = MAXTEXT_FLAGS): the context-parallel "
           "collectives of the two layer bodies (forward; backward with the forward's recompute), and the compute the "
           "compiler scheduled between each async one's start and done (its estimate).\n")
@@ -262,11 +256,12 @@ def flagged() -> None:
     for strategy, extra in FLAG_RUNS:
         compiled, seconds = compile_run(strategy, extra)
         found = context_collectives(computations(compiled.as_text()))
-        bodies = sorted({body for body, *_ in found}, key=lambda b: -sum(1 for x in found if x[0] == b))
         counts = collections.Counter((kind, asynchronous) for _, kind, asynchronous, _ in found)
         kinds = ", ".join(f"{k} {counts[(k, False)]}/{counts[(k, True)]}" for k in COLLECTIVES
                           if counts[(k, False)] or counts[(k, True)])
-        under = {body: sum(c for b, _, _, c in found if b == body) for body in bodies}
+        under = collections.Counter()
+        for body, _, _, between in found:
+            under[body] += between
         fwd, bwd = sorted(under.values())  # the backward body holds more of them
         temp = compiled.memory_analysis().temp_size_in_bytes / 2 ** 30
         print(f"| {label(strategy, extra)} | {temp:.2f} | {kinds} | {ms(fwd):.1f} / {ms(bwd):.1f} ms | "
