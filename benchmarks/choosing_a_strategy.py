@@ -1,5 +1,6 @@
 """The tables of docs/choosing_a_strategy.md: what `context_parallel_strategy=auto` chooses for every row of the fit
-table, and how it ranks the strategies on the shapes of MaxText's published v5p measurements.
+table, how it ranks the strategies on the shapes of MaxText's published v5p measurements, and how its memory
+estimate compares with the compiled memory of every fit-table probe.
 
     python3 benchmarks/choosing_a_strategy.py > benchmarks/choosing_a_strategy.md
 
@@ -44,7 +45,8 @@ COMPILED = {("llama3-8b", "v6e-256", "on", 3670016, "usp 8x32"): (9.03, 32),
             ("llama3-8b", "v6e-256", "off", 13631488, "usp 32x8"): (31.05, 32),
             ("llama3-8b", "v6e-256", "off", 12582912, "usp 32x8"): (28.70, 32),
             ("llama3.1-70b", "v5p-512", "off", 4194304, "usp 32x8"): (42.19, 95),
-            ("llama3.1-70b", "v5p-512", "on", 7340032, "usp 32x8"): (16.59, 95)}
+            ("llama3.1-70b", "v5p-512", "on", 7340032, "usp 32x8"): (16.59, 95),
+            ("llama3.1-70b", "v5p-512", "on", 25165824, "usp 32x8"): (42.60, 95)}
 
 
 def fit_rows() -> list[dict]:
@@ -167,6 +169,44 @@ def maxtext_table() -> list[str]:
     return lines
 
 
+def memory_table() -> list[str]:
+    """The planner's memory estimate over the compiled memory of every probe of benchmarks/fit_table.jsonl (the
+    last one per model, topology, strategy, offload, length and kernel, whose compile reported its memory) and of
+    COMPILED, per group: the range of the ratios. The working-set constants were calibrated on the llama3-8b p2p
+    and usp rows of v5p-128; every other row is held out."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fit_table import command
+
+    probes = {}
+    for line in open(os.path.join(ROOT, "benchmarks", "fit_table.jsonl")):
+        r = json.loads(line)
+        if "total_size_in_bytes" in (r.get("report") or {}):
+            probes[(r["model"], r["topology"], r["strategy"], r["offload"], r["seq"], r["kernel"])] = r["report"]
+    groups = {}
+    for (model, topo, strategy, offload, seq, kernel), report in probes.items():
+        config = load_config(auto_argv(command(model, topo, strategy, offload, seq, "blockwise")[3:]))
+        a2a = report["mesh"]["context_a2a"]
+        est = next(c for c in planner.plan(config).ranked if c.strategy == strategy and c.a2a == max(1, a2a)
+                   if strategy == "usp" or c.strategy == strategy)
+        key = (model, topo, strategy, "on" if offload else "off", "splash" if kernel == "splash" else "blockwise")
+        groups.setdefault(key, []).append(est.memory_bytes / report["total_size_in_bytes"])
+    rows = fit_rows()
+    for (model, topo, offload, seq, label), (gib, _) in COMPILED.items():
+        config = load_config(auto_argv(next(r["argv"] for r in rows if r["argv"] and (
+            r["model"], r["topology"], r["offload"], r["max"]) == (model, topo, offload, seq))))
+        est = next(c for c in planner.plan(config).ranked if c.label == label)
+        groups.setdefault((model, topo, label.split()[0], offload, "compiled for this page"), []).append(
+            est.memory_bytes / (gib * planner.GIB))
+    lines = ["| model | topology | strategy | offload | kernel (or source) | probes | estimate / compiled | "
+             "calibrated on |", "|---|---|---|---|---|---|---|---|"]
+    for key, ratios in sorted(groups.items()):
+        model, topo, strategy = key[:3]
+        fitted = "yes" if (model, topo) == ("llama3-8b", "v5p-128") and strategy in ("p2p", "usp") and \
+            key[4] == "blockwise" else "no"
+        lines.append(f"| {' | '.join(key)} | {len(ratios)} | {min(ratios):.2f} - {max(ratios):.2f} | {fitted} |")
+    return lines
+
+
 def main() -> None:
     print("# Tables of docs/choosing_a_strategy.md\n\nWritten by `python3 benchmarks/choosing_a_strategy.py > "
           "benchmarks/choosing_a_strategy.md` (no compile; its docstring has the method).\n")
@@ -174,6 +214,8 @@ def main() -> None:
     print("\n".join(fit_table()))
     print("\n## auto's ranking on the shapes of MaxText's v5p measurements\n")
     print("\n".join(maxtext_table()))
+    print("\n## The memory estimate against the compiled memory\n")
+    print("\n".join(memory_table()))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       against the compiled program), plus the backward's transient buffers (`transient_bytes`)
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
                       the saved layer inputs L t D b (none when offloaded) + the layer's working set
-                      LAYER_WORK_BYTES t D (calibrated) + the larger of the attention memory and the loss / MLP
+                      LAYER_WORK_BYTES t D (calibrated; LAYER_WORK_BYTES_INPUTS_ON_DEVICE t D when the inputs stay
+                      in HBM) + the larger of the attention memory and the loss / MLP
                       tiles; a candidate above FIT_FRACTION of HBM is ranked after the fitting ones (auto takes
                       the least memory when none fits)
     compute           model FLOPs per device (6 P t + 12 L H Dh t x keys per query: S / 2, about W in a local
@@ -19,9 +20,9 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       permutes wait for their bytes (not overlapped: synchronous in the program compiled for TPU);
                       a forward ring hop overlaps the attention of the block it carries, so each of its hops
                       exposes max(0, hop bytes / bandwidth - block compute) + latency + the merge of its result
-                      into the fp32 accumulators in HBM; a backward hop likewise, which the program does with
-                      ring_backward_overlap=true; in the default program (false) its sends wait for the hop's
-                      kernel, which this estimate leaves out (docs/choosing_a_strategy.md has how much)
+                      into the fp32 accumulators in HBM; a backward hop likewise with ring_backward_overlap=true;
+                      with the default (false) the program sends after the hop's kernel, so every backward send
+                      waits in full: the estimate charges what the config's program does
     step              compute + L x exposed comm (averaged over the pattern)
 
 Bandwidths (per device, one direction): a ring hop uses one ICI link; all-gather and reduce-scatter use both
@@ -58,9 +59,12 @@ ICI_LATENCY_S, DCN_LATENCY_S = 5e-6, 50e-6
 FIT_FRACTION = 0.9  # of HBM: room for what the memory model leaves out (XLA's own buffers, fragmentation)
 TIE = 0.01  # step times within 1% of the fastest count as equal; the least memory wins among them
 # The decoder layer's own working set in its backward (norms, projections, residuals and their fp32 gradients),
-# bytes per token and model dimension: calibrated on the fit table's offloaded p2p and usp rows (compiled memory
-# minus the rest of this model; docs/choosing_a_strategy.md).
+# bytes per token and model dimension, calibrated on the fit table's llama3-8b p2p and usp rows on v5p-128
+# (compiled memory minus the rest of this model; docs/choosing_a_strategy.md): 38 with the layer inputs offloaded
+# (remat_policy=custom decoder_layer_input=offload; 36-40 on those rows), 64 with them kept in HBM (63.7-65.7 on
+# the remat_policy=full rows: XLA holds more than the saved inputs themselves then).
 LAYER_WORK_BYTES = 38
+LAYER_WORK_BYTES_INPUTS_ON_DEVICE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +218,7 @@ def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: in
     """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
     keys come by halo exchange (maxctx.attention.halo) waits for its permutes. `ring_overlap`: the ring backward's
     sends overlap its hops' kernels, as the program does with ring_backward_overlap=true; False: each waits in full,
-    as in the default program (the planner ranks with True: module doc)."""
+    as in the default program (plan passes the config's setting)."""
     attn_fwd = 4 * s.batch * (s.seq / s.cp) * _pairs(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
     fwd, bwd = strategies.get(strategy).collectives(s)
     ring_bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if dcn_cp > 1 else hw.link_bytes_per_s
@@ -269,7 +273,7 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float, float]:
     tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
     saved_inputs = 0 if offloaded else layers * tokens * config.base_emb_dim * b
-    work = LAYER_WORK_BYTES * tokens * config.base_emb_dim
+    work = (LAYER_WORK_BYTES if offloaded else LAYER_WORK_BYTES_INPUTS_ON_DEVICE) * tokens * config.base_emb_dim
     state = params * (wb + 12) / shards + params / layers * wb / max(1, tp)
     tiles = max(2 * tokens / config.num_vocab_tiling * config.vocab_size / tp * 4,
                 3 * tokens / config.mlp_sequence_chunks * config.base_mlp_dim / tp * b)
@@ -339,7 +343,8 @@ def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
         attn = saved + transient_bytes(name, s, config.ring_backward_overlap) if cp > 1 else 0.0
         memory = base_bytes + max(attn, tiles)
         exposed = layers * sum(exposed_per_layer(name, _shape(config, cp, tp, u, w), hw, ici["context"],
-                                                 dcn["context"], passes) for w in windows) / len(windows) \
+                                                 dcn["context"], passes, config.ring_backward_overlap)
+                               for w in windows) / len(windows) \
             if cp > 1 else 0
         fits = memory <= FIT_FRACTION * hw.hbm_bytes
         dropped = "" if fits else (f"needs ~{memory / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of "
