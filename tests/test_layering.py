@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = [
     ["maxctx", "maxctx.errors", "maxctx.compat", "maxctx.config"],
     ["maxctx.parallelism", "maxctx.files", "maxctx.topology", "maxctx.optimizer", "maxctx.metrics", "maxctx.run_dir",
-     "maxctx.divergence", "maxctx.checkpoint_integrity", "maxctx.checkpoint_failure"],
+     "maxctx.divergence", "maxctx.checkpoint_integrity", "maxctx.checkpoint_failure",
+     "maxctx.preemption"],
     ["maxctx.attention"],
     ["maxctx.planner", "maxctx.validate"],
     ["maxctx.mesh", "maxctx.runtime"],
