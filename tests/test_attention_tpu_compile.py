@@ -28,18 +28,15 @@ B, S, H, K, D = 1, 2048, 8, 2, 128
 results = {}
 
 
+sys.path.insert(0, "benchmarks")
+from compiled_schedule import computations, permutes as all_permutes
+
+
 def permutes(hlo):
     # The program's fp32 collective-permutes (the ring backward's dK/dV), in schedule order: for each, whether a
-    # conditional (a ring hop's kernel call) runs between its start and its done.
-    out = []
-    for comp in hlo.split("\n\n"):
-        lines = comp.splitlines()
-        for i, line in enumerate(lines):
-            if " collective-permute-start(" in line and "= (f32[" in line:
-                name = line.split("=")[0].strip()
-                done = next(j for j, x in enumerate(lines) if f"collective-permute-done({name})" in x)
-                out.append(any(" conditional(" in x for x in lines[i + 1:done]))
-    return out
+    # conditional (a ring hop's kernel call) runs between its start and its done (benchmarks/compiled_schedule.py
+    # reads the train step's program the same way).
+    return [overlaps for shape, overlaps in all_permutes(computations(hlo)) if shape.startswith("f32[")]
 
 
 default_table = splash.MAX_TABLE_ENTRIES
