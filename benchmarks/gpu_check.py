@@ -1,0 +1,218 @@
+"""The GPU check: cuDNN attention against the reference, every CP strategy on the machine's GPUs, and a ~1B Llama's
+training throughput at 32K tokens. For a session lent a GPU machine (one command, its output kept):
+
+    python3 benchmarks/gpu_check.py > benchmarks/gpu.md
+
+1. Kernels, one GPU, bf16 inputs: `cudnn` (maxctx.attention.cudnn: jax.nn.dot_product_attention through cuDNN,
+   with a boolean mask) and `blockwise` (maxctx.attention.flash) against `dot_product` in fp32 on the same inputs:
+   out, the log-sum-exp cuDNN returns for ring hops (its residual's layout is an assumption of cudnn.py), and
+   dq, dk, dv of sum(out * cotangent). Cases: causal GQA, packed documents, a sliding window, 8K tokens (the
+   fp32 reference materialises the scores: 8.6 GB at 8K with 32 heads, four times that at 16K).
+   Each error is max |x - ref| / max |ref|; the tolerance is bf16's (3e-2 for values, 5e-2 for gradients).
+2. Strategies: all_gather, p2p, a2a and usp over every GPU of the machine (C = GPUs; usp as 2 x C/2), kernel cudnn,
+   out and gradients against the one-device reference. A machine with one GPU has no context axis to split, so
+   this part then says so and runs nothing (the strategies' collectives are checked on CPU devices by the tests).
+3. Training: `python train.py configs/base.yml` with Llama 3.2 1B's shapes (16 layers, D 2048, 32 query and 8 kv
+   heads of 64, MLP 8192, vocabulary 128256, tied embeddings), 32,768 tokens per sequence, one sequence per GPU,
+   synthetic data, remat_policy=full, the loss in 8 chunks; once with attention=flash (cuDNN on GPU for bf16)
+   and once with attention=blockwise. Tokens/s and MFU are the logger's (maxctx.metrics: 6 P t + attention FLOPs
+   over the device's peak), the mean of the logged steps after the first.
+
+`--cpu-check` runs the same script on 4 CPU devices, with blockwise in place of cuDNN and a tiny model at 1,024
+tokens: it checks the script, not a GPU (its output says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_CHECK = "--cpu-check" in sys.argv
+if CPU_CHECK:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+# This process allocates GPU memory as it goes and gives it back (the fp32 references take tens of GB), so that the
+# training runs of part 3, subprocesses with JAX's default preallocation, find the GPU free.
+TRAIN_ENV = dict(os.environ)
+os.environ.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_ALLOCATOR="platform")
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
+from maxctx.attention.kernels import make_local  # noqa: E402
+from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
+from maxctx.mesh import AXES  # noqa: E402
+
+VALUE_TOL, GRAD_TOL = 3e-2, 5e-2
+# (name, B, S, H, K, D, documents, window)
+CASES = [("causal, GQA 32/8", 1, 4096, 32, 8, 128, 1, 0), ("packed: 3 documents", 2, 4096, 16, 4, 128, 3, 0),
+         ("sliding window 1024", 1, 4096, 16, 4, 128, 1, 1024), ("causal, 8K", 1, 8192, 32, 8, 128, 1, 0)]
+CPU_CASES = [("causal, GQA 4/2", 1, 256, 4, 2, 32, 1, 0), ("packed: 3 documents", 2, 256, 4, 2, 32, 3, 0),
+             ("sliding window 64", 1, 256, 4, 2, 32, 1, 64)]
+LLAMA_1B = ["base_emb_dim=2048", "base_num_decoder_layers=16", "base_num_query_heads=32", "base_num_kv_heads=8",
+            "head_dim=64", "base_mlp_dim=8192", "vocab_size=128256", "logits_via_embedding=true",
+            "rope_max_timescale=500000.0", "max_target_length=32768", "num_vocab_tiling=8"]
+TINY = ["model_name=tiny", "max_target_length=1024"]
+
+
+def inputs(b: int, s: int, h: int, k: int, d: int, documents: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q, kk, v, cot = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+                     for shape in ((b, s, h, d), (b, s, k, d), (b, s, k, d), (b, s, h, d)))
+    bounds = np.sort(rng.choice(np.arange(1, s), documents - 1, replace=False)) if documents > 1 else []
+    seg = np.zeros((b, s), np.int32)
+    pos = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    for start in bounds:
+        seg[:, start:] += 1
+        pos[:, start:] -= pos[:, start:start + 1]
+    return q, kk, v, cot, jnp.asarray(pos), jnp.asarray(seg)
+
+
+def run_kernel(kernel: str, q, k, v, cot, pos, seg, window: int, f32: bool = False):
+    """(out, lse, dq, dk, dv) of one kernel on one device; `f32` runs it on fp32 copies (the reference)."""
+    local = make_local(kernel, 512, 512, order=np.arange(q.shape[1]), group=q.shape[2] // k.shape[2],
+                       window=window)
+    cast = (lambda x: x.astype(jnp.float32)) if f32 else (lambda x: x)
+
+    def loss(q, k, v):
+        out, _ = local.attend(0, cast(q), cast(k), cast(v), pos, seg, pos, seg)
+        return (out.astype(jnp.float32) * cot.astype(jnp.float32)).sum(), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    _, lse = jax.jit(lambda q, k, v: local.block_forward(0, cast(q), cast(k), cast(v), pos, seg, pos, seg))(q, k, v)
+    return (out, lse, *grads)
+
+
+def error(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    finite = np.isfinite(ref)
+    if not np.array_equal(finite, np.isfinite(x)):
+        return float("inf")
+    scale = np.abs(ref[finite]).max() if finite.any() else 1.0
+    return float(np.abs(x[finite] - ref[finite]).max() / max(scale, 1e-30))
+
+
+def kernels_table(fast: str) -> list[str]:
+    lines = ["| case | kernel | out | lse | dq | dk | dv | within tolerance | compile + run |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, b, s, h, k, d, documents, window in CPU_CASES if CPU_CHECK else CASES:
+        q, kk, v, cot, pos, seg = inputs(b, s, h, k, d, documents)
+        ref = run_kernel("dot_product", q, kk, v, cot, pos, seg, window, f32=True)
+        for kernel in dict.fromkeys((fast, "blockwise")):
+            start = time.perf_counter()
+            got = run_kernel(kernel, q, kk, v, cot, pos, seg, window)
+            jax.block_until_ready(got)
+            seconds = time.perf_counter() - start
+            errs = [error(g, r) for g, r in zip(got, ref)]
+            ok = all(e <= VALUE_TOL for e in errs[:2]) and all(e <= GRAD_TOL for e in errs[2:])
+            lines.append(f"| {name} (B {b}, S {s}, H {h}, K {k}, D {d}) | {kernel} | "
+                         + " | ".join(f"{e:.1e}" for e in errs) + f" | {'yes' if ok else 'NO'} | {seconds:.1f} s |")
+    return lines
+
+
+def run_strategy(strategy: str, ring: int, a2a: int, kernel: str, q, k, v, cot, pos, seg) -> list[np.ndarray]:
+    """(out, dq, dk, dv) of `strategy` over ring x a2a devices, in the original token order."""
+    mesh = Mesh(np.asarray(jax.devices()).reshape(1, 1, ring, a2a, 1), AXES)
+    spec = AttentionSpec(kernel=kernel, strategy=strategy, load_balance=True)
+    acts = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
+    ids = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    # zig-zag: the strategies take the tokens in their stored order (maxctx.attention.load_balance)
+    perm = zigzag_permutation(q.shape[1], ring * a2a)
+    cot_stored = cot[:, perm].astype(jnp.float32)
+
+    def loss(q, k, v, pos, seg):
+        out = attend(q, k, v, pos, seg, spec, mesh)
+        return (out.astype(jnp.float32) * cot_stored).sum(), out
+
+    placed = [jax.device_put(x[:, perm], acts) for x in (q, k, v)] + [jax.device_put(x[:, perm], ids)
+                                                                       for x in (pos, seg)]
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*placed)
+    inverse = np.argsort(perm)
+    return [np.asarray(x)[:, inverse] for x in (out, *grads)]
+
+
+def strategies_table(fast: str) -> list[str]:
+    n = len(jax.devices())
+    if n < 2:
+        return [f"One {jax.devices()[0].device_kind} here: no context axis to split, so no strategy ran "
+                "(their collectives are checked on CPU devices by tests/test_context_parallel*.py)."]
+    layouts = {"all_gather": (n, 1), "p2p": (n, 1), "a2a": (1, n)}
+    if n >= 4 and n % 2 == 0:
+        layouts["usp"] = (2, n // 2)
+    b, s, h, k, d = (1, 1024, 8, 2, 32) if CPU_CHECK else (1, 8192, 32, 8, 128)
+    q, kk, v, cot, pos, seg = inputs(b, s, h, k, d, documents=2)
+    ref = run_kernel("dot_product", q, kk, v, cot, pos, seg, 0, f32=True)
+    ref = (ref[0], *ref[2:])
+    lines = [f"C = {n} ({jax.devices()[0].device_kind}), B {b}, S {s}, H {h}, K {k}, D {d}, 2 packed documents, "
+             f"zig-zag load balance, kernel {fast}:", "",
+             "| strategy | ring x a2a | out | dq | dk | dv | within tolerance |", "|---|---|---|---|---|---|---|"]
+    for strategy, (ring, a2a) in layouts.items():
+        got = run_strategy(strategy, ring, a2a, fast, q, kk, v, cot, pos, seg)
+        errs = [error(g, r) for g, r in zip(got, ref)]
+        ok = errs[0] <= VALUE_TOL and all(e <= GRAD_TOL for e in errs[1:])
+        lines.append(f"| {strategy} | {ring} x {a2a} | " + " | ".join(f"{e:.1e}" for e in errs)
+                     + f" | {'yes' if ok else 'NO'} |")
+    return lines
+
+
+def train(attention: str, steps: int) -> dict:
+    """One train.py run; the mean tokens/s and MFU of its logged steps after the first."""
+    with tempfile.TemporaryDirectory() as out:
+        model = TINY if CPU_CHECK else LLAMA_1B
+        cmd = [sys.executable, "train.py", "configs/base.yml", *model, f"attention={attention}",
+               "per_device_batch_size=1", f"steps={steps}", "log_period=1", "dataset_type=synthetic",
+               "enable_checkpointing=false", "remat_policy=full", f"base_output_directory={out}",
+               f"run_name=gpu_{attention}"]
+        env = dict(TRAIN_ENV)
+        if CPU_CHECK:
+            env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=4", "")
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode:
+            return {"command": " ".join(cmd[1:]), "error": (proc.stderr or proc.stdout).strip()[-600:]}
+        records = [json.loads(line) for line in open(os.path.join(out, f"gpu_{attention}", "metrics.jsonl"))]
+        logged = [r for r in records if "tokens_per_s" in r][1:]
+        mean = lambda key: sum(r[key] for r in logged) / len(logged)  # noqa: E731
+        return {"command": " ".join(cmd[1:]), "steps averaged": len(logged), "tokens_per_s": mean("tokens_per_s"),
+                "mfu": mean("mfu"), "loss": logged[-1].get("loss"), "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu-check", action="store_true", help="4 CPU devices, blockwise for cuDNN, tiny model")
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    fast = "blockwise" if CPU_CHECK else "cudnn"
+    print("# GPU check\n")
+    print(f"Written by `python3 benchmarks/gpu_check.py{' --cpu-check' if CPU_CHECK else ''}` on "
+          f"{len(jax.devices())} x {jax.devices()[0].device_kind} (jax {jax.__version__}, "
+          f"{time.strftime('%Y-%m-%d')})." + (" A CPU check of the script: no GPU number below." if CPU_CHECK
+                                                else ""))
+    print("\n## Kernels against dot_product in fp32 (max |x - ref| / max |ref|)\n")
+    print("\n".join(kernels_table(fast)))
+    print("\n## Strategies against the one-device reference\n")
+    print("\n".join(strategies_table(fast)))
+    print("\n## Training throughput\n")
+    print("| attention | tokens/s | MFU | last loss | steps averaged | wall | command |\n|---|---|---|---|---|---|---|")
+    for attention in ("flash", "blockwise"):
+        r = train(attention, args.steps)
+        if "error" in r:
+            print(f"| {attention} | failed: {r['error'].splitlines()[-1][:200]} | | | | | `{r['command']}` |")
+        else:
+            print(f"| {attention} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['loss']:.4f} | "
+                  f"{r['steps averaged']} | {r['wall_s']:.0f} s | `{r['command']}` |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
