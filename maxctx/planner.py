@@ -61,7 +61,7 @@ TIE = 0.01  # step times within 1% of the fastest count as equal; the least memo
 # The decoder layer's own working set in its backward (norms, projections, residuals and their fp32 gradients),
 # bytes per token and model dimension, calibrated on the fit table's llama3-8b p2p and usp rows on v5p-128
 # (compiled memory minus the rest of this model; docs/choosing_a_strategy.md): 38 with the layer inputs offloaded
-# (remat_policy=custom decoder_layer_input=offload; 36-40 on those rows), 64 with them kept in HBM (63.7-65.7 on
+# (remat_policy=custom decoder_layer_input=offload; 35.7-40.1 on those rows), 64 with them kept in HBM (63.7-65.7 on
 # the remat_policy=full rows: XLA holds more than the saved inputs themselves then).
 LAYER_WORK_BYTES = 38
 LAYER_WORK_BYTES_INPUTS_ON_DEVICE = 64
