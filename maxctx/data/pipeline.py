@@ -184,12 +184,13 @@ def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int,
     ds = grain.MapDataset.source(source)[layout.shard_index::layout.shard_count]
     if split == "train" and config.enable_data_shuffling:
         ds = ds.shuffle(seed=config.data_shuffle_seed)
-    encode = EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos)
+    rows = layout.local_rows
+    read_ahead = max(64, 4 * rows)  # records the reader's threads map ahead of the one being consumed
+    encode = EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos, read_ahead)
     ds = (ds if once else ds.repeat()).map(encode)
     ds = ds.filter(_is_document)  # documents of zero tokens, skipped and counted
-    rows = layout.local_rows
     seq_len = config.max_target_length
-    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=max(64, 4 * rows)))
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=read_ahead))
     ds = pack(ds, config.packing, seq_len, num_bins=max(MIN_PACKING_BINS, rows))
     if once:
         return ds.batch(rows, drop_remainder=False).map(PadBatch(rows)).map(CPReorder(cp))

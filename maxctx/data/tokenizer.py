@@ -58,11 +58,16 @@ class EncodeDocument:
 
     A document of zero tokens (`{"text": ""}`) maps to None, which the pipeline filters out, as
     scripts/prepare_data.py leaves them out; they are counted, and the count is printed at the 1st, 2nd, 4th, 8th,
-    ... skip (by the process, or grain worker, that reads them). A source of nothing else is a DataError.
+    ... skip (by the process, or grain worker, that reads them). A source of nothing else is a DataError: more
+    skips than documents plus `read_ahead` with none encoded. The allowance is the reader's prefetch: its threads
+    map the next records (the next epochs' too) while one document's encoding is still running, so an empty
+    document can be skipped again and again before the first real one is counted.
     """
 
-    def __init__(self, source, tokenizer: Tokenizer | None, vocab_size: int, add_bos: bool, add_eos: bool):
+    def __init__(self, source, tokenizer: Tokenizer | None, vocab_size: int, add_bos: bool, add_eos: bool,
+                 read_ahead: int = 0):
         self.source, self.tokenizer, self.vocab_size = source, tokenizer, vocab_size
+        self.read_ahead = read_ahead
         self.skipped = self.encoded = 0
         bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer else (BOS, EOS)
         self.prefix = np.asarray([bos] if add_bos else [], np.int32)
@@ -92,7 +97,7 @@ class EncodeDocument:
 
     def _skip(self, index: int) -> None:
         self.skipped += 1
-        if not self.encoded and self.skipped >= len(self.source):
+        if not self.encoded and self.skipped >= len(self.source) + self.read_ahead:
             raise DataError(f"{self.source.name}: every document read is of zero tokens (e.g. "
                             f"{self.source.describe(index)}); check text_field and the files")
         if self.skipped & (self.skipped - 1) == 0:  # 1, 2, 4, 8, ...
