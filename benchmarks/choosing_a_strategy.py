@@ -176,20 +176,17 @@ def memory_table() -> list[str]:
     COMPILED, per group: the range of the ratios. The working-set constants were calibrated on the llama3-8b p2p
     and usp rows of v5p-128; every other row is held out."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from fit_table import command
+    from fit_table import command, load_results
 
-    probes = {}
-    for line in open(os.path.join(ROOT, "benchmarks", "fit_table.jsonl")):
-        r = json.loads(line)
-        if "total_size_in_bytes" in (r.get("report") or {}):
-            probes[(r["model"], r["topology"], r["strategy"], r["offload"], r["seq"], r["kernel"])] = r["report"]
     groups = {}
-    for (model, topo, strategy, offload, seq, kernel), report in probes.items():
-        config = load_config(auto_argv(command(model, topo, strategy, offload, seq, "blockwise")[3:]))
-        a2a = report["mesh"]["context_a2a"]
-        est = next(c for c in planner.plan(config).ranked if c.strategy == strategy and c.a2a == max(1, a2a)
-                   if strategy == "usp" or c.strategy == strategy)
-        key = (model, topo, strategy, "on" if offload else "off", "splash" if kernel == "splash" else "blockwise")
+    for (model, topo, strategy, offload, seq, kernel), probe in load_results().items():
+        report = probe.get("report") or {}
+        if "total_size_in_bytes" not in report:
+            continue
+        config = load_config(auto_argv(command(model, topo, strategy, offload, seq)[3:]))
+        est = next(c for c in planner.plan(config).ranked
+                   if c.strategy == strategy and c.a2a == max(1, report["mesh"]["context_a2a"]))
+        key = (model, topo, strategy, "on" if offload else "off", kernel)
         groups.setdefault(key, []).append(est.memory_bytes / report["total_size_in_bytes"])
     rows = fit_rows()
     for (model, topo, offload, seq, label), (gib, _) in COMPILED.items():

@@ -256,13 +256,11 @@ def test_memory_estimate_against_the_fit_tables_compiles():
     spec = importlib.util.spec_from_file_location("fit_table", "benchmarks/fit_table.py")
     fit_table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fit_table)
-    probes = {}
-    for line in open("benchmarks/fit_table.jsonl"):
-        r = json.loads(line)
-        if r["strategy"] in ("p2p", "usp") and "total_size_in_bytes" in (r.get("report") or {}):
-            probes[(r["model"], r["topology"], r["strategy"], r["offload"], r["seq"], r["kernel"])] = r["report"]
     checked = {"calibrated": 0, "held out": 0}
-    for (model, topo, strategy, offload, seq, kernel), report in probes.items():
+    for (model, topo, strategy, offload, seq, kernel), probe in fit_table.load_results().items():
+        report = probe.get("report") or {}
+        if strategy not in ("p2p", "usp") or "total_size_in_bytes" not in report:
+            continue
         if (model, topo) == ("llama3-8b", "v5p-128") and kernel != "splash":
             group, tolerance = "calibrated", 0.06
         elif topo == "v6e-256" and not offload:
