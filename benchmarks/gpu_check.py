@@ -16,9 +16,14 @@ training throughput at 32K tokens. For a session lent a GPU machine (one command
    heads of 64, MLP 8192, vocabulary 128256, tied embeddings), 32,768 tokens per sequence, one sequence per GPU,
    synthetic data, remat_policy=full, the loss in 8 chunks; once with attention=flash (cuDNN on GPU for bf16)
    and once with attention=blockwise. Tokens/s and MFU are the logger's (maxctx.metrics: 6 P t + attention FLOPs
-   over the device's peak), the mean of the logged steps after the first.
+   over the device's peak), over the total time of the logged steps after the first.
 
-`--cpu-check` runs the same script on 4 CPU devices, with blockwise in place of cuDNN and a tiny model at 1,024
+4. (`--parts speed`, not in the default parts) Kernel speed: one layer's attention forward and backward at the 1B
+   model's shape (32K tokens), on a one-document row and a packed row, cuDNN through maxctx's boolean mask,
+   blockwise, and cuDNN's own causal mask type with no boolean mask (what a one-document row could cost).
+
+`--parts` picks the parts to run (default kernels,strategies,train). `--cpu-check` runs the same script on 4 CPU
+devices, with blockwise in place of cuDNN and a tiny model at 1,024
 tokens: it checks the script, not a GPU (its output says so).
 """
 
@@ -54,6 +59,7 @@ from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
 from maxctx.mesh import AXES  # noqa: E402
 
 VALUE_TOL, GRAD_TOL = 3e-2, 5e-2
+TRAIN_TIMEOUT_S = 200  # one training run; a hung one must not take the whole lease
 # (name, B, S, H, K, D, documents, window)
 CASES = [("causal, GQA 32/8", 1, 4096, 32, 8, 128, 1, 0), ("packed: 3 documents", 2, 4096, 16, 4, 128, 3, 0),
          ("sliding window 1024", 1, 4096, 16, 4, 128, 1, 1024), ("causal, 8K", 1, 8192, 32, 8, 128, 1, 0)]
@@ -110,8 +116,13 @@ def kernels_table(fast: str) -> list[str]:
         ref = run_kernel("dot_product", q, kk, v, cot, pos, seg, window, f32=True)
         for kernel in dict.fromkeys((fast, "blockwise")):
             start = time.perf_counter()
-            got = run_kernel(kernel, q, kk, v, cot, pos, seg, window)
-            jax.block_until_ready(got)
+            try:
+                got = run_kernel(kernel, q, kk, v, cot, pos, seg, window)
+                jax.block_until_ready(got)
+            except Exception as e:  # one kernel's failure is a result of the check, not its end
+                lines.append(f"| {name} | {kernel} | failed: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:300] if str(e) else ''} | | | | | NO | |")
+                continue
             seconds = time.perf_counter() - start
             errs = [error(g, r) for g, r in zip(got, ref)]
             ok = all(e <= VALUE_TOL for e in errs[:2]) and all(e <= GRAD_TOL for e in errs[2:])
@@ -177,40 +188,116 @@ def train(attention: str, steps: int) -> dict:
         if CPU_CHECK:
             env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=4", "")
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TRAIN_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stderr or b"")[-600:]
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            return {"command": " ".join(cmd[1:]), "error": f"{tail}\nstopped after {TRAIN_TIMEOUT_S} s"}
         wall = time.perf_counter() - start
         if proc.returncode:
+            print(f"--- {' '.join(cmd[1:])} failed:\n{proc.stderr[-4000:]}", file=sys.stderr, flush=True)
             return {"command": " ".join(cmd[1:]), "error": (proc.stderr or proc.stdout).strip()[-600:]}
         records = [json.loads(line) for line in open(os.path.join(out, f"gpu_{attention}", "metrics.jsonl"))]
         logged = [r for r in records if "tokens_per_s" in r][1:]
-        mean = lambda key: sum(r[key] for r in logged) / len(logged)  # noqa: E731
-        return {"command": " ".join(cmd[1:]), "steps averaged": len(logged), "tokens_per_s": mean("tokens_per_s"),
-                "mfu": mean("mfu"), "loss": logged[-1].get("loss"), "wall_s": wall}
+        # over the steps' total time, not the mean of their rates (one short step would lift a mean of rates)
+        seconds = sum(r["step_time_s"] for r in logged)
+        rate = lambda key: sum(r[key] * r["step_time_s"] for r in logged) / seconds  # noqa: E731
+        return {"command": " ".join(cmd[1:]), "steps averaged": len(logged), "tokens_per_s": rate("tokens_per_s"),
+                "mfu": rate("mfu"), "step_s": seconds / len(logged), "loss": logged[-1].get("loss"), "wall_s": wall}
+
+
+def timed_ms(fn, *args, repeats: int = 5) -> float:
+    """Best of `repeats` timed calls of a jitted `fn` (after one for compile), in ms."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def speed_table(fast: str) -> list[str]:
+    """Forward + backward time of one layer's attention at the 1B model's training shape, on one row of causal
+    tokens and on a packed row (the synthetic data's first row): the counted causal pairs (MaxText's MFU) and the
+    pairs the documents need, against the kernel's time."""
+    from maxctx.data.synthetic import SyntheticSource
+    from maxctx.metrics.flops import attention_pairs
+    b, s, h, k, d = (1, 1024, 4, 2, 32) if CPU_CHECK else (1, 32768, 32, 8, 64)
+    q, kk, v, cot, pos, _ = inputs(b, s, h, k, d, documents=1)
+    packed = SyntheticSource(128256, s, b, seed=0).batch(0)
+    rows = {"one document": (pos, jnp.ones((b, s), jnp.int32)),
+            "packed (synthetic row 0)": (jnp.asarray(packed["positions"]), jnp.asarray(packed["segment_ids"]))}
+    lines = [f"B {b}, S {s}, H {h}, K {k}, D {d}; best of 5 after a compile; TFLOP/s counted as 12 H D pairs "
+             "(forward and backward, no recompute):", "",
+             "| row | kernel | fwd+bwd ms | TFLOP/s on causal pairs | TFLOP/s on document pairs |",
+             "|---|---|---|---|---|"]
+
+    def grad_fn(kernel: str):
+        local = make_local(kernel, 512, 512, order=np.arange(s), group=h // k)
+
+        def loss(q, k_, v_, pos, seg):
+            out, _ = local.attend(0, q, k_, v_, pos, seg, pos, seg)
+            return (out.astype(jnp.float32) * cot.astype(jnp.float32)).sum()
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    variants = [(kernel, grad_fn(kernel)) for kernel in dict.fromkeys((fast, "blockwise"))]
+    if not CPU_CHECK:  # cuDNN's own causal mask type, no boolean mask: what a one-document row could cost
+        def native(q, k_, v_, pos, seg):
+            out = jax.nn.dot_product_attention(q, k_, v_, is_causal=True, implementation="cudnn")
+            return (out.astype(jnp.float32) * cot.astype(jnp.float32)).sum()
+        variants.append(("cudnn is_causal, no mask (one document only)", jax.jit(jax.grad(native, argnums=(0, 1, 2)))))
+    for row, (p, g) in rows.items():
+        causal, documents = attention_pairs(b, s), attention_pairs(b, s, segment_ids=np.asarray(g))
+        for name, fn in variants:
+            if "one document only" in name and row != "one document":
+                continue
+            try:
+                ms = timed_ms(fn, q, kk, v, p, g)
+            except Exception as e:  # a failure is a result of the check
+                lines.append(f"| {row} | {name} | failed: {type(e).__name__}: {str(e)[:200]} | | |")
+                continue
+            lines.append(f"| {row} | {name} | {ms:.1f} | {12 * h * d * causal / ms / 1e9:.1f} | "
+                         f"{12 * h * d * documents / ms / 1e9:.1f} |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-check", action="store_true", help="4 CPU devices, blockwise for cuDNN, tiny model")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--parts", default="kernels,strategies,train",
+                        help="comma-separated: kernels, speed, strategies, train")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     fast = "blockwise" if CPU_CHECK else "cudnn"
     print("# GPU check\n")
     print(f"Written by `python3 benchmarks/gpu_check.py{' --cpu-check' if CPU_CHECK else ''}` on "
           f"{len(jax.devices())} x {jax.devices()[0].device_kind} (jax {jax.__version__}, "
           f"{time.strftime('%Y-%m-%d')})." + (" A CPU check of the script: no GPU number below." if CPU_CHECK
                                                 else ""))
-    print("\n## Kernels against dot_product in fp32 (max |x - ref| / max |ref|)\n")
-    print("\n".join(kernels_table(fast)))
-    print("\n## Strategies against the one-device reference\n")
-    print("\n".join(strategies_table(fast)))
+    if "kernels" in parts:
+        print("\n## Kernels against dot_product in fp32 (max |x - ref| / max |ref|)\n")
+        print("\n".join(kernels_table(fast)), flush=True)
+    if "speed" in parts:
+        print("\n## Kernel speed: one layer's attention, forward and backward\n")
+        print("\n".join(speed_table(fast)), flush=True)
+    if "strategies" in parts:
+        print("\n## Strategies against the one-device reference\n")
+        print("\n".join(strategies_table(fast)), flush=True)
+    if "train" not in parts:
+        return
     print("\n## Training throughput\n")
-    print("| attention | tokens/s | MFU | last loss | steps averaged | wall | command |\n|---|---|---|---|---|---|---|")
+    print("| attention | s/step | tokens/s | MFU | last loss | steps averaged | wall | command |\n"
+          "|---|---|---|---|---|---|---|---|")
     for attention in ("flash", "blockwise"):
         r = train(attention, args.steps)
         if "error" in r:
-            print(f"| {attention} | failed: {r['error'].splitlines()[-1][:200]} | | | | | `{r['command']}` |")
+            print(f"| {attention} | failed: {r['error'].splitlines()[-1][:200]} | | | | | | `{r['command']}` |")
         else:
-            print(f"| {attention} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['loss']:.4f} | "
+            print(f"| {attention} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+                  f"{r['loss']:.4f} | "
                   f"{r['steps averaged']} | {r['wall_s']:.0f} s | `{r['command']}` |", flush=True)
 
 

@@ -30,46 +30,61 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class StepMetrics:
-    """One step's metrics on the host. seconds: wall time since the previous fetch (None for the first)."""
+    """One step's metrics on the host. finished: when the step was seen finished (time.perf_counter); seconds:
+    since the previous step was seen finished (None for the first, or after reset_clock)."""
 
     step: int
     metrics: dict[str, float]
     seconds: float | None
+    finished: float = math.nan
 
 
 class PendingMetrics:
     """Holds step n's metrics as device arrays until step n+1 is dispatched, then fetches them.
 
     jax dispatches asynchronously, so reading step n's scalars while step n+1 is queued costs the device nothing;
-    reading them right after dispatching step n would stall it for the whole step. In steady state the time
-    between two fetches is the device's step time.
+    reading them right after dispatching step n would stall it for the whole step.
+
+    A step is seen finished when its fetch returns; or, when its metrics were already computed as its dispatch
+    returned, at that return. The second case is a synchronous dispatch: a program whose loops the host drives
+    (on GPU, a while loop with a computed trip count reads its condition back every iteration) returns only once
+    it ran. Timing by fetches alone would then charge each step with the next one's run and the last with
+    nothing (seen on an H200: 11-13 s steps logged, then 0.06 s). The step time is the gap between two finishes.
     """
 
     def __init__(self) -> None:
-        self._pending: tuple[int, Any] | None = None
-        self._last_fetch: float | None = None
+        self._pending: tuple[int, Any, float | None] | None = None
+        self._last_finish: float | None = None
 
     def push(self, step: int, metrics: Any) -> StepMetrics | None:
-        """Stores step `step`'s device metrics; returns the previous step's, fetched to host (None at first)."""
+        """Stores step `step`'s device metrics, just dispatched; returns the previous step's, fetched to host (None
+        at first)."""
+        finished = time.perf_counter() if _ready(metrics) else None
         done = self.flush()
-        self._pending = (step, metrics)
+        self._pending = (step, metrics, finished)
         return done
 
     def flush(self) -> StepMetrics | None:
         """Fetches the stored step now (blocks until it finished); None when nothing is stored."""
         if self._pending is None:
             return None
-        step, metrics = self._pending
+        step, metrics, finished = self._pending
         self._pending = None
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        seconds = None if self._last_fetch is None else now - self._last_fetch
-        self._last_fetch = now
-        return StepMetrics(step, host, seconds)
+        finished = time.perf_counter() if finished is None else finished
+        seconds = None if self._last_finish is None else finished - self._last_finish
+        self._last_finish = finished
+        return StepMetrics(step, host, seconds, finished)
 
     def reset_clock(self) -> None:
-        """Forgets the last fetch time, e.g. after an eval or a checkpoint save paused the loop."""
-        self._last_fetch = None
+        """Forgets when the last step finished, e.g. after an eval or a checkpoint save paused the loop."""
+        self._last_finish = None
+
+
+def _ready(metrics: Any) -> bool:
+    """Whether every device array among `metrics` is already computed (False if any is not, or is no jax.Array)."""
+    leaves = jax.tree_util.tree_leaves(metrics)
+    return bool(leaves) and all(isinstance(x, jax.Array) and x.is_ready() for x in leaves)
 
 
 class NonFiniteLossError(FloatingPointError):

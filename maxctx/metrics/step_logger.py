@@ -15,8 +15,9 @@ A step the train step skipped (skip_nonfinite_steps: `skipped` = 1, its state ke
 to the divergence watch; it gets one line, and `skipped_steps` counts skips in every record; MAX_SKIPS_IN_A_ROW
 consecutive ones stop the run like a NaN.
 
-Step time is averaged over the steps since the last logged one (steadier than one step). A step has no time when
-no fetch came before it: the loop's first step is timed from the logger's creation; the step after a
+Step time is averaged over the steps since the last logged one (steadier than one step); a step ends when
+PendingMetrics sees it finished (its fetch, or its dispatch for a program that ran as it was called). A step has no
+time when no step finished before it: the loop's first step is timed from the logger's creation; the step after a
 `reset_clock` is left out of the window.
 """
 
@@ -115,8 +116,9 @@ class StepLogger:
             print(format_progress(completed, self.total_steps, values, seconds), flush=True)
 
     def _step_seconds(self, done: StepMetrics) -> float | None:
-        """The step's time since the previous fetch; the loop's first step, which has none, from the loop's start."""
+        """The step's time since the previous step finished; the loop's first step, which has none, from the loop's
+        start."""
         if self._loop_start is None:
             return done.seconds
-        seconds, self._loop_start = time.perf_counter() - self._loop_start, None
+        seconds, self._loop_start = done.finished - self._loop_start, None
         return seconds
