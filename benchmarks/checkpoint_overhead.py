@@ -10,7 +10,7 @@ device-to-host copy, starting the write, waiting for the previous save, and dele
 of max_num_checkpoints_to_keep. Prints the three step times and the ratios to the no-save run. Extra key=value
 words go to every run (e.g. a larger model_name).
 
-Then the integrity record's share (maxctx.checkpoint_integrity): on the sync run's last checkpoint, the time to
+Then the integrity record's share (maxctx.checkpoint.integrity): on the sync run's last checkpoint, the time to
 checksum every file of its items (what a save adds, in Orbax's commit) and to verify the step (what a resume
 adds), next to a sync save's cost (sync step time minus the no-save step time) and the checkpoint's size.
 """
@@ -78,8 +78,8 @@ def integrity_times(step_dir: str, repeats: int = 5) -> tuple[int, float, float]
     """(bytes, seconds to checksum every item's files, seconds to verify the step), best of `repeats`."""
     from etils import epath
 
-    from maxctx.checkpoint import ITEMS
-    from maxctx.checkpoint_integrity import check_step, digest
+    from maxctx.checkpoint.integrity import check_step, digest
+    from maxctx.checkpoint.manager import ITEMS
 
     step = epath.Path(step_dir)
     size = sum(size for item in ITEMS for size, _ in digest(step / item).values())

@@ -5,9 +5,9 @@ estimate compares with the compiled memory of every fit-table probe.
     python3 benchmarks/choosing_a_strategy.py > benchmarks/choosing_a_strategy.md
 
 No compile: each fit-table row's command (benchmarks/fit_table.md) is loaded with context_parallel_strategy=auto
-(maxctx.planner), and its choice is checked against the fit table's compiled results: it fits (compiled) when the
+(maxctx.plan.planner), and its choice is checked against the fit table's compiled results: it fits (compiled) when the
 fit table compiled the chosen strategy, with the same offload setting, at this length or longer. The roofline
-column is maxctx.roofline's step-time estimate (the one `maxctx.compile` prints) for the chosen strategy over the
+column is maxctx.plan.roofline's step-time estimate (the one `maxctx.compile` prints) for the chosen strategy over the
 best of the valid strategies at the same length.
 """
 
@@ -23,9 +23,9 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from maxctx import planner, topology  # noqa: E402
 from maxctx.parallelism import split_context  # noqa: E402
-from maxctx.roofline import roofline  # noqa: E402
+from maxctx.plan import planner, topology  # noqa: E402
+from maxctx.plan.roofline import roofline  # noqa: E402
 from maxctx.validate import load_config  # noqa: E402
 
 # MaxText's measurements, v5p-128 (64 chips), bf16, 2M tokens per step: PR #4687 (step times, llama2-7b) and, as

@@ -201,8 +201,8 @@ def analyse(hlo: str) -> dict:
 
 def compile_run(strategy: str, extra: list[str]):
     """(compiled train step, seconds) for SHAPE with this strategy, for the topology through libtpu."""
-    from maxctx import topology as topo
     from maxctx.mesh import create_mesh
+    from maxctx.plan import topology as topo
     from maxctx.train_step import compile_train_step, make_setup
     from maxctx.validate import load_config
 

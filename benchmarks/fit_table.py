@@ -291,7 +291,7 @@ def write_table(results: dict) -> None:
         "decoder_layer_input=offload, else",
         "remat_policy=full. Max context: doubling, then bisection to 1/8 of the power of two. GiB per chip: what",
         "the program needs / HBM (+ pinned host memory). Largest part: the category of XLA's buffers",
-        "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.roofline's step",
+        "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.plan.roofline's step",
         "time and MFU (not a measurement). Splash: the same command with attention=splash (ring hops' backward",
         "through splash's own kernels, since 2026-12-03; where that is over, docs/long_context.md has the row with",
         "ring_splash_backward=false). Compile: seconds on the 2-core development VM.",

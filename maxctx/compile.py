@@ -2,11 +2,11 @@
 
 Lowers and compiles the real step for the abstract state (no parameters are allocated) and reports per-device
 memory and FLOPs, as text and as JSON on stdout's last line. The step compiles for the local devices, or, with
-`compile_topology=v5p-128` (names in maxctx.topology), for that TPU slice (x compile_topology_num_slices) on any
+`compile_topology=v5p-128` (names in maxctx.plan.topology), for that TPU slice (x compile_topology_num_slices) on any
 machine with libtpu installed and no TPU. For a topology the report adds:
 
 - memory per device (memory_analysis: arguments + outputs + temporaries - aliased) against the device's HBM: fits
-  or not, and by how much (maxctx.out_of_memory.fit; against Google's round capacity in maxctx.topology; XLA's own
+  or not, and by how much (plan.out_of_memory.fit; against Google's round capacity in plan.topology; XLA's own
   limit differs a little: 15.75 GiB on v5e, 95.74 GiB on v5p). XLA sometimes refuses to compile a program that
   does not fit, reported with XLA's own figures (when XLA stops at its temporaries the real need is larger still);
   sometimes it compiles one that needs more than HBM (llama3.1-70b at 512K on v5p-128: 125 GiB), which the memory
@@ -15,9 +15,9 @@ machine with libtpu installed and no TPU. For a topology the report adds:
 - FLOPs per step: analytic model FLOPs (maxctx.metrics, MaxText's convention) and XLA's cost analysis (which counts a
   scanned layer once and counts remat recompute, so it is far below the analytic figure with scan_layers=true).
 - a roofline ESTIMATE of step time and MFU, not a measurement: max(compute, HBM, ICI) time at the chip's peak
-  rates (maxctx.roofline says what each term counts and what it leaves out).
+  rates (maxctx.plan.roofline says what each term counts and what it leaves out).
 
-With `--plan`, nothing compiles: the ranked table of maxctx.planner (what `context_parallel_strategy=auto`
+With `--plan`, nothing compiles: the ranked table of maxctx.plan.planner (what `context_parallel_strategy=auto`
 chooses from) is printed; `--verify` then compiles its three best fitting candidates for the topology and prints
 each one's compiled memory next to the planner's estimate (JSON on stdout's last line either way).
 """
@@ -29,10 +29,10 @@ import math
 import sys
 import time
 
-from maxctx import planner
 from maxctx.config import Config, ConfigError, usage
-from maxctx.out_of_memory import fit, onchip_advice, xla_out_of_memory
-from maxctx.roofline import roofline
+from maxctx.plan import planner
+from maxctx.plan.out_of_memory import fit, onchip_advice, xla_out_of_memory
+from maxctx.plan.roofline import roofline
 from maxctx.validate import check_devices, load_config
 
 GIB = 1024 ** 3
@@ -43,11 +43,11 @@ def compile_report(config: Config) -> dict:
     """Compiles the step for this config (local devices, or `compile_topology`) and returns its statistics."""
     import jax
 
-    from maxctx import topology as topo
     from maxctx.attention.dispatch import resolve_kernel
     from maxctx.mesh import create_mesh
     from maxctx.metrics import compile_record, training_flops_per_device
     from maxctx.model.decoder import count_params
+    from maxctx.plan import topology as topo
     from maxctx.train_step import compile_train_step, make_setup, save_compiled
 
     target = topo.parse(config.compile_topology) if config.compile_topology else None

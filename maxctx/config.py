@@ -107,7 +107,7 @@ class Config:
     # p2p / usp: the ring backward's sends overlap its kernels, at one more fp32 dK/dV block in flight per device
     # (maxctx/attention/ring.py); off by default, so the longest fitting contexts keep their memory.
     ring_backward_overlap: bool = False
-    # Set by the loader when context_parallel_strategy=auto chose the strategy (maxctx.planner has the table).
+    # Set by the loader when context_parallel_strategy=auto chose the strategy (maxctx.plan.planner has the table).
     context_parallel_auto: bool = False
     flash_block_q: int = 512
     flash_block_kv: int = 512

@@ -8,7 +8,7 @@ evaluate and checkpoint on their periods.
 Exit status: 0 done, 2 configuration, data or checkpoint error (a failed save included, per
 checkpoint_failure_policy; a peer process that never joined), 3 non-finite loss (the last good checkpoint is
 kept), 4 out of device memory (HBM, or a kernel's on-chip memory; host memory too), with what to change
-(maxctx.out_of_memory).
+(maxctx.plan.out_of_memory).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from maxctx.checkpoint.run_dir import check_writable
 from maxctx.config import Config, ConfigError, save_config, usage
-from maxctx.out_of_memory import is_out_of_memory, out_of_memory_advice
-from maxctx.run_dir import check_writable
+from maxctx.plan.out_of_memory import is_out_of_memory, out_of_memory_advice
 from maxctx.validate import load_config
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     from maxctx import runtime  # imports JAX; device settings must come before its first use
-    from maxctx.checkpoint import CheckpointError
+    from maxctx.checkpoint.manager import CheckpointError
     from maxctx.data import DataError
     from maxctx.metrics import NonFiniteLossError
 
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    except KeyboardInterrupt:  # only without checkpointing: with it, Ctrl-C saves and exits 0 (maxctx.checkpoint)
+    except KeyboardInterrupt:  # only without checkpointing: with it, Ctrl-C saves and exits 0 (checkpoint.manager)
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except NonFiniteLossError as e:
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
 def train(config: Config) -> int:
     """The loop of the module doc, from step 0 or the run's last checkpoint, holding the run directory's lock;
     errors propagate to `main`."""
-    from maxctx.run_dir import lock_run_dir
+    from maxctx.checkpoint.run_dir import lock_run_dir
 
     lock = lock_run_dir(config)  # one live run per run directory: a second one exits 2 here
     try:
@@ -99,7 +99,7 @@ def train(config: Config) -> int:
 def _train(config: Config) -> int:
     import jax
 
-    from maxctx.checkpoint import Checkpointer
+    from maxctx.checkpoint.manager import Checkpointer
     from maxctx.data.pipeline import create_data_iterator
     from maxctx.evaluate import make_evaluator
     from maxctx.mesh import create_mesh
@@ -218,18 +218,18 @@ def _compile(config: Config, setup: TrainSetup, flops_per_step: float, peak: tup
     if writer.is_primary:
         _print_header(config, record, device.platform, num_devices)
         if plan is not None:
-            from maxctx.planner import format_plan
+            from maxctx.plan.planner import format_plan
 
             print("\n".join(format_plan(plan)), flush=True)
     return compiled
 
 
 def _auto_plan(config: Config) -> Any:
-    """The ranked table behind context_parallel_strategy=auto (maxctx.planner), or None when the strategy was
+    """The ranked table behind context_parallel_strategy=auto (maxctx.plan.planner), or None when the strategy was
     given by hand."""
     if not config.context_parallel_auto:
         return None
-    from maxctx.planner import plan
+    from maxctx.plan.planner import plan
 
     return plan(config)
 

@@ -11,17 +11,17 @@ import dataclasses
 import importlib.util
 import os
 
-from maxctx import planner, topology
 from maxctx.attention import strategies
 from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, parse_config
 from maxctx.files import check_tokenizer_path, expand_files
 from maxctx.parallelism import axis_sizes, num_processes, num_slices, split_context
+from maxctx.plan import planner, topology
 
 
 def load_config(argv: list[str]) -> Config:
     """Builds and checks a Config from `[config.yml] key=value ...` (the train.py and maxctx.compile command line).
     A strategy alias (ring, ulysses) is stored as the strategy's name; `auto` as the strategy and A2A degree
-    maxctx.planner chooses."""
+    maxctx.plan.planner chooses."""
     config = parse_config(argv)
     if config.context_parallel_strategy == "auto":  # the planner's choice, checked by the same rules as any other
         n = planner.num_devices(config)

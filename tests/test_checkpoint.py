@@ -127,7 +127,7 @@ def _setup(out: Path, run: str, *overrides: str):
 
 
 def test_other_model_shape_is_refused_before_writing(reference, tmp_path):
-    from maxctx.checkpoint import Checkpointer
+    from maxctx.checkpoint.manager import Checkpointer
     from maxctx.config import ConfigError
 
     source = reference / "straight/checkpoints"
@@ -136,7 +136,7 @@ def test_other_model_shape_is_refused_before_writing(reference, tmp_path):
         with pytest.raises(ConfigError, match=r"'params/embed' has shape \(256, 128\) in the checkpoint but "
                                               r"\(256, 64\) in this config"):
             Checkpointer(setup.config, setup)
-    # Resuming a run under a changed model shape is refused, naming the key (maxctx.checkpoint_compat).
+    # Resuming a run under a changed model shape is refused, naming the key (maxctx.checkpoint.compatibility).
     setup = _setup(reference, "straight", "base_num_decoder_layers=3")
     with pytest.raises(ConfigError, match=r"saved with base_num_decoder_layers=2 but this run has 3"):
         Checkpointer(setup.config, setup)
@@ -147,7 +147,7 @@ def test_load_parameters_and_full_state(reference, tmp_path):
     import jax
     import orbax.checkpoint as ocp
 
-    from maxctx.checkpoint import Checkpointer
+    from maxctx.checkpoint.manager import Checkpointer
 
     def restore(setup):
         checkpointer = Checkpointer(setup.config, setup)
@@ -201,7 +201,7 @@ def test_exact_resume_text_source(env, tmp_path):
 def test_rng_key_is_a_function_of_seed_and_step():
     import jax
 
-    from maxctx.checkpoint import rng_key
+    from maxctx.checkpoint.manager import rng_key
 
     assert np.array_equal(jax.random.key_data(rng_key(0, 7)), jax.random.key_data(rng_key(0, 7)))
     assert not np.array_equal(jax.random.key_data(rng_key(0, 7)), jax.random.key_data(rng_key(0, 8)))

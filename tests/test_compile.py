@@ -1,4 +1,4 @@
-"""maxctx.compile and maxctx.topology: TPU topology names, the memory/FLOPs/roofline report, and the real train step
+"""maxctx.compile and plan.topology: TPU topology names, the memory/FLOPs/roofline report, and the real train step
 compiled for abstract TPU devices (libtpu, no TPU) in subprocesses that do not force the CPU platform.
 
 Without libtpu the TPU tests skip, naming the reason, or fail when MAXCTX_REQUIRE_LIBTPU=1 (CI sets it).
@@ -19,9 +19,9 @@ import pytest
 
 from maxctx.config import ConfigError
 from maxctx.metrics import training_flops_per_device
-from maxctx.out_of_memory import fit, xla_out_of_memory
-from maxctx.roofline import cp_bytes_per_layer, roofline
-from maxctx.topology import CHIPS, parse, standard_shape
+from maxctx.plan.out_of_memory import fit, xla_out_of_memory
+from maxctx.plan.roofline import cp_bytes_per_layer, roofline
+from maxctx.plan.topology import CHIPS, parse, standard_shape
 from maxctx.validate import load_config
 from tests.support.processes import ROOT, python, tpu_env
 
@@ -155,7 +155,7 @@ def test_a2a_moves_all_heads_and_all_gather_only_kv():
 
 def test_topology_devices_for_every_generation():
     needs_libtpu()
-    code = ("from maxctx.topology import parse, topology_devices\n"
+    code = ("from maxctx.plan.topology import parse, topology_devices\n"
             "for name in ['v4-8', 'v5e-8', 'v5p-8', 'v6e-8', 'tpu7x-8']:\n"
             "    t = parse(name); d = topology_devices(t)\n"
             "    print(name, len(d), d[0].device_kind, d[0].platform)\n"

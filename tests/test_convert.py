@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from maxctx.attention.load_balance import reorder_batch, restore_order
-from maxctx.checkpoint import Checkpointer
+from maxctx.checkpoint.manager import Checkpointer
 from maxctx.convert import safetensors
 from maxctx.convert.cli import main as convert_main
 from maxctx.convert.from_hf import import_hf

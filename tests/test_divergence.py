@@ -4,7 +4,7 @@ newest checkpoint among them. (The end-to-end divergence run is in tests/test_fa
 import math
 from types import SimpleNamespace
 
-from maxctx.divergence import DivergenceWatch, KeepLastGood
+from maxctx.checkpoint.divergence import DivergenceWatch, KeepLastGood
 
 
 def feed(watch, start, values):

@@ -236,7 +236,7 @@ def test_resume_with_another_schedule_length_says_what_changes_in_one_line(env, 
 def test_resume_notices_name_the_change_and_the_old_value():
     import dataclasses
 
-    from maxctx.checkpoint_compat import resume_notices
+    from maxctx.checkpoint.compatibility import resume_notices
     from maxctx.validate import load_config
     from tests.support.processes import BASE_YML
 

@@ -12,15 +12,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first; a module may import from its own layer and the ones before it. A package name covers its modules.
 LAYERS = [
     ["maxctx", "maxctx.errors", "maxctx.compat", "maxctx.config"],
-    ["maxctx.parallelism", "maxctx.files", "maxctx.topology", "maxctx.optimizer", "maxctx.metrics", "maxctx.run_dir",
-     "maxctx.divergence", "maxctx.checkpoint_integrity", "maxctx.checkpoint_failure",
-     "maxctx.preemption"],
+    ["maxctx.parallelism", "maxctx.files", "maxctx.optimizer", "maxctx.metrics"],
     ["maxctx.attention"],
-    ["maxctx.planner", "maxctx.validate"],
+    ["maxctx.plan", "maxctx.validate"],
     ["maxctx.mesh", "maxctx.runtime"],
     ["maxctx.model", "maxctx.data"],
     ["maxctx.train_step"],
-    ["maxctx.checkpoint", "maxctx.checkpoint_compat", "maxctx.roofline", "maxctx.out_of_memory", "maxctx.evaluate"],
+    ["maxctx.checkpoint", "maxctx.evaluate"],
     ["maxctx.compile", "maxctx.train", "maxctx.convert"],
 ]
 

@@ -1,4 +1,4 @@
-"""maxctx.planner (context_parallel_strategy=auto): its attention memory against the compiled program on 8 CPU
+"""maxctx.plan.planner (context_parallel_strategy=auto): its attention memory against the compiled program on 8 CPU
 devices, what auto resolves to, the ranking, and the candidates it drops (with the rule's message)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx import planner
 from maxctx.attention import strategies
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.strategy import AttentionShape, Collective
+from maxctx.plan import planner
 from maxctx.validate import load_config
 from tests.support.meshes import FAST_COMPILE, make_mesh
 
@@ -220,8 +220,8 @@ def test_local_layers_are_costed_by_their_halo():
 
 def test_roofline_counts_what_crosses_slices():
     from maxctx.parallelism import split_context
-    from maxctx.roofline import cp_bytes_per_layer, cp_dcn_bytes_per_layer, roofline
-    from maxctx.topology import CHIPS
+    from maxctx.plan.roofline import cp_bytes_per_layer, cp_dcn_bytes_per_layer, roofline
+    from maxctx.plan.topology import CHIPS
 
     base = ["configs/base.yml", "model_name=llama3-8b", "max_target_length=131072", "ici_fsdp_parallelism=1",
             "per_device_batch_size=0.125", "attention=splash", "compile_topology=v5p-8",

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from maxctx import train
+from maxctx.checkpoint.run_dir import LOCK, STALE_S, RunLock
 from maxctx.config import ConfigError
-from maxctx.run_dir import LOCK, STALE_S, RunLock
 from tests.support.processes import BASE_YML, ROOT, cpu_env, run, steps_on_disk, train_command
 
 TINY = ["dtype=float32", "log_period=1", "per_device_batch_size=1", "max_target_length=64", "cpu_devices=2",

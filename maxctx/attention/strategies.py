@@ -17,7 +17,7 @@ def resolve(name: str) -> str:
     """The strategy's name, with MaxText's aliases resolved (ring -> p2p, ulysses -> a2a)."""
     name = ALIASES.get(name, name)
     if name not in STRATEGIES:
-        known = [*STRATEGIES, *ALIASES, "auto"]  # auto: resolved by maxctx.planner at load
+        known = [*STRATEGIES, *ALIASES, "auto"]  # auto: resolved by maxctx.plan.planner at load
         raise ConfigError(f"context_parallel_strategy='{name}' is not one of {', '.join(known)}; "
                           f"{did_you_mean(name, known)}")
     return name

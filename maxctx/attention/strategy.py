@@ -11,7 +11,7 @@ once in maxctx.attention.strategies, each providing
     activation_bytes(shape) -> int         attention activations saved per device for the backward
     attend(q, k, v, positions, segment_ids, *, kernel, mesh, load_balance, block_q, block_kv, window) -> out
 
-The formulas are the single statement of each strategy's cost: the roofline in maxctx.roofline sums their bytes on
+The formulas are the single statement of each strategy's cost: the roofline in maxctx.plan.roofline sums their bytes on
 the wire, and tests/test_attention_comm.py checks them against the compiled HLO. A strategy module imports JAX only
 inside `attend` (its machinery: ring.py, alltoall.py, kernels.py, collectives.py), so config validation reads the
 registry without starting JAX. This module has no JAX.

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     # The converter uses no accelerator; on a TPU VM it must not take the chips from a training run.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from maxctx.checkpoint import CheckpointError
+    from maxctx.checkpoint.manager import CheckpointError
 
     try:
         if args.command == "from_hf":

@@ -5,7 +5,7 @@ whole. Here each leaf is a `Deferred` (shape, dtype and a function that makes on
 writes the leaves one after the other and a stacked [L, ...] leaf one layer at a time, each layer its own zarr
 chunk, so the process holds one layer of one parameter. The handler's type name is numpy's and the files are
 Orbax's own format (zarr arrays in an OCDBT database, the tree metadata): the checkpoint is an ordinary one,
-restored by `maxctx.checkpoint` like any other (`load_parameters_path`).
+restored by `maxctx.checkpoint.manager` like any other (`load_parameters_path`).
 
 Reading. `open_arrays` opens parameters of a checkpoint's `state` item for reading slices of them (a layer).
 """
@@ -25,7 +25,7 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future, type_handlers
 from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils
 
-from maxctx.checkpoint_integrity import write_record
+from maxctx.checkpoint.integrity import write_record
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from maxctx.checkpoint import META, STATE, resolve_step_dir
+from maxctx.checkpoint.manager import META, STATE, resolve_step_dir
 from maxctx.config import MODEL_KEYS, parse_config
 from maxctx.convert import hf_layout, safetensors
 from maxctx.convert.streaming import open_arrays, shapes

@@ -12,7 +12,7 @@ in their own dtype (pass them in fp32 and cast inside `fn`, as the layers do).
 
 The price is one more forward of the tiled computation in the backward pass: the loss's output projection (about
 1 / 15 of llama3-8b's forward FLOPs), and for the MLP inside a rematerialised layer a third forward instead of two
-(maxctx.roofline counts both).
+(maxctx.plan.roofline counts both).
 """
 
 from __future__ import annotations

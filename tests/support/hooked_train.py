@@ -21,7 +21,8 @@ sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository, not th
 
 import orbax.checkpoint as ocp  # noqa: E402
 
-from maxctx import checkpoint, train  # noqa: E402
+from maxctx import train  # noqa: E402
+from maxctx.checkpoint import manager as checkpoint  # noqa: E402
 from maxctx.data import pipeline  # noqa: E402
 
 slow_step, sigterm_step = int(os.environ.get("SLOW_STEP", -1)), int(os.environ.get("SIGTERM_STEP", -1))

@@ -15,7 +15,7 @@ step time = max(compute, HBM, ICI, DCN), each term the time at the chip's peak r
              fp32 gradients over the devices a weight is sharded across; data-parallel all-reduce; tensor-parallel
              activation all-reduces; the CP strategy's collectives per layer, from the formulas in
              strategy module's `collectives` (forward ones once per forward pass).
-    DCN      (several slices) bytes that cross slices / the chip's DCN bandwidth (maxctx.topology: Google's figure
+    DCN      (several slices) bytes that cross slices / the chip's DCN bandwidth (maxctx.plan.topology: Google's figure
              for v5p and v5e, else an assumed 100 Gb/s): the cross-slice share (d - 1) / d of the weights' gathers
              and gradients' reductions sharded over dcn_fsdp x dcn_context = d slices and of the data-parallel
              all-reduce over dcn_data; of

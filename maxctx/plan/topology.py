@@ -37,7 +37,7 @@ class Chip:
     hbm_bytes_per_s: float
     ici_bytes_per_s: float  # bidirectional, all ICI links of one chip together
     source: str
-    dcn_bytes_per_s: float = 0.0  # one direction, per chip, when Google's page gives it (0: maxctx.planner's default)
+    dcn_bytes_per_s: float = 0.0  # one direction, per chip, when Google's page gives it (0: the planner's default)
 
     @property
     def dcn_bytes_per_s_or_default(self) -> float:

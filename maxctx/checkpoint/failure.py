@@ -8,11 +8,11 @@ the OS error (`... No space left on device [os_error_code='28']`); Python writer
 record, Orbax's metadata) raise OSError.
 
 What it leaves. Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it only once every item is
-written, and the integrity record (maxctx.checkpoint_integrity) is written before that rename; so a failed save
+written, and the integrity record (maxctx.checkpoint.integrity) is written before that rename; so a failed save
 leaves a tmp directory, never a `<step>` directory a resume would pick, and the committed steps are untouched.
 Once the failed save's other writes have ended (`settle_writes`: Orbax raises at the first failed write while the
 others are still running), the tmp directory is removed (it is this run's own partial write, not a checkpoint), so
-that a full disk gets its space back before the next try. maxctx.checkpoint applies `checkpoint_failure_policy`.
+that a full disk gets its space back before the next try. maxctx.checkpoint.manager applies `checkpoint_failure_policy`.
 
 Orbax logs each failed write with its traceback; `QuietStorageErrors` drops those records, since the run reports
 the failure itself in one line. Orbax also closes a write's event loop at its first failed write while TensorStore

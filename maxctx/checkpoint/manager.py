@@ -19,7 +19,7 @@ Where the starting state comes from, first match wins:
   3. `load_parameters_path`: parameters only; fresh optimizer state, step 0,
   4. fresh initialisation.
 A load path is a checkpoint step directory (`<run>/checkpoints/<step>`) or a checkpoints directory (its latest
-complete step). Paths, shapes, seed, process count and, on resume, the data source (maxctx.checkpoint_compat) are
+complete step). Paths, shapes, seed, process count and, on resume, the data source (maxctx.checkpoint.compatibility) are
 checked when the Checkpointer is built, before anything is restored; errors are ConfigErrors naming the path,
 the key and both values, or the parameter and both shapes.
 
@@ -30,20 +30,20 @@ another.
 Verified checkpoints only. Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` (or
 writes commit_success.txt, on object stores) only once every item of every process is written; a save cut off
 by a crash or `kill -9` leaves a tmp directory, which is never listed as a step and is deleted at the next start.
-Just before that commit, each item records the size and CRC-32 of its files (maxctx.checkpoint_integrity).
+Just before that commit, each item records the size and CRC-32 of its files (maxctx.checkpoint.integrity).
 Resuming verifies the newest step; one that is incomplete, unreadable or fails verification (or that Orbax then
 fails to restore) is reported in one line, renamed aside to `<step>.corrupt` (never deleted) and the next older
 step is tried. With none left, or a load path at a damaged step, a CheckpointError (exit 2) says what to do.
 
 Preemption (SIGTERM) and Ctrl-C: the run finishes its current step, saves it, waits for the save to commit and
-exits 0 (maxctx.preemption says how every process agrees on that step).
+exits 0 (maxctx.checkpoint.preemption says how every process agrees on that step).
 
-Failed saves (maxctx.checkpoint_failure): a save that fails on storage (disk full, quota, I/O) leaves the committed
+Failed saves (maxctx.checkpoint.failure): a save that fails on storage (disk full, quota, I/O) leaves the committed
 steps as they were and no step a resume would pick; `checkpoint_failure_policy=exit` stops the run with one line
 (exit 2), `continue` says so in one line and tries again at the next save (a failed last or preemption save still
 exits 2). Every process calls `save` and `wait` at the same step, so all agree on a failure and act alike.
 
-Divergence (maxctx.divergence): a state with non-finite parameters or moments is never saved (the step's `finite`
+Divergence (divergence.py): a state with non-finite parameters or moments is never saved (the step's `finite`
 flag, checked before each save); retention keeps the newest checkpoint known good besides the latest
 max_num_checkpoints_to_keep, and when the NaN guard stops the run, the checkpoints saved since the divergence
 began are set aside (`<step>.suspect`) so that the command it prints resumes from the last good one.
@@ -62,12 +62,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from maxctx import checkpoint_failure as failures
-from maxctx.checkpoint_compat import check_resume_record, check_shapes, resume_notices, resume_record
-from maxctx.checkpoint_integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
+from maxctx.checkpoint import failure as failures
+from maxctx.checkpoint.compatibility import check_resume_record, check_shapes, resume_notices, resume_record
+from maxctx.checkpoint.divergence import DivergenceWatch, KeepLastGood
+from maxctx.checkpoint.integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
+from maxctx.checkpoint.preemption import PreemptionWatch
 from maxctx.config import Config, ConfigError
-from maxctx.divergence import DivergenceWatch, KeepLastGood
-from maxctx.preemption import PreemptionWatch
 from maxctx.train_step import TrainSetup, init_state
 
 STATE, DATA, META = "state", "data", "meta"
@@ -234,7 +234,7 @@ class Checkpointer:
         policies = ocp.checkpoint_managers
         keep = policies.AnyPreservationPolicy([
             policies.LatestN(self.config.max_num_checkpoints_to_keep or None),  # 0: keep all
-            KeepLastGood(lambda: self.divergence.good_until)])  # never only suspect ones (maxctx.divergence)
+            KeepLastGood(lambda: self.divergence.good_until)])  # never only suspect ones (maxctx.checkpoint.divergence)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=keep, enable_async_checkpointing=self.config.async_checkpointing,
             create=True, cleanup_tmp_directories=True)
@@ -279,7 +279,7 @@ class Checkpointer:
     def _restore_own(self, data) -> dict:
         """Restores the verified step chosen at construction; should Orbax still fail to read it, sets it aside and
         falls back like a step that failed verification."""
-        from maxctx.out_of_memory import is_out_of_memory
+        from maxctx.plan.out_of_memory import is_out_of_memory
 
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(self.setup.abstract_state),
                                      DATA: ocp.args.JsonRestore()})

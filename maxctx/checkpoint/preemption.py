@@ -1,11 +1,11 @@
-"""Preemption notices and Ctrl-C: when to stop, agreed by every process (maxctx.checkpoint saves there).
+"""Preemption notices and Ctrl-C: when to stop, agreed by every process (maxctx.checkpoint.manager saves there).
 
 Preemption (SIGTERM): the run finishes its current step, saves it, waits for the save to commit and exits 0.
 Single process: a signal handler sets a flag read after each step. Multi-process: processes get the signal at
 different times and are at different steps, so they must agree on one step to save; JAX's preemption service
 (started by jax.distributed.initialize, with its own SIGTERM notifier) spreads the notice and
 `reached_preemption_sync_point(step)` turns True on every process at the same step (max step seen + 1). Both are
-checked in Checkpointer.should_save (maxctx.checkpoint), which every process calls after every step. Ctrl-C
+checked in Checkpointer.should_save (maxctx.checkpoint.manager), which every process calls after every step. Ctrl-C
 (SIGINT) does the same; a second Ctrl-C stops at once.
 """
 

@@ -45,14 +45,14 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from maxctx import topology
 from maxctx.attention import halo, strategies
 from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError, layer_windows
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
+from maxctx.plan import topology
 
 GIB = 1024 ** 3
-# DCN bandwidth per chip each way where maxctx.topology has no figure from Google's pages (v4, v6e, tpu7x, and the
+# DCN bandwidth per chip each way where maxctx.plan.topology has no figure from Google's pages (v4, v6e, tpu7x, and the
 # generic device): an assumption, 100 Gb/s. Latency of one collective or ring hop: assumptions.
 DCN_BYTES_PER_S = topology.DCN_DEFAULT_BYTES_PER_S
 ICI_LATENCY_S, DCN_LATENCY_S = 5e-6, 50e-6
