@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
 from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
-from maxctx.mesh import AXES  # noqa: E402
+from maxctx.parallelism import MESH_AXES  # noqa: E402
 from tests.support.hlo import collective_bytes  # noqa: E402
 
 LAYOUTS = {"all_gather": (8, 1), "a2a": (1, 8), "p2p": (8, 1), "usp": (2, 4)}
@@ -37,7 +37,7 @@ H, K, D = 8, 2, 32
 
 def measure(strategy: str, kernel: str, seq: int, repeats: int) -> dict:
     ring, a2a = LAYOUTS[strategy]
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 1, ring, a2a, 1), AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 1, ring, a2a, 1), MESH_AXES)
     spec = AttentionSpec(kernel=kernel, strategy=strategy, load_balance=True, block_q=128, block_kv=128)
 
     def step(q, k, v, pos, seg):

@@ -56,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
 from maxctx.attention.kernels import make_local  # noqa: E402
 from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
-from maxctx.mesh import AXES  # noqa: E402
+from maxctx.parallelism import MESH_AXES  # noqa: E402
 
 VALUE_TOL, GRAD_TOL = 3e-2, 5e-2
 TRAIN_TIMEOUT_S = 200  # one training run; a hung one must not take the whole lease
@@ -133,7 +133,7 @@ def kernels_table(fast: str) -> list[str]:
 
 def run_strategy(strategy: str, ring: int, a2a: int, kernel: str, q, k, v, cot, pos, seg) -> list[np.ndarray]:
     """(out, dq, dk, dv) of `strategy` over ring x a2a devices, in the original token order."""
-    mesh = Mesh(np.asarray(jax.devices()).reshape(1, 1, ring, a2a, 1), AXES)
+    mesh = Mesh(np.asarray(jax.devices()).reshape(1, 1, ring, a2a, 1), MESH_AXES)
     spec = AttentionSpec(kernel=kernel, strategy=strategy, load_balance=True)
     acts = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
     ids = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))

@@ -35,7 +35,7 @@ from maxctx.attention import strategies  # noqa: E402
 from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
 from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
 from maxctx.attention.strategy import AttentionShape  # noqa: E402
-from maxctx.mesh import AXES  # noqa: E402
+from maxctx.parallelism import MESH_AXES  # noqa: E402
 from tests.support.hlo import collective_bytes  # noqa: E402
 
 LAYOUTS = {"all_gather": (8, 1), "p2p": (8, 1), "a2a": (1, 8), "usp": (2, 4)}
@@ -44,7 +44,7 @@ H, K, D = 8, 2, 32
 
 def measure(strategy: str, seq: int, window: int, doc: int, repeats: int) -> dict:
     ring, a2a = LAYOUTS[strategy]
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 1, ring, a2a, 1), AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 1, ring, a2a, 1), MESH_AXES)
     spec = AttentionSpec(kernel="blockwise", strategy=strategy, load_balance=True, block_q=512, block_kv=512,
                          window=window)
 

@@ -1,9 +1,10 @@
 """Device mesh from the ici_*/dcn_* sizes, and the one table mapping logical axis names to mesh axes.
 
-Mesh axes: data, fsdp, context, context_a2a, tensor. The context-parallel degree C is split as
-context (ring part R, outer) x context_a2a (all-to-all part U, inner): a2a uses U = C, p2p and all_gather R = C,
-usp both. The sequence is sharded over (context, context_a2a) whatever the strategy, so token shard index
-= ring_rank * U + a2a_rank.
+Mesh axes (maxctx.parallelism.MESH_AXES): data, fsdp, context, context_a2a, tensor. The context-parallel degree C
+is split as context (ring part R, outer) x context_a2a (all-to-all part U, inner): a2a uses U = C, p2p and
+all_gather R = C, usp both. The sequence is sharded over (context, context_a2a) whatever the strategy, so token
+shard index = ring_rank * U + a2a_rank. The config is checked against the device count before the mesh is built
+(maxctx.validate.check_devices, from maxctx.validate or maxctx.runtime.initialize), not here.
 """
 
 from __future__ import annotations
@@ -17,19 +18,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxctx.attention import strategies
 from maxctx.config import Config
-from maxctx.parallelism import context_degree as configured_context_degree, mesh_sizes, split_context
-from maxctx.validate import check_devices
-
-AXES = ("data", "fsdp", "context", "context_a2a", "tensor")
-CONTEXT_AXES = ("context", "context_a2a")
-BATCH_AXES = ("data", "fsdp")
+from maxctx.parallelism import (
+    A2A_AXIS,
+    BATCH_AXES,
+    CONTEXT_AXES,
+    MESH_AXES,
+    RING_AXIS,
+    context_degree,
+    mesh_sizes,
+    split_context,
+)
 
 # Logical name -> mesh axes. Weights shard their embed dimension over fsdp and the context axes too (as MaxText
 # does): CP devices would otherwise hold replicas. Activations use the `activation_*` names.
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
     "length": CONTEXT_AXES,
-    "embed": ("fsdp", "context", "context_a2a"),
+    "embed": ("fsdp", *CONTEXT_AXES),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
@@ -46,23 +51,22 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 
 
 def axis_sizes(config: Config, num_devices: int) -> dict[str, int]:
-    """Mesh axis sizes (ici x dcn) for `num_devices`, with context split into ring x a2a parts (AXES)."""
+    """Mesh axis sizes (ici x dcn) for `num_devices`, with context split into ring x a2a parts (MESH_AXES)."""
     return split_context(config, num_devices, _a2a_degree(config, num_devices))
 
 
 def _a2a_degree(config: Config, num_devices: int) -> int:
-    cp = configured_context_degree(config, num_devices)
+    cp = context_degree(config, num_devices)
     return strategies.a2a_degree(config, cp) if cp > 1 else 1
 
 
 def create_mesh(config: Config, devices: list | None = None) -> Mesh:
-    """Builds the mesh; the checks that need the device count raise ConfigError before anything compiles."""
+    """Builds the mesh over `devices` (default: all of JAX's) for a config already checked against their count."""
     devices = list(jax.devices()) if devices is None else list(devices)
-    check_devices(config, len(devices))
     ici, dcn = mesh_sizes(config, len(devices))
-    u = axis_sizes(config, len(devices))["context_a2a"]
-    ici_shape = (ici["data"], ici["fsdp"], ici["context"] // u, u, ici["tensor"])
-    dcn_shape = (dcn["data"], dcn["fsdp"], dcn["context"], 1, dcn["tensor"])
+    u = axis_sizes(config, len(devices))[A2A_AXIS]
+    ici_shape = (ici["data"], ici["fsdp"], ici[RING_AXIS] // u, u, ici["tensor"])
+    dcn_shape = (dcn["data"], dcn["fsdp"], dcn[RING_AXIS], 1, dcn["tensor"])
     if math.prod(dcn_shape) > 1:
         grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
     elif devices[0].platform == "cpu":
@@ -70,9 +74,9 @@ def create_mesh(config: Config, devices: list | None = None) -> Mesh:
     else:
         # The physical mapping is chosen for context unsplit (its ring and A2A parts together); splitting it
         # afterwards keeps each A2A group on adjacent devices of that axis.
-        merged = (ici["data"], ici["fsdp"], ici["context"], ici["tensor"])
+        merged = (ici["data"], ici["fsdp"], ici[RING_AXIS], ici["tensor"])
         grid = mesh_utils.create_device_mesh(merged, devices).reshape(ici_shape)
-    return Mesh(grid, AXES)
+    return Mesh(grid, MESH_AXES)
 
 
 def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
@@ -108,7 +112,3 @@ def named_sharding(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int, 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Layout of every [B, S] batch array: x[B_(data,fsdp), S_(context,context_a2a)]."""
     return NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXES))
-
-
-def context_degree(mesh: Mesh) -> int:
-    return mesh.shape["context"] * mesh.shape["context_a2a"]

@@ -1,20 +1,25 @@
-"""The parallelism arithmetic, without JAX: mesh axis sizes from the ici_*/dcn_* keys, the context-parallel degree
-and its split, the process count.
+"""The parallelism arithmetic, without JAX: the mesh axis names, axis sizes from the ici_*/dcn_* keys, the
+context-parallel degree and its split, the process count. Every other module takes these names from here.
 
-Mesh axes: data, fsdp, context, tensor as configured; the context degree C = ici x dcn context parallelism is
-split into a ring part R (mesh axis `context`, outer) and an all-to-all part U (`context_a2a`, inner), C = R x U.
-Which U a strategy uses is the strategy's rule (maxctx.attention.<strategy>.a2a_degree); this module only does
-the arithmetic. Used by config validation (before JAX starts), maxctx.mesh and maxctx.runtime.
+Configured axes (CONFIGURED_AXES): data, fsdp, context, tensor, one ici_* and one dcn_* key each. The context degree
+C = ici x dcn context parallelism is split into a ring part R (mesh axis RING_AXIS, `context`, outer) and an
+all-to-all part U (A2A_AXIS, `context_a2a`, inner), C = R x U, so the mesh has MESH_AXES. Which U a strategy uses
+is the strategy's rule (maxctx.attention.<strategy>.a2a_degree); this module only does the arithmetic.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 
 from maxctx.config import Config, ConfigError
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+RING_AXIS, A2A_AXIS = "context", "context_a2a"
+BATCH_AXES = ("data", "fsdp")
+CONTEXT_AXES = (RING_AXIS, A2A_AXIS)  # the sequence's shards: index = ring rank x U + a2a rank
+CONFIGURED_AXES = (*BATCH_AXES, RING_AXIS, "tensor")
+MESH_AXES = (*BATCH_AXES, *CONTEXT_AXES, "tensor")
 
 
 def num_slices(config: Config) -> int:
@@ -28,8 +33,8 @@ def mesh_sizes(config: Config, num_devices: int) -> tuple[dict[str, int], dict[s
 
     Single-slice runs have dcn product 1: a -1 there becomes 1.
     """
-    dcn = {a: getattr(config, f"dcn_{a}_parallelism") for a in MESH_AXES}
-    ici = {a: getattr(config, f"ici_{a}_parallelism") for a in MESH_AXES}
+    dcn = {a: getattr(config, f"dcn_{a}_parallelism") for a in CONFIGURED_AXES}
+    ici = {a: getattr(config, f"ici_{a}_parallelism") for a in CONFIGURED_AXES}
     slices = num_slices(config)
     dcn = _fill(dcn, slices, "dcn", "number of slices")
     per_slice, rem = divmod(num_devices, slices)
@@ -60,30 +65,35 @@ def _fill(sizes: dict[str, int], total: int, group: str, what: str) -> dict[str,
     return sizes
 
 
-def axis_sizes(config: Config, num_devices: int) -> dict[str, int]:
-    """Total size (ici x dcn) of each of MESH_AXES for `num_devices` devices."""
+def configured_sizes(config: Config, num_devices: int) -> dict[str, int]:
+    """Total size (ici x dcn) of each of CONFIGURED_AXES for `num_devices` devices (context not yet split)."""
     ici, dcn = mesh_sizes(config, num_devices)
-    return {a: ici[a] * dcn[a] for a in MESH_AXES}
+    return {a: ici[a] * dcn[a] for a in CONFIGURED_AXES}
 
 
 def context_degree(config: Config, num_devices: int) -> int:
-    """The context-parallel degree C."""
-    return axis_sizes(config, num_devices)["context"]
+    """The context-parallel degree C the config asks for on `num_devices` devices."""
+    return configured_sizes(config, num_devices)[RING_AXIS]
+
+
+def mesh_context_degree(shape: Mapping[str, int]) -> int:
+    """C of a built mesh: R x U from its axis sizes (`mesh.shape`, or `split_context`'s sizes)."""
+    return shape[RING_AXIS] * shape[A2A_AXIS]
 
 
 def split_context(config: Config, num_devices: int, a2a: int) -> dict[str, int]:
-    """Mesh axis sizes with context split into the ring part (`context`) and the A2A part U (`context_a2a`).
+    """Sizes of MESH_AXES, with context split into the ring part R (RING_AXIS) and the A2A part U (A2A_AXIS).
 
     All-to-all runs inside a slice, so U must divide ici_context_parallelism (and so C).
     """
     ici, dcn = mesh_sizes(config, num_devices)
-    if ici["context"] % a2a:
+    if ici[RING_AXIS] % a2a:
         raise ConfigError(f"the A2A degree {a2a} (context_parallel_a2a_degree, or the strategy's default) does not "
-                          f"divide ici_context_parallelism={ici['context']}; all-to-all runs inside a slice, so "
-                          f"choose a divisor of {ici['context']}")
-    sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
-    return {"data": sizes["data"], "fsdp": sizes["fsdp"], "context": sizes["context"] // a2a, "context_a2a": a2a,
-            "tensor": sizes["tensor"]}
+                          f"divide ici_context_parallelism={ici[RING_AXIS]}; all-to-all runs inside a slice, so "
+                          f"choose a divisor of {ici[RING_AXIS]}")
+    sizes = {a: ici[a] * dcn[a] for a in CONFIGURED_AXES}
+    sizes.update({RING_AXIS: sizes[RING_AXIS] // a2a, A2A_AXIS: a2a})
+    return {a: sizes[a] for a in MESH_AXES}
 
 
 def balanced_a2a_degree(cp: int, heads: int) -> int:

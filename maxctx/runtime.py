@@ -10,6 +10,9 @@ and when its deadline passes XLA aborts the process with a fatal log (exit 134).
 first, after `jax_distributed_initialization_timeout` seconds (JAX's own deadline is set later than that), with one
 line naming the coordinator and the missing process ids, and exit status 2. A process other than 0 probes the
 coordinator's port meanwhile, so it can tell "process 0 is not there" from "some other process is missing".
+
+Once JAX knows the devices, the config's device checks (maxctx.validate.check_devices) run for their count, unless
+loading already ran them for that count (cpu_devices, or compile_topology whose devices are not these).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import jax
 
 from maxctx.config import Config, ConfigError
 from maxctx.parallelism import num_processes
+from maxctx.plan.planner import num_devices
+from maxctx.validate import check_devices
 
 
 def configure_devices(config: Config) -> None:
@@ -81,7 +86,8 @@ def distributed_settings(config: Config) -> dict | None:
 
 
 def initialize(config: Config) -> None:
-    """Devices, then (for multi-process runs) jax.distributed, with CPU collectives over gloo."""
+    """Devices, then (for multi-process runs) jax.distributed, with CPU collectives over gloo; then the checks that
+    need the device count, for a count the config did not state."""
     configure_devices(config)
     settings = distributed_settings(config)
     if settings is not None:
@@ -92,6 +98,8 @@ def initialize(config: Config) -> None:
         if watchdog is not None:
             watchdog.cancel()
     check_hardware(config)
+    if not config.compile_topology and num_devices(config) != jax.device_count():
+        check_devices(config, jax.device_count())
 
 
 _JAX_DEADLINE_MARGIN_S = 60

@@ -14,7 +14,7 @@ import os
 from maxctx.attention import strategies
 from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, parse_config
 from maxctx.files import check_tokenizer_path, expand_files
-from maxctx.parallelism import axis_sizes, num_processes, num_slices, split_context
+from maxctx.parallelism import RING_AXIS, configured_sizes, num_processes, num_slices, split_context
 from maxctx.plan import planner, topology
 
 
@@ -57,7 +57,7 @@ def _positive(config: Config, *keys: str, allow_zero: bool = False) -> None:
 
 def check_devices(config: Config, num_devices: int) -> None:
     """Checks that need the device count: mesh product, batch and sequence divisibility, the strategy's rules."""
-    axis = axis_sizes(config, num_devices)
+    axis = configured_sizes(config, num_devices)
     batch = config.per_device_batch_size * num_devices
     if abs(batch - round(batch)) > 1e-9 or round(batch) < 1:
         raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = {batch} "
@@ -69,7 +69,7 @@ def check_devices(config: Config, num_devices: int) -> None:
                           f"per_device_batch_size or the data/fsdp parallelism")
     if config.eval_interval > 0:
         _check_eval_batch(config, num_devices, batch_shards)
-    cp = axis["context"]
+    cp = axis[RING_AXIS]
     chunks = 2 * cp if config.context_parallel_load_balance and cp > 1 else cp
     if config.max_target_length % chunks:
         fix = " (2 x context parallelism, for context_parallel_load_balance=true)" if chunks != cp else ""

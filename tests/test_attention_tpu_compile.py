@@ -21,7 +21,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from maxctx.attention import splash
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.mesh import AXES
+from maxctx.parallelism import MESH_AXES
 
 devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices  # v5p-8: 4 chips
 B, S, H, K, D = 1, 2048, 8, 2, 128
@@ -54,7 +54,7 @@ for strategy, ring, a2a, balance, table, window, *blocks in [
         # The ring backward software-pipelined (ring_backward_overlap=true).
         ("p2p", 4, 1, True, None, 0, dict(overlap=True)), ("usp", 2, 2, True, None, 0, dict(overlap=True))]:
     splash.MAX_TABLE_ENTRIES = table or default_table
-    mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), AXES)
+    mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), MESH_AXES)
     opts = dict(blocks[0]) if blocks else {}
     overlap = opts.pop("overlap", False)
     spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=balance, block_q=256, block_kv=256,

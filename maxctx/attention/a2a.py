@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError
+from maxctx.parallelism import A2A_AXIS, RING_AXIS
 
 NAME, ALIASES = "a2a", ("ulysses",)
 
@@ -66,13 +67,13 @@ def activation_bytes(s: AttentionShape) -> float:
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
            block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
-    from maxctx.attention.alltoall import A2A_AXIS, a2a_attention
+    from maxctx.attention.alltoall import a2a_attention
     from maxctx.attention.collectives import context_shard_map
     from maxctx.attention.kernels import make_local, stored_order
 
-    if mesh.shape["context"] > 1:
+    if mesh.shape[RING_AXIS] > 1:
         raise ConfigError(f"context_parallel_strategy=a2a puts the whole context degree on the all-to-all, but the "
-                          f"mesh has a ring part of {mesh.shape['context']}; use context_parallel_strategy=usp")
+                          f"mesh has a ring part of {mesh.shape[RING_AXIS]}; use context_parallel_strategy=usp")
     u = mesh.shape[A2A_AXIS]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     group = h // replicated_kv_heads(kv_heads, u)

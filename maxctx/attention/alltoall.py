@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from maxctx.attention.strategy import replicated_kv_heads
-
-A2A_AXIS = "context_a2a"
+from maxctx.parallelism import A2A_AXIS
 
 
 def seq_to_heads(x_BSHD, axis=A2A_AXIS):

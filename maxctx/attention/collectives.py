@@ -11,6 +11,8 @@ from collections.abc import Callable
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from maxctx.parallelism import BATCH_AXES as BATCH, CONTEXT_AXES as CONTEXT
+
 try:  # jax >= 0.6: jax.shard_map with check_vma
     from jax import shard_map as _shard_map
 
@@ -20,8 +22,6 @@ except ImportError:  # older jax
 
     _NO_CHECK = {"check_rep": False}
 
-BATCH = ("data", "fsdp")
-CONTEXT = ("context", "context_a2a")
 
 
 def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:

@@ -19,6 +19,7 @@ import numpy as np
 from maxctx.attention import halo, splash, strategies
 from maxctx.attention.kernels import make_local
 from maxctx.config import AttentionKernel, Config, ConfigError
+from maxctx.parallelism import mesh_context_degree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
                            splash_blocks=spec.splash_blocks)
         return local.attend(0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
                             segment_ids_BS)[0]
-    cp = mesh.shape["context"] * mesh.shape["context_a2a"]
+    cp = mesh_context_degree(mesh.shape)
     strategy = strategies.get(spec.strategy if cp > 1 else "all_gather")
     if spec.window and cp > 1 and getattr(strategy, "LOCAL_BY_HALO", False):
         out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,

@@ -200,8 +200,9 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     `layout_plan` says the strategy's own path moves no more."""
     from maxctx.attention.collectives import CONTEXT, context_shard_map
     from maxctx.attention.kernels import make_band
+    from maxctx.parallelism import mesh_context_degree
 
-    cp = mesh.shape["context"] * mesh.shape["context_a2a"]
+    cp = mesh_context_degree(mesh.shape)
     seq = q_BSHD.shape[1]
     p = layout_plan(seq, cp, load_balance, window)
     if p is None:

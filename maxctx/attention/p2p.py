@@ -15,6 +15,7 @@ from __future__ import annotations
 from maxctx.attention import halo
 from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
+from maxctx.parallelism import mesh_context_degree
 
 LOCAL_BY_HALO = True  # local layers: maxctx.attention.halo, where it moves less
 RING = True  # attend takes ring_backward_overlap (maxctx.attention.ring)
@@ -67,7 +68,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     from maxctx.attention.kernels import make_local, stored_order
     from maxctx.attention.ring import ring_attention
 
-    cp = mesh.shape["context"] * mesh.shape["context_a2a"]
+    cp = mesh_context_degree(mesh.shape)
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
                        q_shards=cp, kv_blocks=cp, q_axes=CONTEXT, group=h // kv_heads, ring=True, window=window,

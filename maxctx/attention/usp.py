@@ -18,12 +18,11 @@ from maxctx.attention import a2a, halo
 from maxctx.attention.p2p import ring_collectives
 from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError
-from maxctx.parallelism import balanced_a2a_degree
+from maxctx.parallelism import A2A_AXIS, RING_AXIS, balanced_a2a_degree
 
 LOCAL_BY_HALO = True  # local layers: maxctx.attention.halo, where it moves less
 RING = True  # attend takes ring_backward_overlap (maxctx.attention.ring)
 NAME, ALIASES = "usp", ()
-RING_AXIS = "context"
 
 
 def a2a_degree(config: Config, cp: int) -> int:
@@ -74,7 +73,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str,
     from maxctx.attention.kernels import make_local, stored_order
     from maxctx.attention.ring import ring_attention
 
-    u, r = mesh.shape["context_a2a"], mesh.shape[RING_AXIS]
+    u, r = mesh.shape[A2A_AXIS], mesh.shape[RING_AXIS]
     seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
     local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u * r, load_balance),
                        q_shards=r, kv_blocks=r, q_axes=RING_AXIS, group=h // replicated_kv_heads(kv_heads, u),

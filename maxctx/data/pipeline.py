@@ -39,7 +39,7 @@ from maxctx.data.packing import pack
 from maxctx.data.sources import make_source
 from maxctx.data.synthetic import SyntheticSource
 from maxctx.data.tokenizer import EncodeDocument, load_tokenizer
-from maxctx.mesh import context_degree
+from maxctx.parallelism import mesh_context_degree
 
 SPLITS = ("train", "eval")
 MIN_PACKING_BINS = 16
@@ -100,7 +100,7 @@ class SyntheticIterator:
 
     def __init__(self, config: Config, mesh: Mesh, layout: HostLayout, stream: int = 0):
         self.mesh, self.layout = mesh, layout
-        self.cp = context_degree(mesh) if config.context_parallel_load_balance else 1
+        self.cp = mesh_context_degree(mesh.shape) if config.context_parallel_load_balance else 1
         self.source = SyntheticSource(config.vocab_size, config.max_target_length, layout.global_shape[0],
                                       config.seed, stream)
         self.step = 0
@@ -228,7 +228,7 @@ def create_data_iterator(config: Config, mesh: Mesh, split: str = "train"):
     if config.max_target_length <= 0:
         raise ConfigError(f"max_target_length={config.max_target_length} must be > 0")
     layout = host_layout(mesh, global_batch_rows(config, mesh, split), config.max_target_length)
-    cp = context_degree(mesh) if config.context_parallel_load_balance else 1
+    cp = mesh_context_degree(mesh.shape) if config.context_parallel_load_balance else 1
     if config.dataset_type == "synthetic":
         return SyntheticIterator(config, mesh, layout, stream=SPLITS.index(split))
     once = split == "eval" and config.eval_steps == -1  # the whole eval split

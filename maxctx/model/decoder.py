@@ -15,9 +15,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.mesh import BATCH_AXES, CONTEXT_AXES
 from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, param
 from maxctx.model.tiling import sum_chunks
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
 _QKV = ("query_proj", "key_proj", "value_proj")
 _MATMULS = (*_QKV, "out_proj", "mlpwi", "mlpwo")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxctx.mesh import BATCH_AXES, CONTEXT_AXES, context_degree
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, mesh_context_degree
 
 
 def _split(x, n: int, cp: int, mesh: Mesh | None):
@@ -50,7 +50,7 @@ def map_chunks(fn: Callable, n: int, mesh: Mesh | None, x_BSX) -> jax.Array:
     """fn(x[B, S', ...]) -> y[B, S', ...], token by token, applied to N chunks in turn; returns y[B, S, ...]."""
     if n <= 1:
         return fn(x_BSX)
-    cp = context_degree(mesh) if mesh is not None else 1
+    cp = mesh_context_degree(mesh.shape) if mesh is not None else 1
     _check(x_BSX.shape[1], n, cp)
     body = jax.checkpoint(lambda c: fn(_flat(c)), policy=jax.checkpoint_policies.nothing_saveable)
 
@@ -67,7 +67,7 @@ def sum_chunks(fn: Callable, n: int, mesh: Mesh | None, *xs_BS):
     """fn(*chunks of xs) -> a pytree of scalars, summed over N chunks; every x is [B, S, ...]."""
     if n <= 1:
         return fn(*xs_BS)
-    cp = context_degree(mesh) if mesh is not None else 1
+    cp = mesh_context_degree(mesh.shape) if mesh is not None else 1
     _check(xs_BS[0].shape[1], n, cp)
     body = jax.checkpoint(lambda cs: fn(*map(_flat, cs)), policy=jax.checkpoint_policies.nothing_saveable)
     parts = tuple(_split(x, n, cp, mesh) for x in xs_BS)

@@ -31,18 +31,18 @@ import math
 from maxctx.attention import strategies
 from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
-from maxctx.parallelism import mesh_sizes, num_slices
+from maxctx.parallelism import A2A_AXIS, mesh_context_degree, mesh_sizes, num_slices
 
 
 def _cp_collectives(config: Config, mesh: dict[str, int], t: float, b: int
                     ) -> tuple[list[Collective], list[Collective]]:
-    c = mesh["context"] * mesh["context_a2a"]
+    c = mesh_context_degree(mesh)
     if c == 1:
         return [], []
     tp, seq = mesh["tensor"], config.max_target_length
     shape = AttentionShape(batch=t * c / seq, seq=seq, heads=config.base_num_query_heads // tp,
                            kv_heads=max(1, config.base_num_kv_heads // tp), head_dim=config.head_dim, itemsize=b,
-                           cp=c, a2a=mesh["context_a2a"])
+                           cp=c, a2a=mesh[A2A_AXIS])
     return strategies.for_config(config).collectives(shape)
 
 
@@ -58,7 +58,7 @@ def cp_dcn_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: in
     """(forward, backward) attention bytes per layer that cross slices (module doc), of `cp_bytes_per_layer`'s."""
     if dcn_context == 1:
         return 0.0, 0.0
-    cp = mesh["context"] * mesh["context_a2a"]
+    cp = mesh_context_degree(mesh)
 
     def crossing(ops: list[Collective]) -> float:
         return sum(x.sent_bytes if x.kind == "collective-permute" else

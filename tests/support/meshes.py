@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from maxctx.mesh import AXES
+from maxctx.parallelism import MESH_AXES
 
 # Compile time dominates the attention tests; XLA's backend optimisations change no result there.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -16,4 +16,4 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 def make_mesh(ring: int, a2a: int, tensor: int = 1) -> Mesh:
     """The first ring x a2a x tensor devices as a mesh of context=ring, context_a2a=a2a, tensor=tensor."""
     devices = np.asarray(jax.devices()[: ring * a2a * tensor]).reshape(1, 1, ring, a2a, tensor)
-    return Mesh(devices, AXES)
+    return Mesh(devices, MESH_AXES)
