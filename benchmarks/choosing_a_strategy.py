@@ -23,10 +23,10 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from maxctx.loader import load_config  # noqa: E402
 from maxctx.parallelism import split_context  # noqa: E402
 from maxctx.plan import planner, topology  # noqa: E402
 from maxctx.plan.roofline import roofline  # noqa: E402
-from maxctx.validate import load_config  # noqa: E402
 
 # MaxText's measurements, v5p-128 (64 chips), bf16, 2M tokens per step: PR #4687 (step times, llama2-7b) and, as
 # issue 17 summarises them, PRs #4836 / #4893 (the fastest USP split per length, llama3-8b).

@@ -201,10 +201,10 @@ def analyse(hlo: str) -> dict:
 
 def compile_run(strategy: str, extra: list[str]):
     """(compiled train step, seconds) for SHAPE with this strategy, for the topology through libtpu."""
+    from maxctx.loader import load_config
     from maxctx.mesh import create_mesh
     from maxctx.plan import topology as topo
     from maxctx.train_step import compile_train_step, make_setup
-    from maxctx.validate import load_config
 
     config = load_config(["configs/base.yml", *SHAPE, f"context_parallel_strategy={strategy}", *extra])
     mesh = create_mesh(config, topo.topology_devices(topo.parse(config.compile_topology), 1))

@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 
 from maxctx.data.pipeline import create_data_iterator  # noqa: E402
 from maxctx.data.prepare import prepare_shards  # noqa: E402
+from maxctx.loader import load_config  # noqa: E402
 from maxctx.mesh import create_mesh  # noqa: E402
-from maxctx.validate import load_config  # noqa: E402
 from tests.support import fixtures as F  # noqa: E402
 
 

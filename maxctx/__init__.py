@@ -3,16 +3,18 @@
 Module map, lowest layer first (a module imports only from its own layer and those above it in this list;
 tests/test_layering.py checks it, and the README's "Layout" section says the same):
 
-    errors.py, compat.py, config.py
-                       ConfigError; MaxText's keys and values; the typed, frozen schema, YAML + key=value parsing
+    errors.py, data/registry.py, compat.py, config.py
+                       ConfigError; the dataset types' table; MaxText's keys and values; the typed, frozen schema
     parallelism.py, files.py
-                       JAX-free mesh arithmetic (axis sizes and fills, the CP degree and its ring x A2A split);
-                       input files checked before JAX
+                       JAX-free mesh arithmetic (axis names, sizes and fills, the CP degree and its ring x A2A
+                       split); input files checked before JAX
     optimizer.py, metrics/
                        AdamW; FLOPs, peak table, writers, the step logger
     attention/         kernels, one module per CP strategy (registry: attention/strategies.py), dispatch
-    plan/, validate.py TPU topologies, the planner (auto), the step-time estimate, out-of-memory advice; every
-                       cross-field check, and load_config (parse + check), before JAX starts
+    plan/, validate.py, loader.py
+                       TPU topologies, the planner (auto), the step-time estimate, out-of-memory advice; every
+                       cross-field check; loading (YAML, presets, key=value, aliases, auto -> config and plan),
+                       all before JAX starts
     mesh.py, runtime.py
                        the jax Mesh and logical-axis rules; devices and jax.distributed
     model/, data/      the decoder; the input pipelines

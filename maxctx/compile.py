@@ -29,18 +29,21 @@ import math
 import sys
 import time
 
-from maxctx.config import Config, ConfigError, usage
+from maxctx.config import Config, ConfigError
+from maxctx.loader import load, usage
+from maxctx.parallelism import A2A_AXIS
 from maxctx.plan import planner
 from maxctx.plan.out_of_memory import fit, onchip_advice, xla_out_of_memory
 from maxctx.plan.roofline import roofline
-from maxctx.validate import check_devices, load_config
+from maxctx.validate import check_devices
 
 GIB = 1024 ** 3
 NOT_FITTING = 3
 
 
-def compile_report(config: Config) -> dict:
-    """Compiles the step for this config (local devices, or `compile_topology`) and returns its statistics."""
+def compile_report(config: Config, plan: planner.Plan | None = None) -> dict:
+    """Compiles the step for this config (local devices, or `compile_topology`) and returns its statistics, with
+    `plan` (auto's table, from maxctx.loader.load) when given."""
     import jax
 
     from maxctx.attention.dispatch import resolve_kernel
@@ -60,7 +63,7 @@ def compile_report(config: Config) -> dict:
               "mesh": dict(mesh.shape), "platform": devices[0].platform, "device_kind": devices[0].device_kind,
               "num_devices": num_devices, "global_batch": setup.global_batch, "seq_len": config.max_target_length,
               "context_parallel_strategy": config.context_parallel_strategy,
-              "context_parallel_a2a": int(mesh.shape["context_a2a"]),
+              "context_parallel_a2a": int(mesh.shape[A2A_AXIS]),
               "attention": resolve_kernel(config.attention, platform=devices[0].platform, dtype=config.dtype)}
     start = time.perf_counter()
     try:
@@ -75,8 +78,8 @@ def compile_report(config: Config) -> dict:
         report.update(analytic_flops_per_device=flops, argument_bytes_from_shardings=_argument_bytes(setup),
                       **xla_out_of_memory(str(e)))
     report["compile_time_s"] = round(time.perf_counter() - start, 2)
-    if config.context_parallel_auto:
-        report["context_parallel_plan"] = make_plan(config).rows()
+    if plan is not None:
+        report["context_parallel_plan"] = plan.rows()
     if target is not None:
         report.update(topology=target.name, libtpu_topology=target.libtpu_name,
                       num_slices=config.compile_topology_num_slices, devices_per_chip=target.chip.devices_per_chip,
@@ -173,9 +176,9 @@ def main(argv: list[str]) -> int:
     flags = [a for a in argv if a in FLAGS]
     argv = [a for a in argv if a not in FLAGS]
     try:
-        config = load_config(argv)
+        config, auto_plan = load(argv)
         if flags:
-            plan = make_plan(config)
+            plan = auto_plan if auto_plan is not None else make_plan(config)
             print("\n".join(planner.format_plan(plan)), flush=True)
             verified = []
             if "--verify" in flags:
@@ -188,7 +191,7 @@ def main(argv: list[str]) -> int:
         from maxctx import runtime
 
         runtime.initialize(config)
-        report = compile_report(config)
+        report = compile_report(config, auto_plan)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

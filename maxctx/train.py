@@ -21,12 +21,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from maxctx.checkpoint.run_dir import check_writable
-from maxctx.config import Config, ConfigError, save_config, usage
+from maxctx.config import Config, ConfigError
+from maxctx.loader import load, save_config, usage
 from maxctx.plan.out_of_memory import is_out_of_memory, out_of_memory_advice
-from maxctx.validate import load_config
 
 if TYPE_CHECKING:
     from maxctx.metrics import MetricsWriter, StepLogger
+    from maxctx.plan.planner import Plan
     from maxctx.train_step import TrainSetup
 
 EXIT_CONFIG, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY = 2, 3, 4
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
         print(usage("python train.py", USAGE))
         return 0
     try:
-        config = load_config(argv)
+        config, plan = load(argv)
         check_writable(config)  # the output directory, before JAX starts
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
 
     try:
         runtime.initialize(config)
-        return train(config)
+        return train(config, plan)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -84,19 +85,19 @@ def main(argv: list[str]) -> int:
         return EXIT_OUT_OF_MEMORY
 
 
-def train(config: Config) -> int:
+def train(config: Config, plan: Plan | None = None) -> int:
     """The loop of the module doc, from step 0 or the run's last checkpoint, holding the run directory's lock;
-    errors propagate to `main`."""
+    errors propagate to `main`. `plan`: the planner's table when context_parallel_strategy=auto chose (logged)."""
     from maxctx.checkpoint.run_dir import lock_run_dir
 
     lock = lock_run_dir(config)  # one live run per run directory: a second one exits 2 here
     try:
-        return _train(config)
+        return _train(config, plan)
     finally:
         lock.release()
 
 
-def _train(config: Config) -> int:
+def _train(config: Config, plan: Plan | None = None) -> int:
     import jax
 
     from maxctx.checkpoint.manager import Checkpointer
@@ -118,7 +119,7 @@ def _train(config: Config) -> int:
     state = None
     try:  # from here on, also on an error: saves already started still commit, logs are flushed
         flops_per_step = training_flops_per_step(config, setup.global_batch, config.max_target_length)
-        compiled = _compile(config, setup, flops_per_step, peak, writer)
+        compiled = _compile(config, setup, flops_per_step, peak, writer, plan)
         state = checkpointer.restore_or_init(data)
         start_step = int(jax.device_get(state["step"]))
         batches = itertools.repeat(next(data)) if config.reuse_example_batch else data  # MaxText's perf test
@@ -191,9 +192,9 @@ def _open_outputs(config: Config, primary: bool) -> MetricsWriter:
 
 
 def _compile(config: Config, setup: TrainSetup, flops_per_step: float, peak: tuple[float, str],
-             writer: MetricsWriter) -> Any:
+             writer: MetricsWriter, plan: Plan | None) -> Any:
     """AOT-compiles the step and records its memory and FLOPs before step 0 (metrics.jsonl, and the header on the
-    primary process), with `peak` (FLOP/s per device, its source); returns the compiled step."""
+    primary process), with `peak` (FLOP/s per device, its source) and auto's `plan`; returns the compiled step."""
     import jax
 
     from maxctx.metrics import compile_record
@@ -211,7 +212,6 @@ def _compile(config: Config, setup: TrainSetup, flops_per_step: float, peak: tup
     record.update(num_params=count_params(setup.abstract_state["params"]), mesh=dict(setup.mesh.shape),
                   compile_time_s=time.perf_counter() - start, global_batch=setup.global_batch,
                   seq_len=config.max_target_length, peak_flops_per_device=peak_flops, peak_source=peak_source)
-    plan = _auto_plan(config)
     if plan is not None:
         record["context_parallel_plan"] = plan.rows()
     writer.write_compile(record)
@@ -222,16 +222,6 @@ def _compile(config: Config, setup: TrainSetup, flops_per_step: float, peak: tup
 
             print("\n".join(format_plan(plan)), flush=True)
     return compiled
-
-
-def _auto_plan(config: Config) -> Any:
-    """The ranked table behind context_parallel_strategy=auto (maxctx.plan.planner), or None when the strategy was
-    given by hand."""
-    if not config.context_parallel_auto:
-        return None
-    from maxctx.plan.planner import plan
-
-    return plan(config)
 
 
 def _print_end(config: Config, start_step: int, logger: StepLogger, preempted: bool) -> None:

@@ -1,8 +1,9 @@
-"""Cross-field checks of a Config, run before JAX initialises.
+"""Cross-field checks of a Config, run before JAX initialises (maxctx.loader.load runs them on every config).
 
 Each failure raises ConfigError whose message names the keys, their values and the fix. Checks that need the
-device count use `cpu_devices` or `compile_topology` when one is set; `check_devices` repeats them once JAX knows
-the real count. Nothing here imports JAX (tests/test_layering.py checks it).
+device count run here when `cpu_devices` or `compile_topology` states it; otherwise maxctx.runtime.initialize runs
+`check_devices` once JAX knows the count. The data keys' rules come from maxctx.data.registry. Nothing here
+imports JAX or numpy (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations
@@ -12,24 +13,11 @@ import importlib.util
 import os
 
 from maxctx.attention import strategies
-from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, parse_config
+from maxctx.config import REMAT_NAMES, Config, ConfigError, choices
+from maxctx.data.registry import DATASETS
 from maxctx.files import check_tokenizer_path, expand_files
-from maxctx.parallelism import RING_AXIS, configured_sizes, num_processes, num_slices, split_context
-from maxctx.plan import planner, topology
-
-
-def load_config(argv: list[str]) -> Config:
-    """Builds and checks a Config from `[config.yml] key=value ...` (the train.py and maxctx.compile command line).
-    A strategy alias (ring, ulysses) is stored as the strategy's name; `auto` as the strategy and A2A degree
-    maxctx.plan.planner chooses."""
-    config = parse_config(argv)
-    if config.context_parallel_strategy == "auto":  # the planner's choice, checked by the same rules as any other
-        n = planner.num_devices(config)
-        config, _ = planner.resolve_auto(config, None if n is None else lambda c: check_devices(c, n))
-    config = dataclasses.replace(config,
-                                 context_parallel_strategy=strategies.resolve(config.context_parallel_strategy))
-    validate(config)
-    return config
+from maxctx.parallelism import RING_AXIS, configured_sizes, split_context
+from maxctx.plan import planner
 
 
 def _check_eval_batch(config: Config, num_devices: int, batch_shards: int) -> None:
@@ -173,22 +161,20 @@ def _check_rope(config: Config) -> None:
 def _check_data(config: Config) -> None:
     """Data keys that need no file access (paths, tokenizers and records are checked by maxctx.data)."""
     _positive(config, "grain_worker_count", "grain_prefetch_buffer_size", allow_zero=True)
-    if config.dataset_type not in ("synthetic", "tfds") and not config.grain_train_files:
-        raise ConfigError(f"dataset_type={config.dataset_type} needs grain_train_files (a file glob)")
-    if config.dataset_type == "tfds" and not config.dataset_name:
-        raise ConfigError("dataset_type=tfds needs dataset_name, e.g. dataset_name=my_dataset:1.0.0")
-    if config.dataset_type == "text" and not config.tokenizer_path:
-        raise ConfigError("dataset_type=text needs tokenizer_path (read as tokenizer_type; a sentencepiece model by "
-                          "default, which scripts/train_tokenizer.py trains)")
-    if config.eval_interval > 0 and config.dataset_type in ("arrayrecord", "text") and not config.grain_eval_files:
-        raise ConfigError(f"eval_interval={config.eval_interval} with dataset_type={config.dataset_type} needs "
-                          f"grain_eval_files (a file glob); set it, or eval_interval=0")
-    if config.eval_interval > 0 and config.eval_steps == -1 and config.dataset_type == "synthetic":
+    dataset = DATASETS[config.dataset_type]
+    for key, hint in dataset.needs:
+        if not getattr(config, key):
+            raise ConfigError(f"dataset_type={config.dataset_type} needs {key}{hint}")
+    if config.eval_interval <= 0:
+        return
+    for key, hint in dataset.eval_needs:
+        if not getattr(config, key):
+            raise ConfigError(f"eval_interval={config.eval_interval} with dataset_type={config.dataset_type} needs "
+                              f"{key}{hint}; set it, or eval_interval=0")
+    if config.eval_steps == -1 and not dataset.ends:
         raise ConfigError(f"eval_steps=-1 (the whole eval split) with eval_interval={config.eval_interval} needs a "
-                          f"split that ends, and synthetic data does not; set eval_steps to a number of batches")
-    if config.eval_interval > 0 and config.dataset_type == "tfds" and not config.eval_split:
-        raise ConfigError(f"eval_interval={config.eval_interval} with dataset_type=tfds needs eval_split (e.g. "
-                          f"eval_split=validation); set it, or eval_interval=0")
+                          f"split that ends, and {config.dataset_type} data does not; set eval_steps to a number of "
+                          f"batches")
 
 
 def validate(config: Config) -> None:
@@ -243,10 +229,9 @@ def validate(config: Config) -> None:
     _check_paths(config)
     _check_data(config)
     _check_files(config)
-    if config.cpu_devices:
-        check_devices(config, config.cpu_devices * max(1, num_processes(config)))
-    elif config.compile_topology:  # an AOT compile: the topology's name says how many devices
-        check_devices(config, topology.parse(config.compile_topology).num_devices * num_slices(config))
+    num_devices = planner.num_devices(config)  # cpu_devices, or a compile_topology's devices
+    if num_devices is not None:
+        check_devices(config, num_devices)
 
 
 def _check_window(config: Config) -> None:
@@ -267,15 +252,17 @@ def _check_window(config: Config) -> None:
 
 def _check_files(config: Config) -> None:
     """The input files themselves: found here, before JAX starts, rather than after the mesh and the compile."""
-    if config.dataset_type in ("arrayrecord", "text"):
-        expand_files(config.grain_train_files, "grain_train_files")
+    dataset = DATASETS[config.dataset_type]
+    if dataset.files:
+        train, evaluate = dataset.split_keys
+        expand_files(getattr(config, train), train)
         if config.eval_interval > 0:
-            expand_files(config.grain_eval_files, "grain_eval_files")
+            expand_files(getattr(config, evaluate), evaluate)
     if config.tokenizer_path:
         check_tokenizer_path(config.tokenizer_path, config.tokenizer_type)
-    if config.dataset_type == "tfds" and config.tfds_data_dir and not os.path.isdir(config.tfds_data_dir):
-        raise ConfigError(f"tfds_data_dir='{config.tfds_data_dir}' does not exist (or is not a directory); give "
-                          f"the folder TFDS prepared the dataset in, or leave it empty for TFDS's default")
+    folder, fix = dataset.folder
+    if folder and getattr(config, folder) and not os.path.isdir(getattr(config, folder)):
+        raise ConfigError(f"{folder}='{getattr(config, folder)}' does not exist (or is not a directory); {fix}")
 
 
 def _check_paths(config: Config) -> None:

@@ -46,9 +46,9 @@ def attention_stack_temp_bytes(strategy: str, ring: int, a2a: int, seq: int, ker
 
 
 def train_step_temp_bytes(strategy: str, cp: int, seq: int) -> int:
+    from maxctx.loader import load_config
     from maxctx.mesh import create_mesh
     from maxctx.train_step import jit_train_step, make_setup
-    from maxctx.validate import load_config
 
     config = load_config(["configs/base.yml", f"ici_context_parallelism={cp}", "ici_fsdp_parallelism=1",
                           f"per_device_batch_size={1 / cp}", f"context_parallel_strategy={strategy}",

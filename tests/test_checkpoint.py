@@ -116,9 +116,9 @@ def test_missing_load_path_exits_2_with_one_line(env, tmp_path):
 # In-process tests (8 devices from conftest).
 
 def _setup(out: Path, run: str, *overrides: str):
+    from maxctx.loader import load_config
     from maxctx.mesh import create_mesh
     from maxctx.train_step import make_setup
-    from maxctx.validate import load_config
 
     config = load_config([str(BASE_YML), f"base_output_directory={out}", f"run_name={run}",
                           "dtype=float32", "per_device_batch_size=1", "max_target_length=64",

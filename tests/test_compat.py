@@ -10,8 +10,8 @@ import shlex
 
 import pytest
 
-from maxctx.config import ConfigError, save_config
-from maxctx.validate import load_config
+from maxctx.config import ConfigError
+from maxctx.loader import load_config, save_config
 
 BASE = "configs/base.yml"
 

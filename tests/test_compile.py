@@ -18,11 +18,11 @@ import sys
 import pytest
 
 from maxctx.config import ConfigError
+from maxctx.loader import load_config
 from maxctx.metrics import training_flops_per_device
 from maxctx.plan.out_of_memory import fit, xla_out_of_memory
 from maxctx.plan.roofline import cp_bytes_per_layer, roofline
 from maxctx.plan.topology import CHIPS, parse, standard_shape
-from maxctx.validate import load_config
 from tests.support.processes import ROOT, python, tpu_env
 
 GIB = 1024 ** 3

@@ -6,10 +6,10 @@ import os
 import pytest
 import yaml
 
-from maxctx.config import Config, ConfigError, available_models, choices, parse_overrides
+from maxctx.config import Config, ConfigError, choices
+from maxctx.loader import available_models, load_config, parse_overrides
 from maxctx.parallelism import context_degree
 from maxctx.train import main
-from maxctx.validate import load_config
 from tests.support.processes import run, train_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,8 +4,8 @@ item 8), and YAML syntax errors say file, line and column."""
 import pytest
 
 from maxctx.config import ConfigError
+from maxctx.loader import load_config
 from maxctx.train import main
-from maxctx.validate import load_config
 from tests.support.processes import BASE_YML
 
 

@@ -22,9 +22,9 @@ from maxctx.convert.cli import main as convert_main
 from maxctx.convert.from_hf import import_hf
 from maxctx.convert.to_hf import export_hf
 from maxctx.errors import ConfigError
+from maxctx.loader import load_config
 from maxctx.mesh import batch_sharding, create_mesh
 from maxctx.train_step import jit_train_step, make_setup
-from maxctx.validate import load_config
 from tests.support.processes import python
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

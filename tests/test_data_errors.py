@@ -10,8 +10,8 @@ from maxctx.data.global_batch import HostLayout
 from maxctx.data.pipeline import build_host_dataset, create_data_iterator
 from maxctx.data.sources import ArrayRecordSource, TextSource, TfdsSource, encode_tokens
 from maxctx.files import expand_files
+from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
-from maxctx.validate import load_config
 from tests.support import fixtures as F
 
 

@@ -16,8 +16,8 @@ import pytest
 from maxctx.attention.load_balance import restore_order
 from maxctx.data.pipeline import create_data_iterator
 from maxctx.data.sources import encode_tokens
+from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
-from maxctx.validate import load_config
 from tests.support import fixtures as F
 from tests.support.processes import ROOT, cpu_env, free_port
 
@@ -31,7 +31,7 @@ WORKER = r"""
 import json, sys
 import numpy as np
 from maxctx import runtime
-from maxctx.validate import load_config
+from maxctx.loader import load_config
 
 pid, port, out, cases = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 common = [f"jax_coordinator_address=127.0.0.1:{port}", "jax_num_processes=2", f"jax_process_id={pid}",

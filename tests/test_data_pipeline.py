@@ -14,8 +14,9 @@ from maxctx.data.pipeline import create_data_iterator
 from maxctx.data.prepare import prepare_shards
 from maxctx.data.sources import encode_tokens
 from maxctx.data.tokenizer import Tokenizer
-from maxctx.mesh import BATCH_AXES, CONTEXT_AXES, create_mesh
-from maxctx.validate import load_config
+from maxctx.loader import load_config
+from maxctx.mesh import create_mesh
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 from tests.support import fixtures as F
 
 SEQ = 64

@@ -45,7 +45,7 @@ def test_built_package_carries_its_configs(tmp_path):
     assert (build / "maxctx" / "configs" / "models" / "llama3-8b.yml").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = ("import maxctx; from maxctx.validate import load_config; "
+    code = ("import maxctx; from maxctx.loader import load_config; "
             "c = load_config(['configs/base.yml', 'model_name=llama3-8b']); print(maxctx.__file__, c.base_emb_dim)")
     result = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHONPATH": str(build)})

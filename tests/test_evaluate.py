@@ -13,9 +13,9 @@ import pytest
 from maxctx.data.sources import encode_tokens
 from maxctx.data.tokenizer import Tokenizer
 from maxctx.evaluate import Evaluator
+from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
 from maxctx.train_step import init_state, make_setup
-from maxctx.validate import load_config
 from tests.support import fixtures as F
 from tests.support.processes import ROOT, cpu_env, free_port
 
@@ -74,7 +74,7 @@ import json, sys
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from maxctx import runtime
-from maxctx.validate import load_config
+from maxctx.loader import load_config
 
 pid, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 config = load_config([f"jax_coordinator_address=127.0.0.1:{port}", "jax_num_processes=2", f"jax_process_id={pid}",

@@ -141,7 +141,7 @@ def test_divergence_guard_names_the_last_good_checkpoint_and_its_command_works(e
 
 def test_non_finite_learning_rate_is_a_config_error():
     from maxctx.config import ConfigError
-    from maxctx.validate import load_config
+    from maxctx.loader import load_config
     from tests.support.processes import BASE_YML
 
     with pytest.raises(ConfigError, match=r"learning_rate=1e\+39 must be >= 0 and finite in float32"):
@@ -237,7 +237,7 @@ def test_resume_notices_name_the_change_and_the_old_value():
     import dataclasses
 
     from maxctx.checkpoint.compatibility import resume_notices
-    from maxctx.validate import load_config
+    from maxctx.loader import load_config
     from tests.support.processes import BASE_YML
 
     config = load_config([str(BASE_YML), "steps=200", "learning_rate=1e-3"])

@@ -11,10 +11,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first; a module may import from its own layer and the ones before it. A package name covers its modules.
 LAYERS = [
-    ["maxctx", "maxctx.errors", "maxctx.compat", "maxctx.config"],
+    ["maxctx", "maxctx.errors", "maxctx.data.registry", "maxctx.compat", "maxctx.config"],
     ["maxctx.parallelism", "maxctx.files", "maxctx.optimizer", "maxctx.metrics"],
     ["maxctx.attention"],
-    ["maxctx.plan", "maxctx.validate"],
+    ["maxctx.plan", "maxctx.validate", "maxctx.loader"],
     ["maxctx.mesh", "maxctx.runtime"],
     ["maxctx.model", "maxctx.data"],
     ["maxctx.train_step"],
@@ -96,7 +96,7 @@ def test_parallelism_is_jax_free():
 def test_config_checks_run_without_importing_jax():
     # Validation (the strategies' rules included) and the entry points' imports come before JAX: a bad config is
     # reported without paying for JAX's import. A fresh interpreter, since this one has JAX loaded.
-    code = ("import sys; from maxctx import compile, train; from maxctx.validate import load_config; "
+    code = ("import sys; from maxctx import compile, train; from maxctx.loader import load_config; "
             "load_config(['configs/base.yml', 'cpu_devices=8', 'ici_context_parallelism=8', 'per_device_batch_size=1', "
             "'context_parallel_strategy=usp', 'base_num_query_heads=8', 'attention=splash', "
             "'max_target_length=4096']); "

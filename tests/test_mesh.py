@@ -5,8 +5,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxctx.config import ConfigError
+from maxctx.loader import load_config
 from maxctx.mesh import axis_sizes, batch_sharding, create_mesh, logical_to_spec
-from maxctx.validate import load_config
 
 
 def _config(*overrides):

@@ -9,10 +9,10 @@ model count. Compiling the real step takes a few seconds per model on a laptop C
 import jax
 import pytest
 
+from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
 from maxctx.metrics import attention_pairs, compile_record, training_flops_per_device
 from maxctx.train_step import compile_train_step, make_setup
-from maxctx.validate import load_config
 
 MID = ["base_emb_dim=512", "base_num_query_heads=8", "base_num_kv_heads=4", "head_dim=64", "base_mlp_dim=1536",
        "base_num_decoder_layers=4", "vocab_size=4096", "max_target_length=512", "per_device_batch_size=2"]

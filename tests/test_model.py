@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
 from maxctx.model.decoder import Decoder, count_params
 from maxctx.model.layers import ModelConfig
 from maxctx.train_step import init_state, jit_train_step, make_setup
-from maxctx.validate import load_config
 
 S = 32
 

@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from maxctx.attention import strategies
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.strategy import AttentionShape, Collective
+from maxctx.loader import load, load_config
 from maxctx.plan import planner
-from maxctx.validate import load_config
 from tests.support.meshes import FAST_COMPILE, make_mesh
 
 SMALL = ["configs/base.yml", "cpu_devices=8", "ici_context_parallelism=8", "ici_fsdp_parallelism=1",
@@ -53,10 +53,8 @@ def test_attention_memory_estimate_matches_the_compiled_program():
 
 
 def test_auto_resolves_to_a_valid_strategy_and_the_table_ranks():
-    config = load_config(SMALL + ["context_parallel_strategy=auto"])
-    assert config.context_parallel_auto
-    assert config.context_parallel_strategy in strategies.STRATEGIES
-    plan = planner.plan(config)
+    config, plan = load(SMALL + ["context_parallel_strategy=auto"])  # the planner's table comes with the config
+    assert plan is not None and config.context_parallel_strategy in strategies.STRATEGIES
     best = plan.choice
     assert (best.strategy, best.a2a if best.strategy == "usp" else 0) == (config.context_parallel_strategy,
                                                                           config.context_parallel_a2a_degree)
@@ -65,7 +63,7 @@ def test_auto_resolves_to_a_valid_strategy_and_the_table_ranks():
     assert [c.step_s for c in fitting[1:]] == sorted(c.step_s for c in fitting[1:])
     assert all(c.dropped for c in plan.ranked[len(fitting):])
     # a hand-written config keeps its strategy and no table
-    assert not load_config(SMALL + ["context_parallel_strategy=p2p"]).context_parallel_auto
+    assert load(SMALL + ["context_parallel_strategy=p2p"]).plan is None
 
 
 def test_invalid_candidates_are_dropped_with_the_rule():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from maxctx.config import ConfigError
+from maxctx.loader import load_config
 from maxctx.model.layers import ModelConfig
 from maxctx.model.rope import RopeSpec, inverse_frequencies, rotary
-from maxctx.validate import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(REPO, "configs", "base.yml")

@@ -22,7 +22,7 @@ from maxctx.attention.dot_product import dot_product_attention
 from maxctx.attention.load_balance import restore_order, zigzag_permutation
 from maxctx.attention.strategy import AttentionShape, by_kind
 from maxctx.config import ConfigError, layer_windows
-from maxctx.validate import load_config
+from maxctx.loader import load_config
 from tests.support.meshes import FAST_COMPILE, make_mesh
 from tests.support.processes import cpu_env, python
 from tests.test_attention_comm import B, D, H, K, b, compiled_bytes

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from maxctx.config import ConfigError
+from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
 from maxctx.train_step import compile_train_step, init_state, jit_train_step, loss_sums, make_setup
-from maxctx.validate import load_config, validate
+from maxctx.validate import validate
 from tests.support.processes import python, tpu_env
 
 S = 256
@@ -111,7 +112,7 @@ def test_tiled_loss_removes_the_logits_from_temp_memory():
 TPU_SCRIPT = r"""
 import json, sys
 from maxctx.compile import compile_report
-from maxctx.validate import load_config
+from maxctx.loader import load_config
 results = {}
 for name, extra in [("full", ["remat_policy=full"]),
                     ("offload", ["remat_policy=custom", "decoder_layer_input=offload"])]:

@@ -10,7 +10,7 @@ import sentencepiece as spm
 from maxctx.config import ConfigError
 from maxctx.data import DataError
 from maxctx.data.tokenizer import EncodeDocument, Tokenizer, load_tokenizer
-from maxctx.validate import load_config
+from maxctx.loader import load_config
 from tests.support import fixtures as F
 
 

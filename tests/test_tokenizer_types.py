@@ -15,7 +15,7 @@ from maxctx.config import ConfigError
 from maxctx.data import tokenizer_types
 from maxctx.data.tokenizer import EncodeDocument, Tokenizer, load_tokenizer
 from maxctx.data.tokenizer_types import LLAMA3_PATTERN, LLAMA3_SPECIAL
-from maxctx.validate import load_config
+from maxctx.loader import load_config
 from tests.support import fixtures as F
 from tests.support.processes import cpu_env, metrics, run, train_command
 

@@ -111,8 +111,8 @@ def test_the_peak_is_measured_before_the_model_and_the_data(monkeypatch, tmp_pat
     import maxctx.data.pipeline
     import maxctx.metrics
     import maxctx.train_step
+    from maxctx.loader import load_config
     from maxctx.train import _train
-    from maxctx.validate import load_config
 
     calls, make_setup = [], maxctx.train_step.make_setup
 

@@ -25,11 +25,12 @@ import numpy as np
 import yaml
 from etils import epath
 
-from maxctx.config import MODEL_KEYS, Config, parse_config
+from maxctx.config import MODEL_KEYS, Config
 from maxctx.convert import hf_layout, safetensors
 from maxctx.convert.hf_layout import DIM_KEYS, Tensor
 from maxctx.convert.streaming import Deferred, save_deferred, save_json
 from maxctx.errors import ConfigError
+from maxctx.loader import parse_config
 
 STEP = "0"
 # Source dtypes each weight_dtype holds exactly; anything else (quantized, fp64) is refused, never rounded.

@@ -23,10 +23,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from maxctx.checkpoint.manager import META, STATE, resolve_step_dir
-from maxctx.config import MODEL_KEYS, parse_config
+from maxctx.config import MODEL_KEYS
 from maxctx.convert import hf_layout, safetensors
 from maxctx.convert.streaming import open_arrays, shapes
 from maxctx.errors import ConfigError
+from maxctx.loader import parse_config
 
 OUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32)}
 TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32"}

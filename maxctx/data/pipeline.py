@@ -36,6 +36,7 @@ from maxctx.config import Config, ConfigError
 from maxctx.data import BATCH_KEYS, DataError
 from maxctx.data.global_batch import HostLayout, host_layout, to_global_arrays
 from maxctx.data.packing import pack
+from maxctx.data.registry import DATASETS
 from maxctx.data.sources import make_source
 from maxctx.data.synthetic import SyntheticSource
 from maxctx.data.tokenizer import EncodeDocument, load_tokenizer
@@ -229,7 +230,7 @@ def create_data_iterator(config: Config, mesh: Mesh, split: str = "train"):
         raise ConfigError(f"max_target_length={config.max_target_length} must be > 0")
     layout = host_layout(mesh, global_batch_rows(config, mesh, split), config.max_target_length)
     cp = mesh_context_degree(mesh.shape) if config.context_parallel_load_balance else 1
-    if config.dataset_type == "synthetic":
+    if not DATASETS[config.dataset_type].source:  # synthetic: generated, not read
         return SyntheticIterator(config, mesh, layout, stream=SPLITS.index(split))
     once = split == "eval" and config.eval_steps == -1  # the whole eval split
     ds = build_host_dataset(config, split, layout, cp, once)

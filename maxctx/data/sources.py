@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import numpy as np
 
 from maxctx.config import Config, ConfigError
 from maxctx.data import DataError
+from maxctx.data.registry import DATASETS
 from maxctx.files import expand_files
 
 TOKENS_MAGIC = b"MXTK"
@@ -86,6 +88,10 @@ class ArrayRecordSource:
         start = int(self.ends[file - 1]) if file else 0
         return f"{self.files[file]} record {index - start}"
 
+    @classmethod
+    def open(cls, config: Config, key: str) -> ArrayRecordSource:
+        return cls(expand_files(getattr(config, key), key), key)
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_source": None}
 
@@ -123,6 +129,10 @@ class TextSource:
         self.lengths = np.asarray(lengths, np.int64)
         self.lines = np.asarray(lines, np.int64)
         self._fds: dict[int, int] = {}
+
+    @classmethod
+    def open(cls, config: Config, key: str) -> TextSource:
+        return cls(expand_files(getattr(config, key), key), key, config.text_field)
 
     def __len__(self) -> int:
         return len(self.file_ids)
@@ -195,6 +205,13 @@ class TfdsSource:
             raise ConfigError(f"text_field='{text_field}' is not a feature of TFDS dataset '{name}'; it has: "
                               f"{', '.join(features)}")
 
+    @classmethod
+    def open(cls, config: Config, key: str) -> TfdsSource:
+        if not getattr(config, key):
+            raise ConfigError(f"{key} is empty; name a split of dataset_name='{config.dataset_name}'"
+                              + (", or set eval_interval=0" if key == "eval_split" else ""))
+        return cls(config.dataset_name, getattr(config, key), config.tfds_data_dir, config.text_field, key)
+
     def __len__(self) -> int:
         return len(self._source)
 
@@ -217,17 +234,10 @@ class TfdsSource:
 
 
 def make_source(config: Config, split: str):
-    """The document source of `split` ('train' or 'eval') for a non-synthetic config."""
-    if config.dataset_type == "tfds":
-        key = "dataset_split" if split == "train" else "eval_split"
-        if not getattr(config, key):
-            raise ConfigError(f"{key} is empty; name a split of dataset_name='{config.dataset_name}'"
-                              + (", or set eval_interval=0" if split == "eval" else ""))
-        return TfdsSource(config.dataset_name, getattr(config, key), config.tfds_data_dir, config.text_field, key)
-    key = "grain_train_files" if split == "train" else "grain_eval_files"
-    files = expand_files(getattr(config, key), key)
-    if config.dataset_type == "arrayrecord":
-        return ArrayRecordSource(files, key)
-    if config.dataset_type == "text":
-        return TextSource(files, key, config.text_field)
-    raise ConfigError(f"dataset_type={config.dataset_type} has no file source")
+    """The document source of `split` ('train' or 'eval') for a non-synthetic config: the class
+    maxctx.data.registry names for its dataset_type, opened on the split's key."""
+    dataset = DATASETS[config.dataset_type]
+    if not dataset.source:
+        raise ConfigError(f"dataset_type={config.dataset_type} has no file source")
+    key = dataset.split_keys[split != "train"]
+    return getattr(sys.modules[__name__], dataset.source).open(config, key)

@@ -1,5 +1,5 @@
 """`context_parallel_strategy=auto`: choose the CP strategy and its all-to-all degree from the model, the sequence
-length and the topology, before JAX starts (maxctx.validate.load_config calls `resolve_auto`).
+length and the topology, before JAX starts (maxctx.loader.load calls `resolve_auto`).
 
 Candidates: all_gather, p2p, a2a (U = C) and usp at every divisor 1 < U < C of the CP degree C. Each is checked
 with the same rules as a hand-written config (the strategy module's `check`, the mesh split, splash's 128 rows);
@@ -368,14 +368,13 @@ def _rank(cands: list[Candidate]) -> list[Candidate]:
 
 
 def resolve_auto(config: Config, check: Callable[[Config], None] | None = None) -> tuple[Config, Plan]:
-    """The config with the planner's choice in place of `auto` (and `context_parallel_auto=true`), and the plan."""
+    """The config with the planner's choice in place of `auto`, and the plan."""
     p = plan(config, check)
     best = p.choice
     if not best.valid:
         raise ConfigError("context_parallel_strategy=auto: no strategy is valid for this config\n"
                           + "\n".join(format_plan(p)))
-    chosen = candidate_config(config, best.strategy, best.a2a)
-    return dataclasses.replace(chosen, context_parallel_auto=True), p
+    return candidate_config(config, best.strategy, best.a2a), p
 
 
 def format_plan(p: Plan) -> list[str]:
