@@ -48,6 +48,7 @@ from collections.abc import Callable
 from maxctx.attention import halo, strategies
 from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError, layer_windows
+from maxctx.model.shape import ModelShape, dtype_bytes
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
 from maxctx.plan import topology
 
@@ -171,7 +172,7 @@ def transient_bytes(strategy: str, s: AttentionShape, ring_overlap: bool = False
 def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> AttentionShape:
     return AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
                           heads=config.base_num_query_heads // tp, kv_heads=max(1, config.base_num_kv_heads // tp),
-                          head_dim=config.head_dim, itemsize=2 if config.dtype in ("bfloat16", "float16") else 4,
+                          head_dim=config.head_dim, itemsize=dtype_bytes(config.dtype),
                           cp=cp, a2a=a2a, window=window, load_balance=config.context_parallel_load_balance)
 
 
@@ -248,28 +249,18 @@ def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: in
     return forward_passes * forward + backward
 
 
-def _params(config: Config) -> float:
-    d, h, k, dh, f = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim,
-                      config.base_mlp_dim)
-    layer = d * dh * (2 * h + 2 * k) + 3 * d * f + 2 * d
-    return config.base_num_decoder_layers * layer + d * config.vocab_size * (1 if config.logits_via_embedding else 2)
-
-
 def _base(config: Config, tp: int, shards: int) -> tuple[float, float, float]:
     """(compute FLOPs per device, memory per device besides attention, the loss / MLP tiles' bytes); local layers'
     attention FLOPs scale with their window."""
-    seq, layers, b = config.max_target_length, config.base_num_decoder_layers, 2 if config.dtype in (
-        "bfloat16", "float16") else 4
+    shape = ModelShape.from_config(config)
+    seq, layers, b = config.max_target_length, config.base_num_decoder_layers, shape.itemsize
     full = config.remat_policy in ("full", "custom")
-    p_matmul = layers * (config.base_emb_dim * config.head_dim * (2 * config.base_num_query_heads + 2 *
-                         config.base_num_kv_heads) + 3 * config.base_emb_dim * config.base_mlp_dim) + \
-        config.base_emb_dim * config.vocab_size
     windows = layer_windows(config)
     pairs = sum(_pairs(seq, w) for w in windows) / len(windows)
-    flops = config.per_device_batch_size * (6 * p_matmul * seq + 12 * layers * config.base_num_query_heads
-                                            * config.head_dim * seq * pairs)
+    rows = config.per_device_batch_size * seq
+    flops = shape.matmul_flops(rows) + shape.attention_flops(rows * pairs * layers)
     flops *= 4 / 3 if full else 1
-    params, wb = _params(config), 4 if config.weight_dtype == "float32" else 2
+    params, wb = shape.num_params, shape.weight_itemsize
     tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
     saved_inputs = 0 if offloaded else layers * tokens * config.base_emb_dim * b
