@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from maxctx.convert import safetensors  # noqa: E402
+from maxctx.model.shape import dtype_bytes  # noqa: E402
 
 D, F, HEADS, VOCAB = 2048, 5632, 16, 32000
 SHARD = 2 * 10**9
@@ -94,10 +95,9 @@ def main() -> None:
         total, largest = synthetic_model(hf, args.gib)
         print(f"synthetic HF directory: N = {total / 2**30:.2f} GiB of bf16 tensors, written in "
               f"{time.time() - start:.0f}s")
-        itemsize = 2 if args.weight_dtype == "bfloat16" else 4
         layers = json.load(open(os.path.join(hf, "config.json")))["num_hidden_layers"]
         print(f"largest stacked parameter in weight_dtype={args.weight_dtype}: "
-              f"{layers * largest // 2 * itemsize / 2**30:.2f} GiB ({layers} layers)")
+              f"{layers * largest // 2 * dtype_bytes(args.weight_dtype) / 2**30:.2f} GiB ({layers} layers)")
         bound = 0.5 * total + 2**30
         runs = [("from_hf", ["from_hf", "--hf_path", hf, "--output_path", ckpt, f"weight_dtype={args.weight_dtype}"])]
         if args.to_hf:

@@ -294,7 +294,7 @@ def write_table(results: dict) -> None:
         "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.plan.roofline's step",
         "time and MFU (not a measurement). Splash: the same command with attention=splash (ring hops' backward",
         "through splash's own kernels, since 2026-12-03; where that is over, docs/long_context.md has the row with",
-        "ring_splash_backward=false). Compile: seconds on the 2-core development VM.",
+        "the blockwise hop backward). Compile: seconds on the 2-core development VM.",
         "",
         "| model | topology | strategy | offload | max tokens | tokens per chip | GiB per chip | largest part "
         "| estimate (step, MFU) | splash at max | compile | command |",

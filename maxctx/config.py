@@ -94,9 +94,6 @@ class Config:
     context_parallel_strategy: str = "all_gather"
     context_parallel_load_balance: bool = True
     context_parallel_a2a_degree: int = 0
-    # p2p / usp: the ring backward's sends overlap its kernels, at one more fp32 dK/dV block in flight per device
-    # (maxctx/attention/ring.py); off by default, so the longest fitting contexts keep their memory.
-    ring_backward_overlap: bool = False
     flash_block_q: int = 512
     flash_block_kv: int = 512
     # splash's other blocks (MaxText's sa_block_*); 0: from flash_block_q / flash_block_kv (maxctx/attention/splash.py)
@@ -107,7 +104,6 @@ class Config:
     flash_block_q_dq: int = 0
     flash_block_kv_dq: int = 0
     splash_fused_backward: bool = False
-    ring_splash_backward: bool = True
     # Mesh.
     ici_data_parallelism: int = 1
     ici_fsdp_parallelism: int = -1

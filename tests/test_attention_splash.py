@@ -162,7 +162,7 @@ def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
     loops = [k for k in local.splash_kernels if isinstance(k, splash.RowLoop)]
     assert len(loops) == len(local.splash_kernels) == 3  # the diagonal, key block before, key block after
     assert all(splash_backward.has_backward(loop) for loop in loops)
-    # ring_splash_backward=false: forward tables only, the blockwise backward.
+    # Blocks(ring_backward=False): forward tables only, the blockwise backward.
     forward_only = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True,
                                       splash_blocks=splash.Blocks(ring_backward=False))
     assert not any(splash_backward.has_backward(k) for k in forward_only.splash_kernels)

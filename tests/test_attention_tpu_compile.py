@@ -51,7 +51,7 @@ for strategy, ring, a2a, balance, table, window, *blocks in [
         # Local layers (sliding window): the halo's band kernel, a2a's windowed mask, a ring with windowed hops.
         ("all_gather", 4, 1, True, None, 256), ("p2p", 4, 1, True, None, 256), ("p2p", 4, 1, False, None, 256),
         ("a2a", 1, 4, True, None, 256), ("usp", 2, 2, True, None, 256), ("p2p", 4, 1, True, None, 1024),
-        # The ring backward software-pipelined (ring_backward_overlap=true).
+        # The ring backward software-pipelined (AttentionSpec.ring_backward_overlap).
         ("p2p", 4, 1, True, None, 0, dict(overlap=True)), ("usp", 2, 2, True, None, 0, dict(overlap=True))]:
     splash.MAX_TABLE_ENTRIES = table or default_table
     mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), MESH_AXES)

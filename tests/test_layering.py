@@ -12,7 +12,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first; a module may import from its own layer and the ones before it. A package name covers its modules.
 LAYERS = [
     ["maxctx", "maxctx.errors", "maxctx.data.registry", "maxctx.compat", "maxctx.config"],
-    ["maxctx.parallelism", "maxctx.files", "maxctx.optimizer", "maxctx.metrics"],
+    # maxctx.model.shape: the model's sizes, parameter counts, FLOPs and bytes per dtype, without JAX, for the
+    # FLOPs, the planner and the roofline below the rest of maxctx.model.
+    ["maxctx.parallelism", "maxctx.files", "maxctx.optimizer", "maxctx.metrics", "maxctx.model.shape"],
     ["maxctx.attention"],
     ["maxctx.plan", "maxctx.validate", "maxctx.loader"],
     ["maxctx.mesh", "maxctx.runtime"],

@@ -13,7 +13,6 @@ import pytest
 from maxctx.config import Config
 from maxctx.metrics import (
     attention_pairs,
-    matmul_params,
     measure_matmul_flops,
     peak_flops_per_device,
     peaks,
@@ -21,6 +20,7 @@ from maxctx.metrics import (
     training_flops_per_device,
     training_flops_per_step,
 )
+from maxctx.model.shape import ModelShape
 
 TINY = Config()  # the defaults are the tiny preset: D=128, H=4, K=2, Dh=32, F=384, L=2, V=256
 
@@ -29,7 +29,8 @@ def test_matches_hand_count():
     b, s = 8, 128
     d, h, k, dh, f, v, layers = 128, 4, 2, 32, 384, 256, 2
     per_layer_weights = d * h * dh + 2 * d * k * dh + h * dh * d + 3 * d * f  # wq, wk+wv, wo, mlp
-    assert matmul_params(TINY) == layers * per_layer_weights + d * v  # unembedding counted, embedding lookup not
+    # Unembedding counted, embedding lookup not.
+    assert ModelShape.from_config(TINY).matmul_params == layers * per_layer_weights + d * v
     forward = 2 * (layers * per_layer_weights + d * v) * b * s
     forward += layers * 4 * b * s * s * h * dh / 2  # QK^T and PV, causal half
     assert training_flops_per_step(TINY, b, s) == pytest.approx(3 * forward, rel=1e-12)
@@ -43,9 +44,9 @@ def test_llama3_8b_is_near_6nd():
     cfg = dataclasses.replace(TINY, base_emb_dim=4096, base_num_query_heads=32, base_num_kv_heads=8, head_dim=128,
                               base_mlp_dim=14336, base_num_decoder_layers=32, vocab_size=128256)
     # 8.03B parameters, minus the 0.525B embedding table that only a gather touches.
-    assert matmul_params(cfg) == pytest.approx(8.03e9 - 4096 * 128256, rel=0.005)
+    assert ModelShape.from_config(cfg).matmul_params == pytest.approx(8.03e9 - 4096 * 128256, rel=0.005)
     tokens = 4 * 8192
-    ratio = training_flops_per_step(cfg, 4, 8192) / (6 * matmul_params(cfg) * tokens)
+    ratio = training_flops_per_step(cfg, 4, 8192) / (6 * ModelShape.from_config(cfg).matmul_params * tokens)
     assert 1.0 < ratio < 1.3  # attention adds 12*L*H*Dh*S/2 per token on top of 6N
 
 

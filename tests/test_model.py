@@ -69,6 +69,7 @@ def test_published_parameter_counts(name, expected):
     _, cfg = _model_config(model_name=name)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     assert count_params(nnx.state(abstract)) == expected
+    assert cfg.num_params == expected  # the formula the planner uses (maxctx.model.shape)
 
 
 def test_tied_embedding_has_no_output_projection():
@@ -76,6 +77,7 @@ def test_tied_embedding_has_no_output_projection():
     _, tied = _model_config(logits_via_embedding="true")
     count = lambda c: count_params(nnx.state(nnx.eval_shape(lambda: Decoder(c, nnx.Rngs(0)))))
     assert count(untied) - count(tied) == 128 * 256
+    assert (untied.num_params, tied.num_params) == (count(untied), count(tied))
 
 
 def _losses(steps=3, **overrides):

@@ -106,13 +106,12 @@ def test_compile_plan_prints_the_table(capsys):
 def maxtext_plan(model: str, length: int, cp: int, fsdp: int
                  ) -> tuple[planner.Candidate, dict[str, planner.Candidate]]:
     """(auto's choice, the valid candidates by label) on the shape of MaxText's v5p-128 measurements (2M tokens per
-    step, splash; docs/choosing_a_strategy.md), the ring backward overlapped (maxctx's faster ring where memory
-    does not bind)."""
+    step, splash; docs/choosing_a_strategy.md), the ring backward costed overlapped (planner.plan's ring_overlap)."""
     plan = planner.plan(load_config(["configs/base.yml", "compile_topology=v5p-128", f"model_name={model}",
                                      f"max_target_length={length}", f"ici_context_parallelism={cp}",
                                      f"ici_fsdp_parallelism={fsdp}", f"per_device_batch_size={2 ** 21 / 64 / length}",
-                                     "remat_policy=full", "attention=splash", "context_parallel_strategy=auto",
-                                     "ring_backward_overlap=true"]))
+                                     "remat_policy=full", "attention=splash", "context_parallel_strategy=auto"]),
+                        ring_overlap=True)
     return plan.choice, {c.label: c for c in plan.ranked if c.valid}
 
 
@@ -150,14 +149,13 @@ def test_known_disagreements_with_maxtext(case):
 
 
 def test_ring_backward_overlap_costs_a_dkv_block_and_its_absence_exposes_the_sends():
-    # ring_backward_overlap=true holds one more fp32 dK/dV block per device; without it (the default) the backward's
+    # The overlapped ring backward holds one more fp32 dK/dV block per device; without it (the program) the backward's
     # sends follow each hop's kernel (the compiled TPU program's schedule, tests/test_attention_tpu_compile.py) and
     # wait in full, which the ranking charges (docs/choosing_a_strategy.md).
     argv = ["configs/base.yml", "compile_topology=v5p-128", "model_name=llama2-7b", "max_target_length=32768",
             "ici_context_parallelism=16", "ici_fsdp_parallelism=4", "per_device_batch_size=1", "attention=splash",
             "context_parallel_strategy=auto"]
-    off, on = ({c.label: c for c in planner.plan(load_config(argv + [f"ring_backward_overlap={v}"])).ranked}
-               for v in ("false", "true"))
+    off, on = ({c.label: c for c in planner.plan(load_config(argv), ring_overlap=v).ranked} for v in (False, True))
     block = 2 * 16 * 2048 * 32 * 128 * 4  # fp32 dK and dV of a p2p hop: B (S/R) K D 4 each
     assert on["p2p"].attention_bytes - off["p2p"].attention_bytes == pytest.approx(block)
     assert on["all_gather"].attention_bytes == off["all_gather"].attention_bytes

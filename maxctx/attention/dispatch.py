@@ -33,14 +33,15 @@ class AttentionSpec:
     block_kv: int = Config.flash_block_kv
     window: int = 0  # this layer's sliding window (0: global); the model sets it per layer from the pattern
     splash_blocks: splash.Blocks = splash.Blocks()  # splash's other block sizes (flash_block_*_dkv, ...)
-    ring_backward_overlap: bool = Config.ring_backward_overlap  # rings (p2p, usp): maxctx.attention.ring
+    # Rings (p2p, usp): the software-pipelined backward (maxctx.attention.ring). No config key: it costs memory and no
+    # measurement shows it faster (docs/long_context.md); benchmarks and tests set it here.
+    ring_backward_overlap: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> AttentionSpec:
         return cls(kernel=config.attention, strategy=config.context_parallel_strategy,
                    load_balance=config.context_parallel_load_balance, block_q=config.flash_block_q,
-                   block_kv=config.flash_block_kv, splash_blocks=splash.Blocks.from_config(config),
-                   ring_backward_overlap=config.ring_backward_overlap)
+                   block_kv=config.flash_block_kv, splash_blocks=splash.Blocks.from_config(config))
 
 
 def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:

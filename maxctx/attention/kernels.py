@@ -11,7 +11,7 @@ JAX, every platform), splash (TPU Pallas), cudnn (GPU). `hop` (a Python int, or 
 the ring hop's splash kernel; only splash needs it (its masks are index-based, see splash.py), the others mask from
 positions. Splash rings run their backward hops through splash's own dQ and dK/dV kernels given the ring's merged
 out and lse (splash_backward); cuDNN rings, and splash's where this JAX lacks those kernels or with
-ring_splash_backward=false, with the blockwise backward (exact, pure JAX): cuDNN exposes no backward that takes the
+Blocks.ring_backward=False, with the blockwise backward (exact, pure JAX): cuDNN exposes no backward that takes the
 merged lse.
 """
 

@@ -28,11 +28,11 @@ partial block, as zig-zag ring hops do.)
 
 Ring hops' backward: every hop, in row chunks or not, runs splash's own dQ and dK/dV kernels on the merged out and
 lse of all hops (splash_backward; private functions of JAX's splash module, checked by signature). Without them
-(backward_kernels_available), or with ring_splash_backward=false (Blocks.ring_backward: the blockwise backward
-needs less memory at some row-chunked lengths, docs/long_context.md), hops build forward tables only and take the
-blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM; for llama2-7b at 32K
-over C = 16 on v5p the TPU compiler's estimate of the backward layer is 1,231 ms with it for every hop, an upper
-bound that counts skipped block pairs as run, and 315 ms outside splash's kernels with them:
+(backward_kernels_available), or with Blocks.ring_backward=False (no config key: benchmarks/compiled_schedule.py
+compares the two; docs/long_context.md has the one row where it needed less memory), hops build forward tables
+only and take the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM;
+for llama2-7b at 32K over C = 16 on v5p the TPU compiler's estimate of the backward layer is 1,231 ms with it for
+every hop, an upper bound that counts skipped block pairs as run, and 315 ms outside splash's kernels with them:
 benchmarks/compiled_schedule.md).
 
 Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
@@ -149,13 +149,13 @@ class Blocks:
     q_dq: int = 0
     kv_dq: int = 0
     fused_backward: bool = False  # one kernel for dQ, dK and dV (sa_use_fused_bwd_kernel)
-    ring_backward: bool = True  # ring hops' backward through splash's kernels (ring_splash_backward)
+    ring_backward: bool = True  # ring hops' backward through splash's kernels (False: benchmarks only)
 
     @classmethod
     def from_config(cls, config) -> Blocks:
         return cls(config.flash_block_kv_compute, config.flash_block_q_dkv, config.flash_block_kv_dkv,
                    config.flash_block_kv_dkv_compute, config.flash_block_q_dq, config.flash_block_kv_dq,
-                   config.splash_fused_backward, config.ring_splash_backward)
+                   config.splash_fused_backward)
 
     def passes(self, bq: int, bkv: int) -> list[tuple[int, int]]:
         """The (query block, key block) each kernel of a differentiable call asks for: forward, dK/dV, dQ."""
@@ -212,7 +212,7 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
         return next((n for n in candidates if entries(n_q // n) <= max_table_entries), n_q // bq)
 
     # (query block, key block) per pass: forward, dK/dV, dQ; a ring hop (save_residuals) builds only the forward's
-    # with ring_splash_backward=false or where this JAX lacks the backward kernels splash_backward.hop_backward
+    # with Blocks.ring_backward=False or where this JAX lacks the backward kernels splash_backward.hop_backward
     # calls (its backward is then blockwise).
     passes = blocks.passes(bq, bkv)
     backward = not save_residuals or (blocks.ring_backward and backward_kernels_available())

@@ -9,7 +9,6 @@
 
 from maxctx.metrics.flops import (
     attention_pairs,
-    matmul_params,
     throughput,
     training_flops_per_device,
     training_flops_per_step,
@@ -35,6 +34,6 @@ from maxctx.metrics.writers import EVAL_TAGS, TAGS, MetricsWriter, compile_recor
 __all__ = [
     "EVAL_TAGS", "PEAK_TABLE", "TAGS", "MetricsWriter", "NonFiniteLossError", "PendingMetrics", "Profiler",
     "StepLogger", "StepMetrics", "attention_pairs", "check_finite", "compile_record", "device_memory",
-    "format_progress", "lookup_peak", "matmul_params", "measure_matmul_flops", "peak_flops_per_device", "throughput",
+    "format_progress", "lookup_peak", "measure_matmul_flops", "peak_flops_per_device", "throughput",
     "training_flops_per_device", "training_flops_per_step",
 ]

@@ -3,7 +3,7 @@
 Dimensions: B sequences per optimiser step, S sequence length, D model, H query heads, K kv heads, Dh head dim,
 F mlp, V vocab, L layers.
 
-    P_matmul  = L * (D*Dh*(2H + 2K) + 3*D*F) + D*V          # weights a token meets in matmuls
+    P_matmul  = L * (D*Dh*(2H + 2K) + 3*D*F) + D*V          # weights a token meets in matmuls (maxctx.model.shape)
     matmul    = 6 * P_matmul * B * S                        # 2 FLOPs per MAC, x3 for forward + backward
     attention = 12 * L * H * Dh * A                         # QK^T and PV: 4*H*Dh per (query, key) pair, x3
     A         = B * S^2 / 2                                 # causal pairs (MaxText's halving)
@@ -27,14 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from maxctx.config import Config, layer_windows
-
-
-def matmul_params(config: Config) -> int:
-    """Weights each token multiplies in the forward pass: P_matmul above (embedding lookup excluded)."""
-    d, h, k, dh = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
-    attention = d * dh * (2 * h + 2 * k)  # wq [D,H,Dh], wk/wv [D,K,Dh], wo [H,Dh,D]
-    mlp = 3 * d * config.base_mlp_dim  # w_gate, w_up [D,F], w_down [F,D]
-    return config.base_num_decoder_layers * (attention + mlp) + d * config.vocab_size
+from maxctx.model.shape import ModelShape
 
 
 def attention_pairs(global_batch: int, seq_len: int, *, segment_ids: np.ndarray | None = None,
@@ -72,12 +65,11 @@ def training_flops_per_step(config: Config, global_batch: int, seq_len: int, *,
     accumulating). segment_ids: optionally the step's [B, S] segment ids, to count packed documents by their true
     attention area instead of B*S^2/2. Remat recompute is not counted (MFU counts model FLOPs).
     """
-    matmul = 6.0 * matmul_params(config) * global_batch * seq_len
+    shape = ModelShape.from_config(config)
     windows = layer_windows(config)  # one group of layers; the pattern repeats L / len(windows) times
     pairs = sum(attention_pairs(global_batch, seq_len, segment_ids=segment_ids, window=w) for w in windows)
     pairs *= config.base_num_decoder_layers / len(windows)
-    attention = 12.0 * config.base_num_query_heads * config.head_dim * pairs
-    return matmul + attention
+    return shape.matmul_flops(global_batch * seq_len) + shape.attention_flops(pairs)
 
 
 def training_flops_per_device(config: Config, global_batch: int, seq_len: int, num_devices: int, *,

@@ -17,25 +17,17 @@ from jax.ad_checkpoint import checkpoint_name
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.config import REMAT_NAMES, Config, layer_windows
 from maxctx.model.rope import RopeSpec, rotary
+from maxctx.model.shape import ModelShape
 from maxctx.model.tiling import map_chunks
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The model's narrow view of the run config (defaults: maxctx.config.Config's)."""
+class ModelConfig(ModelShape):
+    """The model's narrow view of the run config (defaults: maxctx.config.Config's): its shape, with the parameter
+    counts, FLOPs and bytes per dtype derived from it (maxctx.model.shape), and what the layers read besides."""
 
-    emb_dim: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    num_layers: int
-    vocab_size: int
     rope: RopeSpec = RopeSpec()
     norm_eps: float = Config.normalization_layer_epsilon
-    tied_embedding: bool = Config.logits_via_embedding
-    dtype: str = Config.dtype
-    weight_dtype: str = Config.weight_dtype
     remat_policy: str = Config.remat_policy
     # remat_policy=custom: (name, "remat" | "device" | "offload") for each of REMAT_NAMES.
     remat_custom: tuple[tuple[str, str], ...] = ()
@@ -51,12 +43,10 @@ class ModelConfig:
     def from_config(cls, config: Config) -> ModelConfig:
         # `attention=auto` stays unresolved here: `attend` picks the kernel from the mesh's platform, so a step
         # compiled for a TPU topology on a CPU host gets splash.
+        shape = ModelShape.from_config(config)
         return cls(
-            emb_dim=config.base_emb_dim, num_heads=config.base_num_query_heads,
-            num_kv_heads=config.base_num_kv_heads, head_dim=config.head_dim, mlp_dim=config.base_mlp_dim,
-            num_layers=config.base_num_decoder_layers, vocab_size=config.vocab_size,
+            **{f.name: getattr(shape, f.name) for f in dataclasses.fields(ModelShape)},
             rope=RopeSpec.from_config(config), norm_eps=config.normalization_layer_epsilon,
-            tied_embedding=config.logits_via_embedding, dtype=config.dtype, weight_dtype=config.weight_dtype,
             remat_policy=config.remat_policy, scan_layers=config.scan_layers, use_iota_embed=config.use_iota_embed,
             remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,

@@ -20,9 +20,10 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       permutes wait for their bytes (not overlapped: synchronous in the program compiled for TPU);
                       a forward ring hop overlaps the attention of the block it carries, so each of its hops
                       exposes max(0, hop bytes / bandwidth - block compute) + latency + the merge of its result
-                      into the fp32 accumulators in HBM; a backward hop likewise with ring_backward_overlap=true;
-                      with the default (false) the program sends after the hop's kernel, so every backward send
-                      waits in full: the estimate charges what the config's program does
+                      into the fp32 accumulators in HBM; a backward hop likewise with `plan(..., ring_overlap=True)`
+                      (the software-pipelined ring backward, which only benchmarks and tests build); the program
+                      sends after the hop's kernel, so every backward send waits in full: the estimate charges
+                      what the program does
     step              compute + L x exposed comm (averaged over the pattern)
 
 Bandwidths (per device, one direction): a ring hop uses one ICI link; all-gather and reduce-scatter use both
@@ -48,6 +49,7 @@ from collections.abc import Callable
 from maxctx.attention import halo, strategies
 from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError, layer_windows
+from maxctx.model.shape import ModelShape, dtype_bytes
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
 from maxctx.plan import topology
 
@@ -154,7 +156,7 @@ def transient_bytes(strategy: str, s: AttentionShape, ring_overlap: bool = False
     """Buffers one layer's attention backward holds besides the saved activations, per device, rows = S / R:
     all_gather: the gathered dK, dV 2 B S K D b and the dq accumulator B (S/C) H D 4; a ring (R > 1): the
     fp32 accumulator B rows (H/U) D 4, two K/V blocks in flight 4 B rows (K'/U) D b and the travelling fp32 dK/dV
-    4 B rows (K'/U) D 4, 6 B rows (K'/U) D 4 with ring_backward_overlap (one more block in flight); an all-to-all
+    4 B rows (K'/U) D 4, 6 B rows (K'/U) D 4 with ring_overlap (one more block in flight); an all-to-all
     (U > 1): the fp32 gradients of q, k, v in head layout B rows (H+2K')/U D 4."""
     if strategy == "all_gather":
         return s.batch * s.head_dim * (2 * s.seq * s.kv_heads * s.itemsize + s.seq / s.cp * s.heads * 4)
@@ -171,7 +173,7 @@ def transient_bytes(strategy: str, s: AttentionShape, ring_overlap: bool = False
 def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> AttentionShape:
     return AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
                           heads=config.base_num_query_heads // tp, kv_heads=max(1, config.base_num_kv_heads // tp),
-                          head_dim=config.head_dim, itemsize=2 if config.dtype in ("bfloat16", "float16") else 4,
+                          head_dim=config.head_dim, itemsize=dtype_bytes(config.dtype),
                           cp=cp, a2a=a2a, window=window, load_balance=config.context_parallel_load_balance)
 
 
@@ -217,8 +219,8 @@ def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: in
                       forward_passes: int, ring_overlap: bool = True) -> float:
     """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
     keys come by halo exchange (maxctx.attention.halo) waits for its permutes. `ring_overlap`: the ring backward's
-    sends overlap its hops' kernels, as the program does with ring_backward_overlap=true; False: each waits in full,
-    as in the default program (plan passes the config's setting)."""
+    sends overlap its hops' kernels, as the software-pipelined backward does (AttentionSpec.ring_backward_overlap);
+    False: each waits in full, as in the program (plan passes its `ring_overlap`)."""
     attn_fwd = 4 * s.batch * (s.seq / s.cp) * _pairs(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
     fwd, bwd = strategies.get(strategy).collectives(s)
     ring_bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if dcn_cp > 1 else hw.link_bytes_per_s
@@ -248,28 +250,18 @@ def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: in
     return forward_passes * forward + backward
 
 
-def _params(config: Config) -> float:
-    d, h, k, dh, f = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim,
-                      config.base_mlp_dim)
-    layer = d * dh * (2 * h + 2 * k) + 3 * d * f + 2 * d
-    return config.base_num_decoder_layers * layer + d * config.vocab_size * (1 if config.logits_via_embedding else 2)
-
-
 def _base(config: Config, tp: int, shards: int) -> tuple[float, float, float]:
     """(compute FLOPs per device, memory per device besides attention, the loss / MLP tiles' bytes); local layers'
     attention FLOPs scale with their window."""
-    seq, layers, b = config.max_target_length, config.base_num_decoder_layers, 2 if config.dtype in (
-        "bfloat16", "float16") else 4
+    shape = ModelShape.from_config(config)
+    seq, layers, b = config.max_target_length, config.base_num_decoder_layers, shape.itemsize
     full = config.remat_policy in ("full", "custom")
-    p_matmul = layers * (config.base_emb_dim * config.head_dim * (2 * config.base_num_query_heads + 2 *
-                         config.base_num_kv_heads) + 3 * config.base_emb_dim * config.base_mlp_dim) + \
-        config.base_emb_dim * config.vocab_size
     windows = layer_windows(config)
     pairs = sum(_pairs(seq, w) for w in windows) / len(windows)
-    flops = config.per_device_batch_size * (6 * p_matmul * seq + 12 * layers * config.base_num_query_heads
-                                            * config.head_dim * seq * pairs)
+    rows = config.per_device_batch_size * seq
+    flops = shape.matmul_flops(rows) + shape.attention_flops(rows * pairs * layers)
     flops *= 4 / 3 if full else 1
-    params, wb = _params(config), 4 if config.weight_dtype == "float32" else 2
+    params, wb = shape.num_params, shape.weight_itemsize
     tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
     saved_inputs = 0 if offloaded else layers * tokens * config.base_emb_dim * b
@@ -311,10 +303,11 @@ def _mesh(config: Config, n: int | None) -> tuple[dict[str, int], dict[str, int]
             {a: getattr(config, f"dcn_{a}_parallelism") for a in ("fsdp", "context", "tensor")})
 
 
-def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
+def plan(config: Config, check: Callable[[Config], None] | None = None, ring_overlap: bool = False) -> Plan:
     """Every candidate estimated and ranked (module doc). `check(candidate_config)` raises ConfigError for an
     invalid candidate (maxctx.validate passes its device checks); without it, the strategy's own rules and the
-    in-slice all-to-all rule are applied."""
+    in-slice all-to-all rule are applied. `ring_overlap`: cost the rings' software-pipelined backward (benchmarks
+    compare it; the program does not run it)."""
     n = num_devices(config)
     ici, dcn = _mesh(config, n)
     cp, tp = ici["context"] * dcn["context"], ici["tensor"] * dcn["tensor"]
@@ -340,10 +333,10 @@ def plan(config: Config, check: Callable[[Config], None] | None = None) -> Plan:
         s = _shape(config, cp, tp, u)
         windows = layer_windows(config)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
-        attn = saved + transient_bytes(name, s, config.ring_backward_overlap) if cp > 1 else 0.0
+        attn = saved + transient_bytes(name, s, ring_overlap) if cp > 1 else 0.0
         memory = base_bytes + max(attn, tiles)
         exposed = layers * sum(exposed_per_layer(name, _shape(config, cp, tp, u, w), hw, ici["context"],
-                                                 dcn["context"], passes, config.ring_backward_overlap)
+                                                 dcn["context"], passes, ring_overlap)
                                for w in windows) / len(windows) \
             if cp > 1 else 0
         fits = memory <= FIT_FRACTION * hw.hbm_bytes

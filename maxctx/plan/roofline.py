@@ -31,6 +31,7 @@ import math
 from maxctx.attention import strategies
 from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.config import Config
+from maxctx.model.shape import ModelShape
 from maxctx.parallelism import A2A_AXIS, mesh_context_degree, mesh_sizes, num_slices
 
 
@@ -78,8 +79,8 @@ def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params
     peak = (config.peak_tflops_per_device * 1e12 if config.peak_tflops_per_device > 0
             else entry.tflops_per_device * 1e12)
     hbm_bw, ici_bw = chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / per_chip
-    b = 2 if config.dtype in ("bfloat16", "float16") else 4
-    wb = 4 if config.weight_dtype == "float32" else 2
+    model = ModelShape.from_config(config)
+    b, wb = model.itemsize, model.weight_itemsize
     layers, dim, tp, dp = config.base_num_decoder_layers, config.base_emb_dim, mesh["tensor"], mesh["data"]
     heads, kv, hd, mlp = config.base_num_query_heads, config.base_num_kv_heads, config.head_dim, config.base_mlp_dim
     t = global_batch * config.max_target_length / n  # tokens per device per step
@@ -89,8 +90,8 @@ def roofline(config: Config, mesh: dict[str, int], global_batch: int, num_params
 
     model_flops = training_flops_per_device(config, global_batch, config.max_target_length, n)
     # Tiling recomputes in the backward: the output projection once more, and (under a remat'd layer) the MLP.
-    tiled = (2 * t * dim * config.vocab_size / tp * (config.num_vocab_tiling > 1)
-             + 6 * layers * t * dim * mlp / tp * (config.mlp_sequence_chunks > 1 and full))
+    tiled = (2 * t * model.output_params / tp * (config.num_vocab_tiling > 1)
+             + 2 * layers * t * model.mlp_params / tp * (config.mlp_sequence_chunks > 1 and full))
     compute_s = (model_flops * (4 / 3 if full else 1) + tiled) / peak
 
     weights = num_params / tp  # a device's slice of every weight, once gathered
