@@ -7,8 +7,8 @@ fp32, blockwise kernel with 512-token blocks, C = 8 (usp: ring 2 x a2a 4), zig-z
 strategy's global layer, its local layer (window W), and its global layer on a packed sequence of --doc-token
 documents (document-aware skipping: ring hops and kernel blocks whose queries and keys share no document are
 skipped). Columns: collective bytes per device from the compiled HLO (tests/support/hlo.py), against the strategy's
-formula (maxctx.attention.strategy); XLA's compiled FLOP count (its cost analysis counts a loop's body once, not
-per iteration, and a `lax.cond`'s compute branch whether or not it runs: comparable between the rows of one
+`comm_volume` formula (maxctx.attention.base); XLA's compiled FLOP count (its cost analysis counts a loop's body
+once, not per iteration, and a `lax.cond`'s compute branch whether or not it runs: comparable between the rows of one
 strategy only where the loops are the same; block and hop skipping show in the step time); step time (median of
 --repeats runs after a warm-up) and its ratio to the global layer. CPU step times say little about accelerators;
 the bytes are what the compiled program does anywhere. Prints a Markdown table.
@@ -32,9 +32,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from maxctx.attention import strategies  # noqa: E402
+from maxctx.attention.cost import AttentionShape  # noqa: E402
 from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
 from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
-from maxctx.attention.strategy import AttentionShape  # noqa: E402
 from maxctx.parallelism import MESH_AXES  # noqa: E402
 from tests.support.hlo import collective_bytes  # noqa: E402
 
@@ -70,7 +70,7 @@ def measure(strategy: str, seq: int, window: int, doc: int, repeats: int) -> dic
     comm = collective_bytes(compiled.as_text())
     shape = AttentionShape(batch=1, seq=seq, heads=H, kv_heads=K, head_dim=D, itemsize=4, cp=8, a2a=a2a,
                            window=window)
-    fwd, bwd = strategies.get(strategy).collectives(shape)
+    fwd, bwd = strategies.get(strategy).comm_volume(shape)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return {"step_s": statistics.median(times), "comm": sum(comm.values()),

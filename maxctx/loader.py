@@ -32,8 +32,10 @@ from maxctx.validate import check_devices, validate
 _PACKAGED_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 REPO_CONFIG_DIR = (_PACKAGED_CONFIG_DIR if os.path.isdir(_PACKAGED_CONFIG_DIR) else
                    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
-# Keys older versions wrote into a run's config.yml that the schema no longer has: read and dropped.
-RETIRED_KEYS = ("context_parallel_auto",)
+# Keys older versions wrote into a run's config.yml that the schema no longer has, with the value that is now fixed
+# behaviour (None: any value): read and dropped. Another value is refused, since it asked for what no longer exists.
+RETIRED_KEYS: dict[str, Any] = {"context_parallel_auto": None, "ring_backward_overlap": False,
+                                "ring_splash_backward": True}
 
 
 class Loaded(NamedTuple):
@@ -62,6 +64,10 @@ def load_config(argv: list[str]) -> Config:
 
 
 def _without_retired(raw: dict[str, Any]) -> dict[str, Any]:
+    for key, fixed in RETIRED_KEYS.items():
+        if key in raw and fixed is not None and raw[key] != fixed:
+            raise ConfigError(f"{key}={raw[key]} is no longer a key: maxctx always runs as {key}={fixed} "
+                              f"(docs/long_context.md, 'Ring backward keys'); remove it from the YAML file")
     return {k: v for k, v in raw.items() if k not in RETIRED_KEYS}
 
 

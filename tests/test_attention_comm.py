@@ -14,9 +14,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention import strategies
-from maxctx.attention.collectives import shard_map
+from maxctx.attention.cost import KINDS, AttentionShape, by_kind
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.strategy import KINDS, AttentionShape, by_kind
+from maxctx.attention.sharded import shard_map
 from tests.support.hlo import collective_bytes
 from tests.support.meshes import make_mesh
 
@@ -50,7 +50,7 @@ def compiled_bytes(strategy: str, ring: int, a2a: int, backward: bool, window: i
 def expected(strategy: str, ring: int, a2a: int) -> tuple[dict, dict]:
     """The strategy's own formulas (what the roofline uses): (forward, backward) bytes per collective kind."""
     shape = AttentionShape(batch=B, seq=S, heads=H, kv_heads=K, head_dim=D, itemsize=b, cp=ring * a2a, a2a=a2a)
-    fwd, bwd = strategies.get(strategy).collectives(shape)
+    fwd, bwd = strategies.get(strategy).comm_volume(shape)
     return by_kind(fwd), by_kind(bwd)
 
 

@@ -24,9 +24,10 @@ from maxctx.plan.out_of_memory import fit, xla_out_of_memory
 from maxctx.plan.roofline import cp_bytes_per_layer, roofline
 from maxctx.plan.topology import CHIPS, parse, standard_shape
 from tests.support.processes import ROOT, python, tpu_env
+from tests.support.strategies import names as strategy_names
 
 GIB = 1024 ** 3
-STRATEGIES = ("all_gather", "a2a", "p2p", "usp")
+STRATEGIES = tuple(strategy_names())
 LLAMA_32K_V5P_64 = ("compile_topology=v5p-64", "model_name=llama3-8b", "max_target_length=32768",
                     "ici_context_parallelism=8", "ici_fsdp_parallelism=-1", "per_device_batch_size=0.125")
 
@@ -173,7 +174,7 @@ def test_topology_devices_for_every_generation():
 
 @pytest.fixture(scope="module")
 def llama_32k_v5p_64():
-    """All four CP strategies' compiles, started together (one process each) so they overlap on many cores."""
+    """Every registered CP strategy's compile, started together (one process each) so they overlap on many cores."""
     needs_libtpu()
     procs = {s: start_compile(*LLAMA_32K_V5P_64, f"context_parallel_strategy={s}") for s in STRATEGIES}
     return {s: finish(p, timeout=1800) for s, p in procs.items()}

@@ -148,3 +148,18 @@ def test_bad_config_in_a_real_process_has_no_traceback():
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+def test_retired_keys_in_an_old_config_yml(tmp_path):
+    # A run's config.yml written before these keys went still loads when it holds the value that is now fixed
+    # behaviour; another value asked for what no longer exists and is refused, naming the key.
+    old = {**yaml.safe_load(open("configs/base.yml")), "context_parallel_auto": True, "ring_backward_overlap": False,
+           "ring_splash_backward": True}
+    path = tmp_path / "config.yml"
+    path.write_text(yaml.safe_dump(old))
+    assert load_config([str(path)]) == load_config(["configs/base.yml"])
+    path.write_text(yaml.safe_dump({**old, "ring_backward_overlap": True}))
+    with pytest.raises(ConfigError, match="ring_backward_overlap=True is no longer a key"):
+        load_config([str(path)])
+    with pytest.raises(ConfigError, match="unknown config key 'ring_splash_backward'"):
+        load_config(["configs/base.yml", "ring_splash_backward=true"])

@@ -19,6 +19,7 @@ from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.dot_product import dot_product_attention
 from maxctx.attention.load_balance import restore_order, zigzag_permutation
 from tests.support.meshes import FAST_COMPILE, make_mesh
+from tests.support.strategies import splits
 
 SEQ, DIM, HEADS = 32, 8, 8
 
@@ -75,13 +76,8 @@ def run_strategy(strategy: str, ring: int, a2a: int, kv_heads: int, kernel: str 
             assert_close(g, w, f"{strategy} C={cp} ({ring}x{a2a}) K={kv_heads} load_balance={load_balance} {name}")
 
 
-CASES = [(s, c, 1) for s in ("all_gather", "p2p", "a2a") for c in (2, 4, 8)] + [("usp", 2, 2), ("usp", 2, 4),
-                                                                                  ("usp", 4, 2)]
-
-
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
-@pytest.mark.parametrize("strategy,ring,a2a", [(s, 1, c) if s == "a2a" else (s, c, a) for s, c, a in CASES],
-                         ids=lambda x: str(x))
+@pytest.mark.parametrize("strategy,ring,a2a", splits((2, 4, 8)), ids=lambda x: str(x))
 def test_strategy_matches_reference(strategy, ring, a2a, heads):
     # GQA with fewer kv heads than C (and than the A2A degree): K = 1 for C = 2, else K = 2.
     kv_heads = HEADS if heads == "mha" else (1 if ring * a2a == 2 else 2)

@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 
 from tests.support.processes import ROOT, cpu_env, losses as run_dir_losses, train_command
+from tests.support.strategies import names as strategy_names
 
 COMMON = ["cpu_devices=8", "steps=10", "dtype=float32", "attention=flash", "log_period=1", "per_device_batch_size=1",
           "base_num_query_heads=8", "base_num_kv_heads=2", "enable_checkpointing=false", "enable_tensorboard=false",
           "flash_block_q=16", "flash_block_kv=16"]
 
 
-CASES = [("a2a", 2), ("all_gather", 4), ("p2p", 8), ("usp", 8)]
+CP = {"a2a": 2, "all_gather": 4}  # the others (p2p, usp, any strategy registered later): C = 8
+CASES = [(s, CP.get(s, 8)) for s in strategy_names()]
 
 
 def start_run(strategy: str, cp: int, out_dir: str, *extra: str) -> tuple[subprocess.Popen, list[str], str]:
@@ -63,7 +65,8 @@ def test_cp_run_has_the_losses_of_the_run_without_cp(losses, strategy, cp):
 
 # Sliding windows (Mistral v0.1's every-layer window, and local/global layers): a 16-token window over 128 tokens,
 # so at C = 8 (chunks of 8 under zig-zag) a local layer's keys come from two chunks back.
-LOCAL_CASES = [("p2p", 8, "L"), ("all_gather", 4, "L"), ("usp", 8, "LG"), ("a2a", 2, "LG")]
+# Every other strategy with every layer local, the rest with local and global layers alternating.
+LOCAL_CASES = [(s, cp, ("L", "LG")[i % 2]) for i, (s, cp) in enumerate(CASES)]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,7 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as out:
         want = run_losses("all_gather", 1, out)
         print("C=1 losses:", " ".join(f"{x:.5f}" for x in want))
-        for strategy in ("all_gather", "a2a", "p2p", "usp"):
+        for strategy in strategy_names():
             for cp in (2, 4, 8):
                 got = run_losses(strategy, cp, out)
                 err = np.max(np.abs(np.asarray(got) - want) / np.abs(want))

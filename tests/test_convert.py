@@ -26,6 +26,7 @@ from maxctx.loader import load_config
 from maxctx.mesh import batch_sharding, create_mesh
 from maxctx.train_step import jit_train_step, make_setup
 from tests.support.processes import python
+from tests.support.strategies import config_args, names as strategy_names
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 MODELS = ("llama", "llama3_1", "mistral")
@@ -73,13 +74,11 @@ def test_imported_logits_match_transformers(imported, name):
     assert _relative_error(got, expected) < 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "a2a", "p2p", "usp"])
+@pytest.mark.parametrize("strategy", strategy_names())
 @pytest.mark.parametrize("name", MODELS)
 def test_imported_logits_match_transformers_under_cp(imported, name, strategy):
     expected = np.load(FIXTURES / name / "logits.npy")
-    extra = ["context_parallel_a2a_degree=2"] if strategy == "usp" else []
-    got = _logits(imported[name], np.load(FIXTURES / name / "tokens.npy"), 4,
-                  f"context_parallel_strategy={strategy}", *extra)
+    got = _logits(imported[name], np.load(FIXTURES / name / "tokens.npy"), 4, *config_args(strategy, 4))
     assert _relative_error(got, expected) < 1e-5
 
 
@@ -102,12 +101,10 @@ def windowed(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("cp,strategy", [(1, "all_gather"), (4, "all_gather"), (4, "a2a"), (4, "p2p"), (4, "usp")])
+@pytest.mark.parametrize("cp,strategy", [(1, "all_gather")] + [(4, s) for s in strategy_names()])
 def test_mistral_sliding_window_imports_as_local_layers(windowed, cp, strategy):
     expected = np.load(FIXTURES / "mistral" / "logits_sliding_window_32.npy")
-    extra = ["context_parallel_a2a_degree=2"] if strategy == "usp" else []
-    got = _logits(windowed / "ckpt", np.load(FIXTURES / "mistral" / "tokens.npy"), cp,
-                  f"context_parallel_strategy={strategy}", *extra)
+    got = _logits(windowed / "ckpt", np.load(FIXTURES / "mistral" / "tokens.npy"), cp, *config_args(strategy, cp))
     assert _relative_error(got, expected) < 1e-5
     model = (windowed / "ckpt" / "model.yml").read_text()
     assert "sliding_window_size: 32" in model and "attention_layer_pattern: L" in model

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention import strategies
+from maxctx.attention.cost import AttentionShape, Collective
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.strategy import AttentionShape, Collective
 from maxctx.loader import load, load_config
 from maxctx.plan import planner
 from tests.support.meshes import FAST_COMPILE, make_mesh
@@ -228,7 +228,7 @@ def test_roofline_counts_what_crosses_slices():
         config = load_config(base + [f"context_parallel_strategy={strategy}", f"context_parallel_a2a_degree={a2a}"])
         mesh = split_context(config, 8, a2a)
         on_wire, crossing = cp_bytes_per_layer(config, mesh, t, 2), cp_dcn_bytes_per_layer(config, mesh, t, 2, 2)
-        fwd, _ = strategies.get(strategy).collectives(AttentionShape(1, 131072, 32, 8, 128, 2, 8, a2a))
+        fwd, _ = strategies.get(strategy).comm_volume(AttentionShape(1, 131072, 32, 8, 128, 2, 8, a2a))
         ring = sum(c.sent_bytes for c in fwd if c.kind == "collective-permute")
         if strategy == "all_gather":  # half of the gathered K/V comes from the other slice
             assert crossing[0] == pytest.approx(fwd[0].bytes / 2)

@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention import halo, strategies
+from maxctx.attention.cost import AttentionShape, by_kind
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.attention.dot_product import dot_product_attention
 from maxctx.attention.load_balance import restore_order, zigzag_permutation
-from maxctx.attention.strategy import AttentionShape, by_kind
 from maxctx.config import ConfigError, layer_windows
 from maxctx.loader import load_config
 from tests.support.meshes import FAST_COMPILE, make_mesh
@@ -109,7 +109,7 @@ def layer_bytes(strategy: str, ring: int, a2a: int, window: int, backward: bool)
 def formula(strategy: str, ring: int, a2a: int, window: int) -> tuple[dict, dict]:
     shape = AttentionShape(batch=B, seq=S, heads=H, kv_heads=K, head_dim=D, itemsize=b, cp=ring * a2a, a2a=a2a,
                            window=window)
-    fwd, bwd = strategies.get(strategy).collectives(shape)
+    fwd, bwd = strategies.get(strategy).comm_volume(shape)
     return by_kind(fwd), by_kind(bwd)
 
 

@@ -1,4 +1,4 @@
-"""The strategy registry: every strategy module provides the whole unit (maxctx.attention.strategy), names
+"""The strategy registry: every registered strategy is a whole unit (maxctx.attention.base.Strategy), names
 resolve with MaxText's aliases, and the memory formulas scale as each docstring says."""
 
 from __future__ import annotations
@@ -6,23 +6,32 @@ from __future__ import annotations
 import pytest
 
 from maxctx.attention import strategies
-from maxctx.attention.strategy import KINDS, AttentionShape
+from maxctx.attention.base import Strategy
+from maxctx.attention.cost import KINDS, AttentionShape
 from maxctx.config import ConfigError
 
-MEMBERS = ("NAME", "ALIASES", "a2a_degree", "check", "query_rows", "collectives", "activation_bytes", "attend")
+# What a strategy must define itself: the base class has no default for these.
+OWN = ("global_comm_volume", "activation_bytes", "transient_bytes", "attend")
 
 
 @pytest.mark.parametrize("name", sorted(strategies.STRATEGIES))
 def test_every_strategy_is_a_whole_unit(name):
-    module = strategies.STRATEGIES[name]
-    missing = [m for m in MEMBERS if not hasattr(module, m)]
-    assert not missing, f"{module.__name__} lacks {missing}"
-    assert module.NAME == name
-    a2a = {"a2a": 8, "usp": 2}.get(name, 1)
-    fwd, bwd = module.collectives(AttentionShape(batch=2, seq=1024, heads=8, kv_heads=2, head_dim=16, itemsize=2,
-                                                 cp=8, a2a=a2a))
+    strategy = strategies.STRATEGIES[name]
+    assert isinstance(strategy, Strategy) and strategy.name == name
+    missing = [m for m in OWN if getattr(type(strategy), m) is getattr(Strategy, m)]
+    assert not missing, f"{type(strategy).__name__} lacks {missing}"
+    a2a = strategy.planner_degrees(8)[0]
+    s = AttentionShape(batch=2, seq=1024, heads=8, kv_heads=2, head_dim=16, itemsize=2, cp=8, a2a=a2a)
+    fwd, bwd = strategy.comm_volume(s)
     assert {c.kind for c in fwd + bwd} <= set(KINDS)
     assert all(c.bytes > 0 and c.sent_bytes <= c.bytes for c in fwd + bwd)
+    assert strategy.activation_bytes(s) > 0 and strategy.transient_bytes(s) > 0
+
+
+def test_registry_refuses_a_taken_name():
+    with pytest.raises(ValueError, match="ring already registered"):
+        strategies.register(Strategy("ring2", aliases=("ring",)))
+    assert "ring2" not in strategies.STRATEGIES
 
 
 def test_names_and_aliases():
@@ -54,7 +63,7 @@ def test_activation_memory_scales_as_documented():
 def test_usp_degenerates_to_its_parts():
     # usp with U = C is a2a's traffic plus one fp32 gradient pass of the ring of one; with U = 1 it is p2p's.
     s = shape(8, 1)
-    p2p_fwd, p2p_bwd = strategies.get("p2p").collectives(s)
-    usp_fwd, usp_bwd = strategies.get("usp").collectives(s)
+    p2p_fwd, p2p_bwd = strategies.get("p2p").comm_volume(s)
+    usp_fwd, usp_bwd = strategies.get("usp").comm_volume(s)
     permute = lambda cs: sum(c.bytes for c in cs if c.kind == "collective-permute")  # noqa: E731
     assert permute(usp_fwd) == permute(p2p_fwd) and permute(usp_bwd) == permute(p2p_bwd)

@@ -22,6 +22,7 @@ from maxctx.mesh import create_mesh
 from maxctx.train_step import compile_train_step, init_state, jit_train_step, loss_sums, make_setup
 from maxctx.validate import validate
 from tests.support.processes import python, tpu_env
+from tests.support.strategies import names as strategy_names
 
 S = 256
 SMALL = ["dtype=float32", "attention=flash", "flash_block_q=16", "flash_block_kv=16", "ici_context_parallelism=4",
@@ -87,7 +88,7 @@ def test_tiled_loss_mlp_and_offload_give_the_same_loss_and_gradients(tied):
         assert err < 1e-6, f"{jax.tree_util.keystr(path)}: gradient differs by {err:.2e} of its largest entry"
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "a2a", "p2p", "usp"])
+@pytest.mark.parametrize("strategy", strategy_names())
 def test_ten_steps_train_the_same_with_tiling_and_offload(strategy):
     off = train_losses(f"context_parallel_strategy={strategy}")
     on = train_losses(f"context_parallel_strategy={strategy}", *TILED)

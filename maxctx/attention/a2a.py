@@ -6,24 +6,21 @@ heads per tensor shard, D head dim, b bytes per activation element; positions an
 q[B, S/U, H, D] -> [B, S, H/U, D] and the same for K and V; positions and segment ids are all-gathered. With
 fewer kv heads than U (or K not divisible by U), kv heads are first repeated to K' = lcm(K, U) (it divides H), so
 every device gets the kv heads of its query heads; autodiff of the repeat sums their gradients back. Only H not
-divisible by U is refused (maxctx.validate, before compile).
+divisible by U is refused (`check`, before compile).
 
-Cost (the formulas: `collectives` and `activation_bytes` below, shared with usp): q, K, V there and the output
-back, the same in the backward; memory O(S/U), the same bytes as the sharded inputs; the kernel's temp on top
-(flash: one score block).
+Cost (the formulas below, shared with usp): q, K, V there and the output back, the same in the backward; memory
+O(S/U), the same bytes as the sharded inputs; the kernel's temp on top (flash: one score block). A local layer runs
+whole sequences after the all-to-all, where the kernel skips the blocks outside the band: no halo.
 """
 
 from __future__ import annotations
 
-from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
+import dataclasses
+
+from maxctx.attention.base import CommVolume, Strategy
+from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError
 from maxctx.parallelism import A2A_AXIS, RING_AXIS
-
-NAME, ALIASES = "a2a", ("ulysses",)
-
-
-def a2a_degree(config: Config, cp: int) -> int:
-    return cp
 
 
 def check_heads(config: Config, a2a: int, tensor: int) -> None:
@@ -34,15 +31,7 @@ def check_heads(config: Config, a2a: int, tensor: int) -> None:
                           f"use a head count divisible by {a2a}, or context_parallel_strategy=p2p or all_gather")
 
 
-def check(config: Config, cp: int, tensor: int) -> None:
-    check_heads(config, cp, tensor)
-
-
-def query_rows(seq: int, cp: int, a2a: int) -> int:
-    return seq  # after the all-to-all a device holds the whole sequence for its heads
-
-
-def a2a_collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
+def a2a_comm_volume(s: AttentionShape) -> CommVolume:
     """The all-to-all part over U devices, K' = lcm(K, U): all-to-all of q, k, v in and out back
     (2 H + 2 K') B (S/C) D b in the forward and again in the backward (dout in; dq, dk, dv back); all-gather of
     positions and segment ids 2 B (S/R) 4 in the forward."""
@@ -53,11 +42,7 @@ def a2a_collectives(s: AttentionShape) -> tuple[list[Collective], list[Collectiv
             [Collective("all-to-all", moved, s.a2a)])
 
 
-def collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
-    return a2a_collectives(s)
-
-
-def activation_bytes(s: AttentionShape) -> float:
+def a2a_activation_bytes(s: AttentionShape) -> float:
     """Saved for the backward, rows = S / R (S for a2a), heads / U: q, out 2 B rows (H/U) D b, k, v
     2 B rows (K'/U) D b, lse B (H/U) rows 4."""
     rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
@@ -65,25 +50,63 @@ def activation_bytes(s: AttentionShape) -> float:
             + s.batch * s.heads / s.a2a * rows * 4)
 
 
-def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
-    from maxctx.attention.alltoall import a2a_attention
-    from maxctx.attention.collectives import context_shard_map
-    from maxctx.attention.kernels import make_local, stored_order
+def a2a_transient_bytes(s: AttentionShape) -> float:
+    """The all-to-all part of a backward's buffers, rows = S / R: the fp32 gradients of q, k, v in head layout
+    B rows (H + 2 K')/U D 4; none without an all-to-all (U = 1)."""
+    if s.a2a <= 1:
+        return 0.0
+    rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
+    return s.batch * rows * (s.heads + 2 * kv) / s.a2a * s.head_dim * 4
 
-    if mesh.shape[RING_AXIS] > 1:
-        raise ConfigError(f"context_parallel_strategy=a2a puts the whole context degree on the all-to-all, but the "
-                          f"mesh has a ring part of {mesh.shape[RING_AXIS]}; use context_parallel_strategy=usp")
-    u = mesh.shape[A2A_AXIS]
-    seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
-    group = h // replicated_kv_heads(kv_heads, u)
-    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, u, load_balance),
-                       group=group, window=window, splash_blocks=splash_blocks)
 
-    def inner(q, k, v, pos, seg):
-        return local.attend(0, q, k, v, pos, seg, pos, seg)[0]
+@dataclasses.dataclass(frozen=True)
+class A2A(Strategy):
+    name: str = "a2a"
+    aliases: tuple[str, ...] = ("ulysses",)
 
-    def body(q, k, v, pos, seg):
-        return a2a_attention(q, k, v, pos, seg, u, inner)
+    def a2a_degree(self, config: Config, cp: int) -> int:
+        return cp
 
-    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+    def check(self, config: Config, cp: int, tensor: int) -> None:
+        check_heads(config, cp, tensor)
+
+    def query_rows(self, seq: int, cp: int, a2a: int) -> int:
+        return seq  # after the all-to-all a device holds the whole sequence for its heads
+
+    def global_comm_volume(self, s: AttentionShape) -> CommVolume:
+        return a2a_comm_volume(s)
+
+    def activation_bytes(self, s: AttentionShape) -> float:
+        return a2a_activation_bytes(s)
+
+    def transient_bytes(self, s: AttentionShape, ring_overlap: bool = False) -> float:
+        return a2a_transient_bytes(s)
+
+    def planner_degrees(self, cp: int) -> tuple[int, ...]:
+        return (cp,)
+
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+        from maxctx.attention.kernels import make_local, stored_order
+        from maxctx.attention.seq_to_heads import a2a_attention
+        from maxctx.attention.sharded import context_shard_map
+
+        if mesh.shape[RING_AXIS] > 1:
+            raise ConfigError(f"context_parallel_strategy=a2a puts the whole context degree on the all-to-all, but "
+                              f"the mesh has a ring part of {mesh.shape[RING_AXIS]}; use context_parallel_strategy=usp")
+        u = mesh.shape[A2A_AXIS]
+        seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
+        local = make_local(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh,
+                           order=stored_order(seq, u, spec.load_balance),
+                           group=h // replicated_kv_heads(kv_heads, u), window=spec.window,
+                           splash_blocks=spec.splash_blocks)
+
+        def inner(q, k, v, pos, seg):
+            return local.attend(0, q, k, v, pos, seg, pos, seg)[0]
+
+        def body(q, k, v, pos, seg):
+            return a2a_attention(q, k, v, pos, seg, u, inner)
+
+        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+
+
+STRATEGY = A2A()

@@ -4,72 +4,63 @@ Legend (per device): B batch per device (global / (data x fsdp)), S the whole se
 (context x context_a2a), H and K query and kv heads per tensor shard, D head dim, b bytes per activation element.
 Positions and segment ids are int32.
 
-Cost (the formulas: `collectives` and `activation_bytes` below): the K/V gather and its reduce-scatter in the
-backward are O(S) per device, and so are the saved, gathered K and V: the price of this strategy. The kernel's
-temp comes on top (flash: one [B, H, block_q, block_kv] fp32 score block; dot_product: B H (S/C) S 4).
-Works with any token order: masks come from the gathered positions and segment ids.
+Cost (the formulas below): the K/V gather and its reduce-scatter in the backward are O(S) per device, and so are the
+saved, gathered K and V: the price of this strategy. The kernel's temp comes on top (flash: one
+[B, H, block_q, block_kv] fp32 score block; dot_product: B H (S/C) S 4). Works with any token order: masks come from
+the gathered positions and segment ids. Any head count works (the default `check`).
 """
 
 from __future__ import annotations
 
-from maxctx.attention import halo
-from maxctx.attention.strategy import AttentionShape, Collective
-from maxctx.config import Config
+import dataclasses
+
+from maxctx.attention.base import CommVolume, Strategy
+from maxctx.attention.cost import AttentionShape, Collective
 from maxctx.parallelism import mesh_context_degree
 
-LOCAL_BY_HALO = True  # local layers: maxctx.attention.halo, where it moves less
-NAME, ALIASES = "all_gather", ()
+
+@dataclasses.dataclass(frozen=True)
+class AllGather(Strategy):
+    name: str = "all_gather"
+    local_by_halo: bool = True  # local layers: maxctx.attention.halo, where it moves less
+
+    def global_comm_volume(self, s: AttentionShape) -> CommVolume:
+        """forward: all-gather of K, V (2 B S K D b) and of positions, segment ids (2 B S 4); backward:
+        reduce-scatter of dK, dV, the autodiff of the gather (2 B S K D b). Groups of C devices."""
+        kv = 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize
+        return ([Collective("all-gather", kv + 2 * s.batch * s.seq * 4, s.cp)],
+                [Collective("reduce-scatter", kv, s.cp)])
+
+    def activation_bytes(self, s: AttentionShape) -> float:
+        """Saved for the backward: q and out 2 B (S/C) H D b, the gathered K and V 2 B S K D b (O(S)), lse
+        B H (S/C) 4."""
+        rows = s.seq / s.cp
+        return (2 * s.batch * rows * s.heads * s.head_dim * s.itemsize
+                + 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize + s.batch * s.heads * rows * 4)
+
+    def transient_bytes(self, s: AttentionShape, ring_overlap: bool = False) -> float:
+        """The backward's gathered dK, dV 2 B S K D b and its dq accumulator B (S/C) H D 4."""
+        return s.batch * s.head_dim * (2 * s.seq * s.kv_heads * s.itemsize + s.seq / s.cp * s.heads * 4)
+
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+        import jax
+
+        from maxctx.attention.kernels import make_local, stored_order
+        from maxctx.attention.sharded import CONTEXT, context_shard_map
+
+        cp = mesh_context_degree(mesh.shape)
+        seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
+        local = make_local(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh,
+                           order=stored_order(seq, cp, spec.load_balance), q_shards=cp, q_axes=CONTEXT,
+                           group=h // kv_heads, window=spec.window, splash_blocks=spec.splash_blocks)
+
+        def body(q, k, v, pos, seg):
+            k_all, v_all, pos_all, seg_all = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+                                              for x in (k, v, pos, seg))
+            out, _ = local.attend(0, q, k_all, v_all, pos, seg, pos_all, seg_all)
+            return out
+
+        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
 
 
-def a2a_degree(config: Config, cp: int) -> int:
-    return 1
-
-
-def check(config: Config, cp: int, tensor: int) -> None:
-    """Any head count and token order works."""
-
-
-def query_rows(seq: int, cp: int, a2a: int) -> int:
-    return seq // cp
-
-
-def collectives(s: AttentionShape) -> tuple[list[Collective], list[Collective]]:
-    """forward: all-gather of K, V (2 B S K D b) and of positions, segment ids (2 B S 4); backward: reduce-scatter
-    of dK, dV, the autodiff of the gather (2 B S K D b). Groups of C devices. A local layer: the halo's
-    (maxctx.attention.halo), where it applies."""
-    local = halo.shape_plan(s)
-    if local is not None:
-        return halo.collective_bytes(local, s.batch, s.kv_heads, s.head_dim, s.itemsize)
-    kv = 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize
-    return ([Collective("all-gather", kv + 2 * s.batch * s.seq * 4, s.cp)],
-            [Collective("reduce-scatter", kv, s.cp)])
-
-
-def activation_bytes(s: AttentionShape) -> float:
-    """Saved for the backward: q and out 2 B (S/C) H D b, the gathered K and V 2 B S K D b (O(S)), lse
-    B H (S/C) 4."""
-    rows = s.seq / s.cp
-    return (2 * s.batch * rows * s.heads * s.head_dim * s.itemsize
-            + 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize + s.batch * s.heads * rows * 4)
-
-
-def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int = 0, splash_blocks=None):
-    import jax
-
-    from maxctx.attention.collectives import CONTEXT, context_shard_map
-    from maxctx.attention.kernels import make_local, stored_order
-
-    cp = mesh_context_degree(mesh.shape)
-    seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
-    local = make_local(kernel, block_q, block_kv, mesh=mesh, order=stored_order(seq, cp, load_balance),
-                       q_shards=cp, q_axes=CONTEXT, group=h // kv_heads, window=window,
-                       splash_blocks=splash_blocks)
-
-    def body(q, k, v, pos, seg):
-        k_all, v_all, pos_all, seg_all = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
-                                          for x in (k, v, pos, seg))
-        out, _ = local.attend(0, q, k_all, v_all, pos, seg, pos_all, seg_all)
-        return out
-
-    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+STRATEGY = AllGather()

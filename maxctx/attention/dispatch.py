@@ -1,9 +1,10 @@
 """The one attention entry point the model calls: picks the kernel and the context-parallel strategy.
 
 Layouts: q[B_(data,fsdp), S_(context,context_a2a), H_tensor, D], k/v[B, S, K_tensor, D], positions and segment ids
-[B, S]; out like q. With a mesh, the call goes to a strategy module (one per strategy, same signature), which
-shard_maps over the mesh (C = 1 runs the all_gather module, whose gathers are then no-ops); without a mesh the
-kernel runs on the arrays as they are. A local (sliding-window) layer under a strategy with LOCAL_BY_HALO runs as
+[B, S]; out like q. With a mesh, the call goes to the registered strategy (maxctx.attention.strategies; every
+strategy's attend takes the same arguments: the arrays, the mesh and this spec with its kernel resolved), which
+shard_maps over the mesh (C = 1 runs all_gather, whose gathers are then no-ops); without a mesh the kernel runs on
+the arrays as they are. A local (sliding-window) layer under a strategy with `local_by_halo` runs as
 maxctx.attention.halo's exchange instead, where that moves less.
 """
 
@@ -72,16 +73,12 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
                             segment_ids_BS)[0]
     cp = mesh_context_degree(mesh.shape)
     strategy = strategies.get(spec.strategy if cp > 1 else "all_gather")
-    if spec.window and cp > 1 and getattr(strategy, "LOCAL_BY_HALO", False):
-        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
-                          load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv,
-                          window=spec.window, splash_blocks=spec.splash_blocks)
+    spec = dataclasses.replace(spec, kernel=kernel)
+    if spec.window and cp > 1 and strategy.local_by_halo:
+        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec)
         if out is not None:  # None: a halo would move as much as the strategy's own path
             return out
-    ring = {"ring_backward_overlap": spec.ring_backward_overlap} if getattr(strategy, "RING", False) else {}
-    return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, kernel=kernel, mesh=mesh,
-                    load_balance=spec.load_balance, block_q=spec.block_q, block_kv=spec.block_kv,
-                    window=spec.window, splash_blocks=spec.splash_blocks, **ring)
+    return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec)
 
 
 __all__ = ["AttentionSpec", "attend", "resolve_kernel"]

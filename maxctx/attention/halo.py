@@ -16,7 +16,7 @@ m chunks batched into one kernel call, so a local layer moves
     forward   rounds x rows x (2 B K D b + 2 B 4)      K/V and ids of the pieces
     backward  rounds x rows x 2 B K D b               dK/dV of the pieces back to their owners
 
-whatever C (`collective_bytes`), where all_gather moves 2 B S K D b and a ring (R - 1) blocks of S / R tokens.
+whatever C (`comm_volume`), where all_gather moves 2 B S K D b and a ring (R - 1) blocks of S / R tokens.
 Every strategy but a2a (whose all-to-all already gives each device whole sequences, where the kernel skips the
 blocks outside the band) runs its local layers this way whenever it moves less than gathering would.
 """
@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import TYPE_CHECKING
+
+from maxctx.attention.cost import Collective
 
 if TYPE_CHECKING:
     import numpy as np
@@ -140,10 +142,8 @@ def shape_plan(s) -> HaloPlan | None:
     return layout_plan(s.seq, s.cp, s.load_balance, s.window)
 
 
-def collective_bytes(p: HaloPlan, batch: float, kv_heads: int, head_dim: int, itemsize: int):
+def comm_volume(p: HaloPlan, batch: float, kv_heads: int, head_dim: int, itemsize: int):
     """(forward, backward) collective-permute bytes of a local layer on one device (see the module docstring)."""
-    from maxctx.attention.strategy import Collective
-
     rows = p.moved_rows
     kv = 2 * batch * rows * kv_heads * head_dim * itemsize
     return ([Collective("collective-permute", kv + 2 * batch * rows * 4, p.devices)],
@@ -194,21 +194,21 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
     return out.reshape(m, b, L, *q.shape[2:]).swapaxes(0, 1).reshape(q.shape)
 
 
-def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *, kernel: str, mesh, load_balance: bool,
-           block_q: int, block_kv: int, window: int, splash_blocks=None):
+def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
     """A local layer over the context axes by halo exchange (any strategy's token layout but a2a's), or None when
-    `layout_plan` says the strategy's own path moves no more."""
-    from maxctx.attention.collectives import CONTEXT, context_shard_map
+    `layout_plan` says the strategy's own path moves no more. `spec`: as a strategy's attend takes it
+    (maxctx.attention.base)."""
     from maxctx.attention.kernels import make_band
+    from maxctx.attention.sharded import CONTEXT, context_shard_map
     from maxctx.parallelism import mesh_context_degree
 
     cp = mesh_context_degree(mesh.shape)
     seq = q_BSHD.shape[1]
-    p = layout_plan(seq, cp, load_balance, window)
+    p = layout_plan(seq, cp, spec.load_balance, spec.window)
     if p is None:
         return None
-    local = make_band(kernel, block_q, block_kv, mesh=mesh, chunk=p.chunk, halo=p.halo, window=window,
-                      group=q_BSHD.shape[2] // k_BSKD.shape[2], splash_blocks=splash_blocks)
+    local = make_band(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh, chunk=p.chunk, halo=p.halo,
+                      window=spec.window, group=q_BSHD.shape[2] // k_BSKD.shape[2], splash_blocks=spec.splash_blocks)
 
     def body(q, k, v, pos, seg):
         return local_attention(p, local, CONTEXT, q, k, v, pos, seg)

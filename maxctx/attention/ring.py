@@ -8,12 +8,12 @@ Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mo
 with a stable log-add-exp. Backward (custom VJP): the same hops in the same order, each computing the hop's
 (dq, dk, dv) from the *merged* out and lse; dq stays home, dK/dV accumulators (fp32) travel with their block and
 reach its owner after the last hop, so nothing of size O(S) is saved or held. A hop adds its dK/dV and sends them
-on, so the backward's sends wait for its kernel: in the program compiled for TPU (v5p, libtpu 0.0.42.1) none of the
-backward loop's permutes overlaps a hop's attention, where every forward K/V send does. With `overlap`
-(AttentionSpec.ring_backward_overlap; no config key, docs/long_context.md) the backward is software-pipelined: a
-hop sends on the dK/dV the previous hop finished, not its own, and its sends overlap its kernel as the forward's do
-(checked in that compiled program by tests/test_attention_tpu_compile.py), for one more fp32 dK/dV block in flight
-per device (llama3-8b at 10M tokens over 64 v5p chips: 95.6 instead of 93.1 GiB, over HBM). The hops are one loop
+on, so the backward's sends wait for its kernel, where every forward K/V send overlaps its hop's attention. With
+`overlap` (AttentionSpec.ring_backward_overlap; no config key, docs/long_context.md) the backward is
+software-pipelined: a hop sends on the dK/dV the previous hop finished, not its own, and its sends overlap its
+kernel as the forward's do (tests/test_attention_tpu_compile.py checks it in the program compiled for TPU), for one
+more fp32 dK/dV block in flight per device. What that does to a
+compiled TPU program's schedule and memory: docs/choosing_a_strategy.md, "Ring sends". The hops are one loop
 (`lax.fori_loop`; the last hop peeled off, which has nothing to send on, and with `overlap` the first too), so the
 program and its compile time do not grow with R; splash picks its hop's kernel by the traced hop index.
 
@@ -32,8 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxctx.attention.collectives import ring_shift
 from maxctx.attention.kernels import LocalKernel
+from maxctx.attention.sharded import ring_shift
 
 
 def _merge(out_BSHD, lse_BHS, o_BSHD, l_BHS):
@@ -88,7 +88,7 @@ def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def ring_attention(local: LocalKernel, axis, size: int, overlap: bool, q, k, v, qp, qs, kp, ks):
     """Ring attention of local q against the K/V blocks of all `size` ranks of `axis`; call inside shard_map.
-    `overlap`: the software-pipelined backward (module doc; config ring_backward_overlap)."""
+    `overlap`: the software-pipelined backward (module doc; AttentionSpec.ring_backward_overlap)."""
     return _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)[0]
 
 

@@ -1,16 +1,33 @@
-"""The registry of context-parallel strategies: the one list of them (what a strategy module provides:
-maxctx.attention.strategy). A new strategy is a new module plus one entry in STRATEGIES."""
+"""The registry of context-parallel strategies, keyed by the config value: the one list of them (what a strategy
+is: maxctx.attention.base.Strategy). A new strategy is one module defining a Strategy plus one `register` line below;
+the planner, the roofline, validation and the dispatch read the registry and need no change."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from maxctx.attention import a2a, all_gather, p2p, usp
+from maxctx.attention.base import Strategy
 from maxctx.config import Config
 from maxctx.errors import ConfigError, did_you_mean
 
-STRATEGIES: dict[str, ModuleType] = {m.NAME: m for m in (all_gather, a2a, p2p, usp)}
-ALIASES: dict[str, str] = {alias: m.NAME for m in STRATEGIES.values() for alias in m.ALIASES}
+STRATEGIES: dict[str, Strategy] = {}
+ALIASES: dict[str, str] = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Adds `strategy` under its name and aliases; a name or alias already taken is refused."""
+    taken = [n for n in (strategy.name, *strategy.aliases) if n in STRATEGIES or n in ALIASES or n == "auto"]
+    if taken:
+        raise ValueError(f"strategy {strategy.name}: {', '.join(taken)} already registered")
+    STRATEGIES[strategy.name] = strategy
+    ALIASES.update({alias: strategy.name for alias in strategy.aliases})
+    return strategy
+
+
+def unregister(name: str) -> None:
+    """Removes a registered strategy and its aliases (a test's own strategy, when it is done)."""
+    strategy = STRATEGIES.pop(name)
+    for alias in strategy.aliases:
+        del ALIASES[alias]
 
 
 def resolve(name: str) -> str:
@@ -23,14 +40,20 @@ def resolve(name: str) -> str:
     return name
 
 
-def get(name: str) -> ModuleType:
+def get(name: str) -> Strategy:
     return STRATEGIES[resolve(name)]
 
 
-def for_config(config: Config) -> ModuleType:
+def for_config(config: Config) -> Strategy:
     return get(config.context_parallel_strategy)
 
 
 def a2a_degree(config: Config, cp: int) -> int:
     """The all-to-all part U of the CP degree C under the configured strategy (1 for all_gather and p2p)."""
     return for_config(config).a2a_degree(config, cp)
+
+
+register(all_gather.STRATEGY)
+register(a2a.STRATEGY)
+register(p2p.STRATEGY)
+register(usp.STRATEGY)

@@ -1,12 +1,13 @@
 """`context_parallel_strategy=auto`: choose the CP strategy and its all-to-all degree from the model, the sequence
 length and the topology, before JAX starts (maxctx.loader.load calls `resolve_auto`).
 
-Candidates: all_gather, p2p, a2a (U = C) and usp at every divisor 1 < U < C of the CP degree C. Each is checked
-with the same rules as a hand-written config (the strategy module's `check`, the mesh split, splash's 128 rows);
+Candidates: every registered strategy (maxctx.attention.strategies) at each A2A degree its `planner_degrees`
+gives (all_gather and p2p U = 1, a2a U = C, usp every divisor 1 < U < C of the CP degree C). Each is checked
+with the same rules as a hand-written config (the strategy's `check`, the mesh split, splash's 128 rows);
 an invalid one is dropped with the rule's message. For each valid one, per device:
 
     attention memory  the strategy's `activation_bytes` (what one layer saves for its backward; tests check it
-                      against the compiled program), plus the backward's transient buffers (`transient_bytes`)
+                      against the compiled program), plus the backward's transient buffers (its `transient_bytes`)
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
                       the saved layer inputs L t D b (none when offloaded) + the layer's working set
                       LAYER_WORK_BYTES t D (calibrated; LAYER_WORK_BYTES_INPUTS_ON_DEVICE t D when the inputs stay
@@ -15,7 +16,7 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       the least memory when none fits)
     compute           model FLOPs per device (6 P t + 12 L H Dh t x keys per query: S / 2, about W in a local
                       layer; maxctx.metrics' convention) x 4/3 under full remat, at peak FLOP/s
-    exposed comm      per layer of the attention_layer_pattern, from the strategy's `collectives` formulas (forward
+    exposed comm      per layer of the attention_layer_pattern, from the strategy's `comm_volume` formulas (forward
                       ones once per forward pass): all-gather, reduce-scatter, all-to-all and a local layer's halo
                       permutes wait for their bytes (not overlapped: synchronous in the program compiled for TPU);
                       a forward ring hop overlaps the attention of the block it carries, so each of its hops
@@ -46,8 +47,8 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from maxctx.attention import halo, strategies
-from maxctx.attention.strategy import AttentionShape, Collective, replicated_kv_heads
+from maxctx.attention import strategies
+from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError, layer_windows
 from maxctx.model.shape import ModelShape, dtype_bytes
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
@@ -88,7 +89,7 @@ class Candidate:
     a2a: int  # U; the ring part is C / U
     cp: int
     saved_bytes: float = 0.0  # the strategy's activation_bytes: what one layer's attention saves for the backward
-    attention_bytes: float = 0.0  # saved_bytes + transient_bytes
+    attention_bytes: float = 0.0  # saved_bytes + the strategy's transient_bytes
     memory_bytes: float = 0.0
     compute_s: float = 0.0
     exposed_s: float = 0.0
@@ -98,7 +99,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"usp {self.cp // self.a2a}x{self.a2a}" if self.strategy == "usp" else self.strategy
+        return strategies.get(self.strategy).label(self.cp, self.a2a)
 
     @property
     def step_s(self) -> float:
@@ -150,24 +151,6 @@ def hardware(config: Config, num_devices: int | None) -> Hardware:
     return Hardware(f"{slices}{topo.name} ({chip.name})", peak, chip.hbm_bytes_per_device,
                     chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / links / per_chip, torus,
                     chip.dcn_bytes_per_s_or_default / per_chip)
-
-
-def transient_bytes(strategy: str, s: AttentionShape, ring_overlap: bool = False) -> float:
-    """Buffers one layer's attention backward holds besides the saved activations, per device, rows = S / R:
-    all_gather: the gathered dK, dV 2 B S K D b and the dq accumulator B (S/C) H D 4; a ring (R > 1): the
-    fp32 accumulator B rows (H/U) D 4, two K/V blocks in flight 4 B rows (K'/U) D b and the travelling fp32 dK/dV
-    4 B rows (K'/U) D 4, 6 B rows (K'/U) D 4 with ring_overlap (one more block in flight); an all-to-all
-    (U > 1): the fp32 gradients of q, k, v in head layout B rows (H+2K')/U D 4."""
-    if strategy == "all_gather":
-        return s.batch * s.head_dim * (2 * s.seq * s.kv_heads * s.itemsize + s.seq / s.cp * s.heads * 4)
-    rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
-    out = 0.0
-    if s.ring > 1:
-        out += s.batch * rows * s.head_dim * (s.heads / s.a2a * 4 + kv / s.a2a * (4 * s.itemsize + 16
-                                                                                   + 8 * ring_overlap))
-    if s.a2a > 1:
-        out += s.batch * rows * (s.heads + 2 * kv) / s.a2a * s.head_dim * 4
-    return out
 
 
 def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> AttentionShape:
@@ -222,10 +205,11 @@ def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: in
     sends overlap its hops' kernels, as the software-pipelined backward does (AttentionSpec.ring_backward_overlap);
     False: each waits in full, as in the program (plan passes its `ring_overlap`)."""
     attn_fwd = 4 * s.batch * (s.seq / s.cp) * _pairs(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
-    fwd, bwd = strategies.get(strategy).collectives(s)
+    unit = strategies.get(strategy)
+    fwd, bwd = unit.comm_volume(s)
     ring_bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if dcn_cp > 1 else hw.link_bytes_per_s
     latency = DCN_LATENCY_S if dcn_cp > 1 else ICI_LATENCY_S
-    if s.window and strategy != "a2a" and halo.shape_plan(s) is not None:
+    if unit.halo_plan(s) is not None:
         return sum(c.sent_bytes / ring_bw + latency for c in fwd) * forward_passes + sum(
             c.sent_bytes / ring_bw + latency for c in bwd)
     r = s.ring
@@ -273,13 +257,12 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float, float]:
 
 
 def candidates(cp: int) -> list[tuple[str, int]]:
-    """(strategy, U) pairs: all_gather, p2p, a2a and usp at every divisor 1 < U < C."""
-    return [("all_gather", 1), ("p2p", 1), ("a2a", cp)] + [("usp", u) for u in range(2, cp) if cp % u == 0]
+    """(strategy, U) pairs: every registered strategy at each of its planner_degrees."""
+    return [(name, u) for name, unit in strategies.STRATEGIES.items() for u in unit.planner_degrees(cp)]
 
 
 def candidate_config(config: Config, strategy: str, a2a: int) -> Config:
-    return dataclasses.replace(config, context_parallel_strategy=strategy,
-                               context_parallel_a2a_degree=a2a if strategy == "usp" else 0)
+    return strategies.get(strategy).candidate_config(config, a2a)
 
 
 def num_devices(config: Config) -> int | None:
@@ -333,7 +316,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
         s = _shape(config, cp, tp, u)
         windows = layer_windows(config)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
-        attn = saved + transient_bytes(name, s, ring_overlap) if cp > 1 else 0.0
+        attn = saved + strategies.get(name).transient_bytes(s, ring_overlap) if cp > 1 else 0.0
         memory = base_bytes + max(attn, tiles)
         exposed = layers * sum(exposed_per_layer(name, _shape(config, cp, tp, u, w), hw, ici["context"],
                                                  dcn["context"], passes, ring_overlap)

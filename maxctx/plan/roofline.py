@@ -13,8 +13,8 @@ step time = max(compute, HBM, ICI, DCN), each term the time at the chip's peak r
     ICI      bytes one device sends / its ICI egress (half the chip's bidirectional bandwidth, all links busy):
              FSDP all-gathers of the weights (forward, and backward with its recompute) and the reduce-scatter of
              fp32 gradients over the devices a weight is sharded across; data-parallel all-reduce; tensor-parallel
-             activation all-reduces; the CP strategy's collectives per layer, from the formulas in
-             strategy module's `collectives` (forward ones once per forward pass).
+             activation all-reduces; the CP strategy's collectives per layer, from the registered strategy's
+             `comm_volume` formulas (forward ones once per forward pass).
     DCN      (several slices) bytes that cross slices / the chip's DCN bandwidth (maxctx.plan.topology: Google's figure
              for v5p and v5e, else an assumed 100 Gb/s): the cross-slice share (d - 1) / d of the weights' gathers
              and gradients' reductions sharded over dcn_fsdp x dcn_context = d slices and of the data-parallel
@@ -29,13 +29,13 @@ from __future__ import annotations
 import math
 
 from maxctx.attention import strategies
-from maxctx.attention.strategy import AttentionShape, Collective
+from maxctx.attention.cost import AttentionShape, Collective
 from maxctx.config import Config
 from maxctx.model.shape import ModelShape
 from maxctx.parallelism import A2A_AXIS, mesh_context_degree, mesh_sizes, num_slices
 
 
-def _cp_collectives(config: Config, mesh: dict[str, int], t: float, b: int
+def _cp_comm_volume(config: Config, mesh: dict[str, int], t: float, b: int
                     ) -> tuple[list[Collective], list[Collective]]:
     c = mesh_context_degree(mesh)
     if c == 1:
@@ -44,13 +44,13 @@ def _cp_collectives(config: Config, mesh: dict[str, int], t: float, b: int
     shape = AttentionShape(batch=t * c / seq, seq=seq, heads=config.base_num_query_heads // tp,
                            kv_heads=max(1, config.base_num_kv_heads // tp), head_dim=config.head_dim, itemsize=b,
                            cp=c, a2a=mesh[A2A_AXIS])
-    return strategies.for_config(config).collectives(shape)
+    return strategies.for_config(config).comm_volume(shape)
 
 
 def cp_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: int) -> tuple[float, float]:
     """(forward, backward) bytes one device sends for attention per layer, t = tokens per device (B S / C): the
-    strategy module's `collectives` formulas (maxctx.attention.strategy), counted on the wire."""
-    fwd, bwd = _cp_collectives(config, mesh, t, b)
+    strategy's `comm_volume` formulas (maxctx.attention.base), counted on the wire."""
+    fwd, bwd = _cp_comm_volume(config, mesh, t, b)
     return sum(x.sent_bytes for x in fwd), sum(x.sent_bytes for x in bwd)
 
 
@@ -65,7 +65,7 @@ def cp_dcn_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: in
         return sum(x.sent_bytes if x.kind == "collective-permute" else
                    x.bytes * (dcn_context - 1) / dcn_context if x.group == cp else 0.0 for x in ops)
 
-    fwd, bwd = _cp_collectives(config, mesh, t, b)
+    fwd, bwd = _cp_comm_volume(config, mesh, t, b)
     return crossing(fwd), crossing(bwd)
 
 

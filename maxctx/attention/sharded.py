@@ -1,4 +1,5 @@
-"""shard_map across JAX versions, the partition specs of attention inputs, and the ring shift.
+"""Running attention bodies sharded over the mesh: shard_map across JAX versions, the partition specs of attention
+inputs, and the ring shift.
 
 Layouts (global): q[B_(data,fsdp), S_(context,context_a2a), H_tensor, D], k/v[B, S, K_tensor, D] (K replicated
 over tensor when it does not divide it), positions/segment ids[B_(data,fsdp), S_(context,context_a2a)].

@@ -1,20 +1,8 @@
-"""What a context-parallel strategy is: one module per strategy (all_gather.py, a2a.py, p2p.py, usp.py), listed
-once in maxctx.attention.strategies, each providing
-
-    NAME, ALIASES                          the config value and MaxText's other names for it
-    LOCAL_BY_HALO (optional)               True: local layers run as maxctx.attention.halo's exchange (dispatch)
-    a2a_degree(config, cp) -> int          the all-to-all part U of the CP degree C (the ring part is C / U)
-    check(config, cp, tensor)              the strategy's own config rules (raise ConfigError); run before JAX starts
-    query_rows(seq, cp, a2a) -> int        query rows one device's kernel call tiles (the splash 128-row rule)
-    collectives(shape) -> (fwd, bwd)       the collectives of one layer, as formulas of `AttentionShape` (a local
-                                           layer, shape.window > 0: maxctx.attention.halo's where it applies)
-    activation_bytes(shape) -> int         attention activations saved per device for the backward
-    attend(q, k, v, positions, segment_ids, *, kernel, mesh, load_balance, block_q, block_kv, window) -> out
-
-The formulas are the single statement of each strategy's cost: the roofline in maxctx.plan.roofline sums their bytes on
-the wire, and tests/test_attention_comm.py checks them against the compiled HLO. A strategy module imports JAX only
-inside `attend` (its machinery: ring.py, alltoall.py, kernels.py, collectives.py), so config validation reads the
-registry without starting JAX. This module has no JAX.
+"""What attention costs, as formulas: the shape of one attention layer on one device (`AttentionShape`) and the
+collective ops a strategy's layer runs (`Collective`, of one of the HLO `KINDS`). A strategy
+(maxctx.attention.base) states its traffic and memory as functions of `AttentionShape`; the roofline
+(maxctx.plan.roofline) and the planner (maxctx.plan.planner) sum them, and tests/test_attention_comm.py checks them
+against the compiled HLO. No JAX.
 """
 
 from __future__ import annotations
@@ -72,9 +60,9 @@ def replicated_kv_heads(kv_heads: int, degree: int) -> int:
     return math.lcm(kv_heads, degree)
 
 
-def by_kind(collectives: list[Collective]) -> dict[str, float]:
+def by_kind(ops: list[Collective]) -> dict[str, float]:
     """Bytes per HLO op kind (what tests/support/hlo.py reads from a compiled program)."""
     out: dict[str, float] = {}
-    for c in collectives:
+    for c in ops:
         out[c.kind] = out.get(c.kind, 0.0) + c.bytes
     return out

@@ -1,0 +1,91 @@
+"""What a context-parallel strategy is: an instance of `Strategy`, registered once in maxctx.attention.strategies.
+One module per strategy (all_gather.py, a2a.py, p2p.py, usp.py) subclasses it and overrides what differs from the
+defaults:
+
+    name, aliases                     the config value and MaxText's other names for it
+    local_by_halo                     True: a local (sliding-window) layer runs as maxctx.attention.halo's exchange
+                                      where that moves less; default False (the strategy's own path)
+    a2a_degree(config, cp)            the all-to-all part U of the CP degree C; default 1 (the ring part is C / U)
+    check(config, cp, tensor)         the strategy's own config rules (raise ConfigError), run before JAX starts;
+                                      default none
+    query_rows(seq, cp, a2a)          query rows one device's kernel call tiles (splash's 128-row rule); default S/C
+    global_comm_volume(shape)         (forward, backward) collectives of one global layer, formulas of AttentionShape
+    activation_bytes(shape)           attention activations one layer saves for its backward, per device
+    transient_bytes(shape, overlap)   buffers the backward holds besides them (the planner's attention memory)
+    planner_degrees(cp)               the A2A degrees U the planner tries, one candidate each; default (1,)
+    label(cp, a2a)                    the planner's name for a candidate; default the strategy's name
+    candidate_config(config, a2a)     the config that runs a candidate
+    attend(q, k, v, positions, segment_ids, mesh, spec) -> out    the shard_map'd attention
+
+`comm_volume(shape)` is what the roofline and the planner read: a local layer's halo traffic where the halo applies,
+else `global_comm_volume`. Formulas are functions of maxctx.attention.cost.AttentionShape, the single statement of
+the strategy's cost; tests/test_attention_comm.py checks them against the compiled HLO. A strategy imports JAX only
+inside `attend`, so config validation and the planner read the registry without starting JAX.
+
+`attend`'s `spec` is the layer's maxctx.attention.dispatch.AttentionSpec with its kernel resolved: block sizes,
+token order, window, splash's blocks and the ring settings (ring_backward_overlap; splash_blocks.ring_backward),
+the same object for every strategy, which reads what applies to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxctx.attention import halo
+from maxctx.attention.cost import AttentionShape, Collective
+from maxctx.config import Config
+
+CommVolume = tuple[list[Collective], list[Collective]]  # (forward, backward) collectives of one layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One context-parallel strategy (module doc). Frozen: a registered strategy is a value; a variant is
+    `dataclasses.replace(strategy, name=...)` or a subclass."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    local_by_halo: bool = False
+
+    def a2a_degree(self, config: Config, cp: int) -> int:
+        return 1
+
+    def check(self, config: Config, cp: int, tensor: int) -> None:
+        """Any head count and token order works."""
+
+    def query_rows(self, seq: int, cp: int, a2a: int) -> int:
+        return seq // cp
+
+    def halo_plan(self, s: AttentionShape) -> halo.HaloPlan | None:
+        """The halo exchange a local layer of this shape runs as, or None (the strategy's own path)."""
+        return halo.shape_plan(s) if self.local_by_halo else None
+
+    def comm_volume(self, s: AttentionShape) -> CommVolume:
+        """(forward, backward) collectives of one layer per device: the halo's where it applies, else the
+        strategy's global ones."""
+        local = self.halo_plan(s)
+        if local is not None:
+            return halo.comm_volume(local, s.batch, s.kv_heads, s.head_dim, s.itemsize)
+        return self.global_comm_volume(s)
+
+    def global_comm_volume(self, s: AttentionShape) -> CommVolume:
+        raise NotImplementedError(f"{type(self).__name__}.global_comm_volume")
+
+    def activation_bytes(self, s: AttentionShape) -> float:
+        raise NotImplementedError(f"{type(self).__name__}.activation_bytes")
+
+    def transient_bytes(self, s: AttentionShape, ring_overlap: bool = False) -> float:
+        raise NotImplementedError(f"{type(self).__name__}.transient_bytes")
+
+    def planner_degrees(self, cp: int) -> tuple[int, ...]:
+        return (1,)
+
+    def label(self, cp: int, a2a: int) -> str:
+        return self.name
+
+    def candidate_config(self, config: Config, a2a: int) -> Config:
+        """The config that runs this strategy at A2A degree `a2a` (one of planner_degrees)."""
+        return dataclasses.replace(config, context_parallel_strategy=self.name, context_parallel_a2a_degree=0)
+
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+        raise NotImplementedError(f"{type(self).__name__}.attend")
