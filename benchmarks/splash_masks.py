@@ -36,7 +36,7 @@ def main() -> None:
     )
 
     from maxctx.attention.kernels import stored_order
-    from maxctx.attention.splash import ordered_causal_mask
+    from maxctx.attention.splash_masks import ordered_causal_mask
 
     order = stored_order(args.seq, args.context, True)
     rows = args.seq // args.context
