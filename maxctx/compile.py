@@ -7,10 +7,9 @@ machine with libtpu installed and no TPU. For a topology the report adds:
 
 - memory per device (memory_analysis: arguments + outputs + temporaries - aliased) against the device's HBM: fits
   or not, and by how much (plan.out_of_memory.fit; against Google's round capacity in plan.topology; XLA's own
-  limit differs a little: 15.75 GiB on v5e, 95.74 GiB on v5p). XLA sometimes refuses to compile a program that
-  does not fit, reported with XLA's own figures (when XLA stops at its temporaries the real need is larger still);
-  sometimes it compiles one that needs more than HBM (llama3.1-70b at 512K on v5p-128: 125 GiB), which the memory
-  analysis catches.
+  limit differs a little, docs/tpu.md). XLA sometimes refuses to compile a program that does not fit, reported
+  with XLA's own figures (when XLA stops at its temporaries the real need is larger still); sometimes it compiles
+  one that needs more than HBM, which the memory analysis catches.
   Exit status 0: compiled and fits; 3: does not fit; 2: bad config.
 - FLOPs per step: analytic model FLOPs (maxctx.metrics, MaxText's convention) and XLA's cost analysis (which counts a
   scanned layer once and counts remat recompute, so it is far below the analytic figure with scan_layers=true).

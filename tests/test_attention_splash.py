@@ -91,7 +91,7 @@ def check_against_reference(strategy, ring, a2a, window, splash_blocks=None, rin
 def test_ordered_causal_mask_blocks_equal_the_dense_mask():
     # Splash reads masks block by block; whole blocks answered from index ranges (a shared constant block) must
     # equal the dense comparison, for blocks that are all visible, all hidden and partial, and for other indexers.
-    from maxctx.attention.splash import ordered_causal_mask
+    from maxctx.attention.splash_masks import ordered_causal_mask
 
     order = zigzag_permutation(1024, 4)
     q_orig, kv_orig = order[256:512], order
@@ -114,7 +114,7 @@ def test_ordered_causal_mask_blocks_equal_the_dense_mask():
 def test_windowed_mask_blocks_equal_the_dense_band():
     # With a sliding window, whole blocks answered from index ranges must still equal the dense band, including
     # blocks wholly behind the window (hidden) and wholly inside it (visible).
-    from maxctx.attention.splash import ordered_causal_mask
+    from maxctx.attention.splash_masks import ordered_causal_mask
 
     order = zigzag_permutation(1024, 4)
     q_orig, kv_orig = order[256:512], order
@@ -136,14 +136,14 @@ def test_windowed_mask_blocks_equal_the_dense_band():
 def test_whole_blocks_answer_any_and_all_without_reading_them():
     # Splash asks any() then all() of every block; whole blocks answer from their value (O(1)), so the tables of a
     # 2M x 2M ring hop (usp at 2**24 tokens) build in seconds; partial blocks are plain arrays.
-    from maxctx.attention import splash
+    from maxctx.attention import splash_masks
 
     order = np.arange(4096)
-    mask = splash.ordered_causal_mask(order, order)
+    mask = splash_masks.ordered_causal_mask(order, order)
     visible, hidden, partial = (mask[slice(r, r + 512), slice(c, c + 512)] for r, c in ((1024, 0), (0, 1024), (0, 0)))
-    assert isinstance(visible, splash._ConstantBlock) and visible.any() and visible.all()
-    assert isinstance(hidden, splash._ConstantBlock) and not hidden.any() and not hidden.all()
-    assert not isinstance(partial, splash._ConstantBlock) and partial.any() and not partial.all()
+    assert isinstance(visible, splash_masks._ConstantBlock) and visible.any() and visible.all()
+    assert isinstance(hidden, splash_masks._ConstantBlock) and not hidden.any() and not hidden.all()
+    assert not isinstance(partial, splash_masks._ConstantBlock) and partial.any() and not partial.all()
     assert visible.any(axis=0).shape == (512,)  # with arguments: numpy's own answer
 
 
@@ -239,13 +239,13 @@ def test_row_chunks_keep_the_backward_tables_within_the_limit_too():
 
 def test_a_chunk_between_two_key_runs_and_out_of_the_window_is_hidden():
     # Queries 2048..2559 sit between keys 0..1023 and 3072..4095; with a 100-token window they see none of them.
-    from maxctx.attention import splash
+    from maxctx.attention import splash, splash_masks
     from maxctx.attention.index_runs import runs
 
     kv = np.concatenate([np.arange(1024), np.arange(3072, 4096)])
-    assert not splash.sees_a_key(runs(np.arange(2048, 2560)), runs(kv), 100)
-    assert splash.sees_a_key(runs(np.arange(1024, 1536)), runs(kv), 100)  # 1024 sees 1023
-    assert splash.sees_a_key(runs(np.arange(2048, 2560)), runs(kv), 0)  # causal only: sees all of 0..1023
+    assert not splash_masks.sees_a_key(runs(np.arange(2048, 2560)), runs(kv), 100)
+    assert splash_masks.sees_a_key(runs(np.arange(1024, 1536)), runs(kv), 100)  # 1024 sees 1023
+    assert splash_masks.sees_a_key(runs(np.arange(2048, 2560)), runs(kv), 0)  # causal only: sees all of 0..1023
     parts = splash.make_kernel(np.arange(1024, 3072), kv, 1, 128, 128, save_residuals=True, interpret=True,
                                max_table_entries=16, window=100)
     assert isinstance(parts, splash.RowLoop) and parts.chunks == 16

@@ -14,10 +14,10 @@ import pytest
 from maxctx.attention import strategies
 from maxctx.attention.p2p import P2P
 from maxctx.config import Config, ConfigError
+from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
 from maxctx.plan import planner
 from maxctx.train_step import compile_train_step, make_setup
-from maxctx.loader import load_config
 
 NAME = "toy_ring"
 ATTENDED: list[str] = []  # the toy's attend was traced into the compiled step

@@ -12,7 +12,9 @@
     halo.py            local (sliding-window) layers by halo exchange
     kernels.py         LocalKernel: dot_product, flash, splash or cudnn behind one interface
     dot_product.py, flash.py, splash.py, cudnn.py
-                       the kernels
+                       the kernels; splash_masks.py and splash_backward.py: splash's masks over original token
+                       order, and its backward for ring hops
+    index_runs.py      runs of equal indices (the masks' block structure)
     sharded.py         shard_map across JAX versions, layouts, the ring shift
     load_balance.py    the zig-zag token order
 """

@@ -2,38 +2,27 @@
 
 Legend: B batch, S query length, T key/value length, H query heads, K kv heads, G = H // K, D head dim.
 
-Splash masks are index-based and static, while maxctx masks come from positions and segment ids. Within one
-document the original sequence index orders tokens exactly as positions do, so "causal on the original index
-AND same segment id" equals the position mask. The token *storage* order is static (natural, or zig-zag with
-load balance), so each call gets a static mask over original indices:
+Each call gets a static mask over original token indices (splash_masks.ordered_causal_mask): `q_orig` and `kv_orig`
+map a device's local query rows and the key/value block it sees at this call (a ring hop, or the gathered
+sequence) to original indices. Devices with equal masks share a kernel; kernels.make_local builds the distinct ones
+and a device picks its own by its mesh index (under zig-zag a hop has at most two distinct masks). Blocks the mask
+hides are skipped by the kernel's block sparsity (ring hops under zig-zag do equal work).
 
-    mask[i, j] = kv_orig[j] <= q_orig[i]       (and q_orig[i] - kv_orig[j] < W with a sliding window W > 0)
-
-`q_orig` and `kv_orig` map a device's local query rows and the key/value block it sees at this call (a ring hop,
-or the gathered sequence) to original indices. Devices with equal masks share a kernel; kernels.make_local builds
-the distinct ones and a device picks its own by its mesh index (under zig-zag a hop has at most two distinct
-masks). Blocks the mask hides are skipped by the kernel's block sparsity (ring hops under zig-zag do equal work).
-Splash builds its block tables on the host by asking the mask for every block; the mask answers blocks that are
-all visible or all hidden (nearly all of them at long context) from the block's cached index range, 15.6x faster
-than comparing elementwise (benchmarks/splash_masks.py: 0.79 s vs 12.3 s per all_gather kernel at 256K tokens).
-The tables (query blocks x key blocks per call) live in on-chip SMEM, which 2**18 entries overflow on v5p (an
-all_gather call at 1M tokens with 512-token blocks); a call past MAX_TABLE_ENTRIES runs over chunks of its query
-rows (make_kernel): as several kernels (calls with autodiff's backward: a2a, all_gather), or, for ring hops, as
-one kernel per pass (forward, dQ, dK/dV) in a loop over the chunks with each chunk's tables as data (RowLoop): usp
-at 2**24 tokens has 256 chunks per hop, 768 kernels unrolled. Key blocks are computed 512 keys at a time whatever
-the block size, so larger blocks do not overflow VMEM. flash_block_q / flash_block_kv set every pass's blocks
-unless the flash_block_*_dkv / *_dq / *_compute keys (MaxText's sa_block_*) set the backward's apart (Blocks).
-(Sharding one kernel's mask info over devices with q_seq_shards fails in jax 0.10 for hops whose mask has no
-partial block, as zig-zag ring hops do.)
+Block tables (query blocks x key blocks per call) live in on-chip SMEM, which overflows at long context; a call past
+MAX_TABLE_ENTRIES runs over chunks of its query rows (make_kernel): as several kernels (calls with autodiff's
+backward: a2a, all_gather), or, for ring hops, as one kernel per pass (forward, dQ, dK/dV) in a loop over the
+chunks with each chunk's tables as data (RowLoop), so the program's size does not grow with the number of chunks.
+Key blocks are computed COMPUTE_BLOCK keys at a time whatever the block size, so larger blocks do not overflow
+VMEM. flash_block_q / flash_block_kv set every pass's blocks unless the flash_block_*_dkv / *_dq / *_compute keys
+(MaxText's sa_block_*) set the backward's apart (Blocks). Each kernel's tables cover the whole call on one device:
+splash's q_seq_shards is not used (docs/long_context.md, "Splash at these lengths", says why).
 
 Ring hops' backward: every hop, in row chunks or not, runs splash's own dQ and dK/dV kernels on the merged out and
 lse of all hops (splash_backward; private functions of JAX's splash module, checked by signature). Without them
 (backward_kernels_available), or with Blocks.ring_backward=False (no config key: benchmarks/compiled_schedule.py
 compares the two; docs/long_context.md has the one row where it needed less memory), hops build forward tables
-only and take the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM;
-for llama2-7b at 32K over C = 16 on v5p the TPU compiler's estimate of the backward layer is 1,231 ms with it for
-every hop, an upper bound that counts skipped block pairs as run, and 315 ms outside splash's kernels with them:
-benchmarks/compiled_schedule.md).
+only and take the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM,
+which splash's kernels avoid; docs/choosing_a_strategy.md compares the two).
 
 Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
 over the G query heads of each kv head, vmapped over K and B.
@@ -52,11 +41,11 @@ import numpy as np
 
 from maxctx.attention.flash import block_size
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
+from maxctx.attention.splash_masks import ordered_causal_mask, sees_a_key
 
 COMPUTE_BLOCK = 512
-# Block-table entries (query blocks x key blocks) one kernel call may have. llama3-8b all_gather at 1M tokens on
-# v5p-128: 2**18 entries in one kernel overflowed SMEM, 2**17 (two chunks) and 2**16 compiled; 2**16 also compiled on
-# v6e (benchmarks/splash_masks.md, fit_table.md). The default stays at the size measured on both.
+# Block-table entries (query blocks x key blocks) one kernel call may have: the largest size that compiled within
+# SMEM on both v5p and v6e (benchmarks/splash_masks.md).
 MAX_TABLE_ENTRIES = 2 ** 16
 
 
@@ -66,75 +55,6 @@ def _lib():
         splash_attention_mask as mask_lib,
     )
     return kernel_lib, mask_lib
-
-
-def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0):
-    """A splash Mask: mask[i, j] = kv_orig[j] <= q_orig[i] (causal on original indices), and within `window`
-    tokens (q_orig[i] - kv_orig[j] < window) when it is > 0."""
-    _, mask_lib = _lib()
-
-    class OrderedCausalMask(mask_lib.Mask):
-        def __init__(self):
-            self.q_orig, self.kv_orig = np.asarray(q_orig), np.asarray(kv_orig)
-            self._key = (self.q_orig.tobytes(), self.kv_orig.tobytes(), window)
-            self._ranges = ({}, {})  # per axis: slice -> (min, max, length) of the original indices it selects
-
-        def _range(self, axis: int, where: slice) -> tuple[int, int, int]:
-            key = (where.start, where.stop, where.step)
-            found = self._ranges[axis].get(key)
-            if found is None:
-                picked = (self.q_orig, self.kv_orig)[axis][where]
-                found = (int(picked.min()), int(picked.max()), picked.size) if picked.size else (0, 0, 0)
-                self._ranges[axis][key] = found
-            return found
-
-        @property
-        def shape(self) -> tuple[int, int]:
-            return len(self.q_orig), len(self.kv_orig)
-
-        def __getitem__(self, idx) -> np.ndarray:
-            if isinstance(idx[0], slice) and isinstance(idx[1], slice):
-                # Splash asks block by block, and at long context nearly every block is all visible or all
-                # hidden: answer those from the blocks' (cached) index ranges and a shared constant block.
-                (r_lo, r_hi, n_rows), (c_lo, c_hi, n_cols) = self._range(0, idx[0]), self._range(1, idx[1])
-                if n_rows and n_cols and c_hi <= r_lo and (not window or r_hi - c_lo < window):
-                    return _constant_block(True, n_rows, n_cols)
-                if n_rows and n_cols and (c_lo > r_hi or (window and r_lo - c_hi >= window)):
-                    return _constant_block(False, n_rows, n_cols)
-            rows, cols = self.q_orig[idx[0]], self.kv_orig[idx[1]]
-            behind = np.atleast_1d(rows)[:, None] - np.atleast_1d(cols)[None, :]
-            mask = (behind >= 0) & (behind < window) if window else behind >= 0
-            return mask[0 if np.ndim(rows) == 0 else slice(None), 0 if np.ndim(cols) == 0 else slice(None)]
-
-        def __eq__(self, other) -> bool:  # by content: each call defines the class anew (lazy Pallas import)
-            return isinstance(other, mask_lib.Mask) and getattr(other, "_key", None) == self._key
-
-        def __hash__(self) -> int:
-            return hash(self._key)
-
-    return OrderedCausalMask()
-
-
-class _ConstantBlock(np.ndarray):
-    """A block that is all True or all False. Splash asks `any()` and then `all()` of every block it builds the
-    tables from; reading the elements makes that O(rows x cols) per call (usp's ring hops at 2**24 tokens: 2M x 2M,
-    hours on the host), so these two answer from the known value, in O(1)."""
-
-    def any(self, *args, **kwargs):
-        value = getattr(self, "constant", None)
-        return value if value is not None and not args and not kwargs else np.asarray(self).any(*args, **kwargs)
-
-    def all(self, *args, **kwargs):
-        value = getattr(self, "constant", None)
-        return value if value is not None and not args and not kwargs else np.asarray(self).all(*args, **kwargs)
-
-
-@functools.lru_cache(maxsize=16)
-def _constant_block(value: bool, rows: int, cols: int) -> np.ndarray:
-    block = np.full((rows, cols), value).view(_ConstantBlock)
-    block.constant = np.bool_(value)
-    block.setflags(write=False)  # shared by every caller
-    return block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,14 +109,13 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
                 window: int = 0, blocks: Blocks = Blocks()):
     """Splash kernels over `group` query heads for one device's query rows and key/value block. One kernel unless
     the call's block table (query blocks x key blocks, in on-chip SMEM) would pass `max_table_entries`: then the rows
-    are split into the fewest equal chunks that keep each chunk's tables within it, the backward's too (a2a at 1M
-    tokens, ring hops at 2**24); a chunk shorter than a block takes the largest block that divides it. Chunks
-    with equal masks (compared on ranks, index_runs) share a kernel.
+    are split into the fewest equal chunks that keep each chunk's tables within it, the backward's too; a chunk
+    shorter than a block takes the largest block that divides it. Chunks with equal masks (compared on ranks,
+    index_runs) share a kernel. Rows are chunked rather than blocks grown, since larger blocks overflow VMEM at
+    long context (docs/long_context.md).
     Returns a tuple of (first row, last row + 1, kernel or None) chunks, None for a chunk that sees no key (splash
     refuses an all-hidden mask); for ring hops (`save_residuals`) with several chunks, a `RowLoop` instead: one
-    kernel per pass in a loop over the chunks, whatever their number.
-    (Growing the blocks instead does not work at long context: llama3-8b at 2**24 tokens on v5p-128 overflowed VMEM
-    with 1024- and 2048-token blocks under p2p and usp.)"""
+    kernel per pass in a loop over the chunks, whatever their number."""
     max_table_entries = MAX_TABLE_ENTRIES if max_table_entries is None else max_table_entries
     bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
     n_q, n_kv = len(q_orig), len(kv_orig)
@@ -257,18 +176,6 @@ def backward_kernels_available() -> bool:
     return set(_BACKWARD_ARGS) <= set(dq) and set(_BACKWARD_ARGS) | {"bkv_compute", "use_fused_bwd_kernel"} <= set(dkv)
 
 
-def sees_a_key(q_runs, kv_runs, window: int) -> bool:
-    """Whether any query of `q_runs` sees any key of `kv_runs` (runs of original indices, index_runs.runs): a key
-    j <= q, and q - j < window when window > 0. Per pair of runs, so a chunk between two key runs and farther than
-    the window from the lower one counts as hidden (splash refuses an all-hidden mask)."""
-    for q_start, q_len in q_runs:
-        for kv_start, kv_len in kv_runs:
-            q = max(q_start, kv_start)  # the earliest query at or after the run's first key
-            if q < q_start + q_len and (not window or q - (kv_start + kv_len - 1) < window):
-                return True
-    return False
-
-
 def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int,
               blocks: Blocks, backward: bool):
     kernel_lib, mask_lib = _lib()
@@ -283,8 +190,8 @@ def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bo
 
 class RowLoop:
     """Splash kernels over equal row chunks, run as one kernel in a loop over the chunks (lax.map; the backward's
-    in splash_backward), so the program holds one Pallas call per pass whatever the number of chunks (usp's ring
-    hops at 2**24 tokens: 256 chunks of 2M rows, 768 kernels when unrolled). Splash kernels are pytrees whose
+    in splash_backward), so the program holds one Pallas call per pass whatever the number of chunks (instead of
+    three per chunk, unrolled: docs/long_context.md). Splash kernels are pytrees whose
     leaves are their block tables (MaskInfo), which splash passes to the Pallas call as operands. Per pass
     (forward, and dQ and dK/dV where the chunks' kernels have them), the distinct chunks' tables are stacked as
     `infos` (_stack); each loop step picks its chunk's by index (`pick`) and runs the kernel with them. A chunk

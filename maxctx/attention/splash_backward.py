@@ -35,7 +35,7 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
     accumulators, but computed in the inputs' dtype (splash's kernels output it: bf16 in training, each hop's
     (and row chunk's) gradient rounded to bf16 before the sum). For kernels with has_backward. A RowLoop runs its
     chunks in a scan: each chunk's dq comes out as its rows (in the kernel's dtype: no fp32 carry of every row,
-    which cost 2.5 GiB per device on the fit table's 10M p2p row), its dk and dv add up in fp32 carries."""
+    a large array at long context, docs/long_context.md), its dk and dv add up in fp32 carries."""
     if not isinstance(kernels, splash.RowLoop):
         if kernels[0][2] is None:  # the hop sees no key
             return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))

@@ -83,8 +83,8 @@ def save_deferred(item_dir: epath.Path, tree: dict[str, Any]) -> None:
     """Writes `tree` (leaves: Deferred) as an Orbax PyTree item at `item_dir`, with maxctx's integrity record."""
     registry = type_handlers.create_type_handler_registry((Deferred, _DeferredHandler()),
                                                           (jax.Array, type_handlers.ArrayHandler()))
-    # Uncompressed: with zstd, tensorstore kept encoded chunks of earlier parameters in memory while it wrote
-    # (peak RSS 1.6 GiB instead of 0.7 for four 0.5 GiB arrays of random values, written whole).
+    # Uncompressed: with zstd, tensorstore keeps encoded chunks of earlier parameters in memory while it writes
+    # (benchmarks/convert_memory.md).
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(item_dir, args=ocp.args.PyTreeSave(tree))

@@ -34,34 +34,35 @@ TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map.json", "generation_config.json")
 
 
-def _meta(step_dir: epath.Path) -> dict[str, Any]:
-    if not (step_dir / META).is_dir():
-        return {}
-    return ocp.JsonCheckpointHandler().restore(step_dir / META) or {}
-
-
-def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overrides: list[str] = (),
-              architecture: str = "", max_shard_bytes: int = 5 * 10**9, hf_base: str = "", say=print) -> list[str]:
-    """Converts; returns the files written. `hf_base`: the HF directory the model started from; its config.json
-    entries (token ids, context length, architecture) are carried over and its tokenizer files copied."""
-    step_dir = resolve_step_dir(checkpoint_path, "--checkpoint_path")
-    meta = _meta(step_dir)
+def _meta(step_dir: epath.Path, hf_base: str) -> dict[str, Any]:
+    """The checkpoint's meta item; with `hf_base`, that directory's config.json and architecture replace its own."""
+    meta = {}
+    if (step_dir / META).is_dir():
+        meta = ocp.JsonCheckpointHandler().restore(step_dir / META) or {}
     if hf_base:
         from maxctx.convert.from_hf import read_hf_config
 
         meta = {**meta, "hf_config": read_hf_config(hf_base)}
         meta["architecture"] = hf_layout.architecture(meta["hf_config"], os.path.join(hf_base, "config.json"))
+    return meta
+
+
+def _model_keys(step_dir: epath.Path, meta: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """The model keys the checkpoint recorded, then the key=value overrides, as a validated config gives them."""
     saved_keys = {k: v for k, v in (meta.get("config") or {}).items() if k in MODEL_KEYS}
     if not saved_keys and not overrides:
         raise ConfigError(f"checkpoint {step_dir} records no model keys (no meta item); give them as key=value "
                           f"(e.g. model_name=llama3.1-8b)")
     config = parse_config([*(f"{k}={v}" for k, v in saved_keys.items()), *overrides])
-    keys = {k: getattr(config, k) for k in MODEL_KEYS}
-    arch = architecture or meta.get("architecture") or "llama"
-    hf_config = hf_layout.hf_config(keys, arch, TORCH_NAMES[dtype], meta.get("hf_config") or {})
+    return {k: getattr(config, k) for k in MODEL_KEYS}
+
+
+def _tensor_plan(step_dir: epath.Path, keys: dict[str, Any]) -> list[tuple]:
+    """(hf name, hf shape, tensor, layer) of every HF tensor, in write order; a checkpoint parameter missing or of
+    another shape than the model keys give is refused, naming both."""
     saved = shapes(step_dir / STATE)
     layers = keys["base_num_decoder_layers"]
-    plan = []  # (hf name, shape, tensor, layer)
+    plan = []
     for t in hf_layout.tensors(keys):
         path = ("params", *t.path)
         want = ((layers,) if t.per_layer else ()) + t.mx_shape(keys)
@@ -73,8 +74,11 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
                               f"this config gives {list(want)}; check the model keys (key=value)")
         for i in range(layers) if t.per_layer else [None]:
             plan.append((t.name(i), t.hf_shape(keys), t, i))
+    return plan
 
-    out_dtype = OUT_DTYPES[dtype]
+
+def _shards(plan: list[tuple], out_dtype: np.dtype, max_shard_bytes: int) -> list[list[tuple]]:
+    """`plan` cut in order into files of at most `max_shard_bytes` (a tensor larger than that gets a file alone)."""
     shards, size = [[]], 0
     for entry in plan:
         nbytes = out_dtype.itemsize * int(np.prod(entry[1]))
@@ -83,38 +87,69 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
             size = 0
         shards[-1].append(entry)
         size += nbytes
-    out = epath.Path(os.path.abspath(output_path))
-    out.mkdir(parents=True, exist_ok=True)
-    opened = open_arrays(step_dir / STATE, [("params", *t.path) for t in hf_layout.tensors(keys)])
-    whole: dict[tuple, np.ndarray] = {}
+    return shards
 
-    def tensor(t: hf_layout.Tensor, layer: int | None) -> np.ndarray:
+
+class _Reader:
+    """Reads HF tensors from a checkpoint's parameters: one layer at a time where the checkpoint stores layers as
+    chunks (from_hf writes them so), else the stacked parameter once for all its layers (a training run's
+    checkpoint, chunked by device shards), holding only the latest."""
+
+    def __init__(self, step_dir: epath.Path, keys: dict[str, Any], out_dtype: np.dtype):
+        self.keys, self.out_dtype = keys, out_dtype
+        self.opened = open_arrays(step_dir / STATE, [("params", *t.path) for t in hf_layout.tensors(keys)])
+        self.whole: dict[tuple, np.ndarray] = {}
+
+    def __call__(self, t: hf_layout.Tensor, layer: int | None) -> np.ndarray:
         path = ("params", *t.path)
-        array = opened[path]
+        array = self.opened[path]
         if t.per_layer and array.chunk_layout.read_chunk.shape[0] == 1:  # layer chunks (from_hf): one layer
             value = np.asarray(array[layer].read().result())
         else:  # chunks span the layers (a training run's shards): the parameter once, then its layers
-            if path not in whole:
-                whole.clear()
-                whole[path] = np.asarray(array.read().result())
-            value = whole[path][layer] if t.per_layer else whole[path]
-        return np.ascontiguousarray(t.to_hf(value, keys).astype(out_dtype))
+            if path not in self.whole:
+                self.whole.clear()
+                self.whole[path] = np.asarray(array.read().result())
+            value = self.whole[path][layer] if t.per_layer else self.whole[path]
+        return np.ascontiguousarray(t.to_hf(value, self.keys).astype(self.out_dtype))
 
+
+def _write_shards(out: epath.Path, shards: list[list[tuple]], read: _Reader, say) -> tuple[list[str], dict]:
+    """Writes each shard's safetensors file, one tensor in memory at a time, saying each; returns the file names
+    and the index's weight map (HF name -> file)."""
     names, weight_map, done = [], {}, 0
+    count = sum(len(shard) for shard in shards)
     for k, shard in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
 
         def arrays(shard=shard, name=name):
             nonlocal done
             for hf_name, shape, t, layer in shard:
-                yield tensor(t, layer)
+                yield read(t, layer)
                 done += 1
-                say(f"[{done}/{len(plan)}] params/{'/'.join(t.path)}{'' if layer is None else f'[{layer}]'} -> "
+                say(f"[{done}/{count}] params/{'/'.join(t.path)}{'' if layer is None else f'[{layer}]'} -> "
                     f"{hf_name} {list(shape)} in {name}", flush=True)
 
-        safetensors.write(str(out / name), [(n, out_dtype, s) for n, s, _, _ in shard], arrays())
+        safetensors.write(str(out / name), [(n, read.out_dtype, s) for n, s, _, _ in shard], arrays())
         weight_map.update({n: name for n, _, _, _ in shard})
         names.append(name)
+    return names, weight_map
+
+
+def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overrides: list[str] = (),
+              architecture: str = "", max_shard_bytes: int = 5 * 10**9, hf_base: str = "", say=print) -> list[str]:
+    """Converts; returns the files written. `hf_base`: the HF directory the model started from; its config.json
+    entries (token ids, context length, architecture) are carried over and its tokenizer files copied."""
+    step_dir = resolve_step_dir(checkpoint_path, "--checkpoint_path")
+    meta = _meta(step_dir, hf_base)
+    keys = _model_keys(step_dir, meta, overrides)
+    arch = architecture or meta.get("architecture") or "llama"
+    hf_config = hf_layout.hf_config(keys, arch, TORCH_NAMES[dtype], meta.get("hf_config") or {})
+    plan = _tensor_plan(step_dir, keys)
+    out_dtype = OUT_DTYPES[dtype]
+    out = epath.Path(os.path.abspath(output_path))
+    out.mkdir(parents=True, exist_ok=True)
+    names, weight_map = _write_shards(out, _shards(plan, out_dtype, max_shard_bytes),
+                                      _Reader(step_dir, keys, out_dtype), say)
     total = sum(out_dtype.itemsize * int(np.prod(s)) for _, s, _, _ in plan)
     (out / safetensors.INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2))

@@ -83,7 +83,7 @@ def measure_matmul_flops(devices: list[jax.Device], dtypes: tuple[str, ...] = ("
 
     One [size, size] matmul per device per call (a batch sharded over the devices), `chain` dependent calls
     timed together; the best of at least `min_repeats` timings and `min_seconds` of them, so a burst of load from
-    other processes does not set the peak; for each dtype, returning the best. About 1 s on a laptop CPU.
+    other processes does not set the peak; for each dtype, returning the best.
     """
     sharding = NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d"))
     # y <- tanh(y @ x): dependent calls, values kept bounded so bf16 stays finite.

@@ -1,21 +1,19 @@
-"""Host side of step logging: metrics fetched one step late, the NaN guard, the progress line, the profiler
-window and device memory. Nothing here blocks the device except where a docstring says so.
+"""Host side of step logging: metrics fetched one step late (PendingMetrics), the NaN guard (check_finite), the
+progress line (format_progress), the profiler window (Profiler) and device memory (device_memory). Nothing here
+blocks the device except where a docstring says so.
 
-A training loop uses them like this (maxctx.metrics.step_logger.StepLogger wraps the logging part for
-maxctx.train):
+maxctx.metrics.step_logger.StepLogger puts all but the profiler together for the training loop (maxctx.train._train),
+which calls the profiler itself:
 
-    pending = PendingMetrics()
-    profiler = Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, is_primary)
+    profiler = Profiler(config.tensorboard_dir, config.profile_start_step, config.profile_steps, primary)
+    logger = StepLogger(writer, ...)                  # owns a PendingMetrics; calls check_finite, format_progress
     for step in range(start_step, config.steps):
-        profiler.step(step, block_on=state)
-        state, metrics = train_step(state, batch)          # dispatched; the device runs ahead
-        done = pending.push(step, metrics)                 # host values of the *previous* step
-        if done is not None:
-            check_finite(done.step, done.metrics)          # raises NonFiniteLossError
-            ... log every log_period ...
-        if checkpoint due at step:                         # flush first, so a NaN step is never saved
-            done = pending.flush(); check_finite(...); save(state)
-    done = pending.flush()
+        profiler.step(step, block_on=state)           # starts or stops the trace at the window's edges
+        state, step_metrics = compiled(state, next(batches))   # dispatched; the device runs ahead
+        logger.push(step, step_metrics)               # fetches and logs the *previous* step
+        ... before an eval or a checkpoint: logger.flush(), so a NaN step is never saved ...
+    logger.flush(force=True)
+    profiler.stop(block_on=state)                     # in a finally: a window past the last step ends too
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ class PendingMetrics:
     returned, at that return. The second case is a synchronous dispatch: a program whose loops the host drives
     (on GPU, a while loop with a computed trip count reads its condition back every iteration) returns only once
     it ran. Timing by fetches alone would then charge each step with the next one's run and the last with
-    nothing (seen on an H200: 11-13 s steps logged, then 0.06 s). The step time is the gap between two finishes.
+    nothing (benchmarks/gpu.md shows it on a GPU). The step time is the gap between two finishes.
     """
 
     def __init__(self) -> None:
