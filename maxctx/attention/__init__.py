@@ -14,7 +14,7 @@
     dot_product.py, flash.py, splash.py, cudnn.py
                        the kernels; splash_masks.py and splash_backward.py: splash's masks over original token
                        order, and its backward for ring hops
-    index_runs.py      runs of equal indices (the masks' block structure)
+    index_runs.py      index sets as runs of integers: which splash kernels of a layout have equal masks
     sharded.py         shard_map across JAX versions, layouts, the ring shift
     load_balance.py    the zig-zag token order
 """
