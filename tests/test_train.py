@@ -75,7 +75,7 @@ def test_out_of_memory_exits_4_with_what_to_change(monkeypatch, capsys, message,
 
     from maxctx import runtime, train
 
-    def out_of_memory(config):
+    def out_of_memory(config, plan=None):
         raise jax.errors.JaxRuntimeError(message)
 
     monkeypatch.setattr(runtime, "initialize", lambda config: None)
@@ -97,7 +97,7 @@ def test_other_errors_are_not_called_out_of_memory(monkeypatch, error):
 
     error = jax.errors.JaxRuntimeError(error) if isinstance(error, str) else error
 
-    def fails(config):
+    def fails(config, plan=None):
         raise error
 
     monkeypatch.setattr(runtime, "initialize", lambda config: None)
