@@ -123,7 +123,7 @@ def format_report(report: dict) -> list[str]:
         if report.get("xla_memory_space"):
             lines.append(f"DOES NOT COMPILE: on-chip {report['xla_memory_space'].upper()} overflowed, not HBM "
                          f"({hbm:.2f} GiB per {device}, untested): "
-                         f"{onchip_advice(report['xla_memory_space'], report['attention'])}")
+                         f"{onchip_advice(report['xla_memory_space'], report['attention'], report)}")
         else:
             lines.append(f"{verdict} in {hbm:.2f} GiB HBM per {device}{by}")
     lines.append(f"FLOPs per device per step: {report['analytic_flops_per_device'] / 1e12:.4g} TFLOP (model, "

@@ -145,6 +145,22 @@ def train_step_fn(setup: TrainSetup):
     return step
 
 
+def compiler_options(config, mesh: Mesh) -> dict | None:
+    """XLA options of the step's compile: on TPU, the scoped VMEM limit kernels may take (tpu_scoped_vmem_limit_kib;
+    -1: the generation's default in maxctx.plan.topology, 0: libtpu's own). The same options in an ahead-of-time
+    compile for a topology and in the run, so that what `maxctx.compile` says fits is what runs."""
+    device = mesh.devices.flat[0]
+    if device.platform != "tpu":
+        return None
+    limit = config.tpu_scoped_vmem_limit_kib
+    if limit == -1:
+        from maxctx.plan import topology
+
+        chip = next((c for c in topology.CHIPS.values() if c.device_kind == device.device_kind), None)
+        limit = chip.scoped_vmem_kib if chip is not None else 0
+    return {"xla_tpu_scoped_vmem_limit_kib": limit} if limit > 0 else None
+
+
 def jit_train_step(setup: TrainSetup):
     replicated = NamedSharding(setup.mesh, P())
     return jax.jit(train_step_fn(setup), in_shardings=(setup.state_shardings, setup.batch_shardings),
@@ -161,12 +177,13 @@ def jit_eval_step(setup: TrainSetup):
         return loss, weight, jnp.sum(jnp.any(batch["weights"] > 0, axis=1).astype(jnp.float32))
 
     return jax.jit(step, in_shardings=(setup.state_shardings["params"], setup.batch_shardings),
-                   out_shardings=(replicated,) * 3)
+                   out_shardings=(replicated,) * 3, compiler_options=compiler_options(setup.config, setup.mesh))
 
 
 def compile_train_step(setup: TrainSetup):
     """AOT-compiles the step for the abstract state and batch; returns the `Compiled` (callable like the step)."""
-    return jit_train_step(setup).lower(setup.abstract_state, setup.abstract_batch()).compile()
+    lowered = jit_train_step(setup).lower(setup.abstract_state, setup.abstract_batch())
+    return lowered.compile(compiler_options=compiler_options(setup.config, setup.mesh))
 
 
 def save_compiled(compiled, path: str) -> None:

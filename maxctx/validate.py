@@ -195,6 +195,9 @@ def validate(config: Config) -> None:
               "max_num_checkpoints_to_keep", "eval_per_device_batch_size", *SPLASH_BLOCK_KEYS, allow_zero=True)
     if config.eval_steps <= 0 and config.eval_steps != -1:
         raise ConfigError(f"eval_steps={config.eval_steps} must be > 0, or -1 for the whole eval split")
+    if config.tpu_scoped_vmem_limit_kib < -1:
+        raise ConfigError(f"tpu_scoped_vmem_limit_kib={config.tpu_scoped_vmem_limit_kib} must be -1 (the TPU "
+                          f"generation's default), 0 (libtpu's own) or a size in KiB")
     _positive(config, "jax_heartbeat_timeout_seconds", "jax_distributed_initialization_timeout", "base_emb_dim",
               "base_num_query_heads", "base_num_kv_heads",
               "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",

@@ -10,12 +10,7 @@ Full-size memory figures come from the compiled programs of benchmarks/fit_table
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -25,8 +20,9 @@ from maxctx.metrics import training_flops_per_device
 from maxctx.plan.out_of_memory import fit, xla_out_of_memory
 from maxctx.plan.roofline import cp_bytes_per_layer, roofline
 from maxctx.plan.topology import CHIPS, parse, standard_shape
-from tests.support.processes import ROOT, python, tpu_env
+from tests.support.processes import python, tpu_env
 from tests.support.strategies import names as strategy_names
+from tests.support.tpu_compile import finish, needs_libtpu, start_compile
 
 GIB = 1024 ** 3
 STRATEGIES = tuple(strategy_names())
@@ -35,31 +31,6 @@ SMALL_LLAMA = ("model_name=llama3-8b", "base_num_decoder_layers=2", "base_emb_di
                "base_num_query_heads=16", "head_dim=64", "vocab_size=1024", "max_target_length=4096")
 SMALL_V5P_64 = ("compile_topology=v5p-64", *SMALL_LLAMA, "ici_context_parallelism=8", "ici_fsdp_parallelism=-1",
                 "per_device_batch_size=0.125")
-
-
-def needs_libtpu() -> None:
-    if importlib.util.find_spec("libtpu") is not None:
-        return
-    message = ("libtpu is not installed, so no TPU topology can be compiled for; install it with "
-               "pip install 'jax[tpu]==<the installed jax version>'")
-    if os.environ.get("MAXCTX_REQUIRE_LIBTPU") == "1":
-        pytest.fail(f"MAXCTX_REQUIRE_LIBTPU=1 but {message}")
-    pytest.skip(message)
-
-
-def start_compile(*overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "maxctx.compile", "configs/base.yml", *overrides], cwd=ROOT,
-                            env=tpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, dict | None]:
-    out, err = proc.communicate(timeout=timeout)
-    lines = out.strip().splitlines()
-    try:
-        report = json.loads(lines[-1]) if lines else None
-    except json.JSONDecodeError:
-        report = None
-    return proc.returncode, out + err[-3000:], report
 
 
 # ---- names and the hardware table (no compile) -----------------------------------------------------------------

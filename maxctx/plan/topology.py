@@ -38,6 +38,8 @@ class Chip:
     ici_bytes_per_s: float  # bidirectional, all ICI links of one chip together
     source: str
     dcn_bytes_per_s: float = 0.0  # one direction, per chip, when Google's page gives it (0: the planner's default)
+    # maxctx's default scoped VMEM limit for kernels (tpu_scoped_vmem_limit_kib=-1); 0: libtpu's own default
+    scoped_vmem_kib: int = 0
 
     @property
     def dcn_bytes_per_s_or_default(self) -> float:
@@ -60,7 +62,8 @@ CHIPS: dict[str, Chip] = {
                 "2 x 100 Gbps NICs per host of 8 chips, 25 Gbps per chip)", 25e9 / 8),
     "v5p": Chip("TPU v5p", "v5p", "TPU v5", 3, True, 1, True, 95 * GIB, 2765e9, 1200e9,
                 "https://cloud.google.com/tpu/docs/v5p (95 GiB, 2765 GBps HBM2e; 1200 GBps bidirectional ICI; DCN "
-                "50 Gbps per chip)", 50e9 / 8),
+                "50 Gbps per chip); scoped VMEM: MaxText's v5p recipes' --xla_tpu_scoped_vmem_limit_kib=65472, the "
+                "63.94M of VMEM libtpu reports", 50e9 / 8, scoped_vmem_kib=65472),
     "v6e": Chip("TPU v6e", "v6e", "TPU v6 lite", 2, False, 1, False, 32 * GIB, 1640e9, 800e9,
                 "https://cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps HBM; 800 GBps bidirectional ICI)"),
     "tpu7x": Chip("TPU7x (Ironwood)", "tpu7x", "TPU7x", 3, True, 2, False, 192 * GIB, 7380e9, 1200e9,

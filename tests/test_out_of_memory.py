@@ -1,0 +1,70 @@
+"""maxctx.plan.out_of_memory on a kernel's on-chip overflow: the verdict names the kernel, what it needs against
+which limit, and the key to change; and tpu_scoped_vmem_limit_kib reaches the TPU compile.
+
+tests/fixtures/libtpu/*.txt are libtpu 0.0.42.1's messages (jax 0.10.2) for splash's forward at 2048-token blocks,
+head_dim 256 (the compiles of test_a_vmem_overflow_is_named_in_a_real_compile, printed whole): over the 16 MiB
+scoped limit (tpu_scoped_vmem_limit_kib=0), and over v5p's 63.94 MiB of VMEM (the default limit).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from maxctx.plan.out_of_memory import onchip_advice, xla_out_of_memory
+from tests.support.tpu_compile import finish, needs_libtpu, start_compile
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "libtpu"
+MIB = 2 ** 20
+# One layer, 16 query and 4 kv heads of 256 (the record model's attention), 32K tokens, splash at 2048-token blocks.
+HEAD_DIM_256 = ("compile_topology=v5p-8", "attention=splash", "base_num_decoder_layers=1", "base_emb_dim=1024",
+                "base_num_query_heads=16", "base_num_kv_heads=4", "head_dim=256", "base_mlp_dim=2048",
+                "vocab_size=1024", "max_target_length=32768", "per_device_batch_size=1", "flash_block_q=2048",
+                "flash_block_kv=2048")
+
+
+def test_over_the_scoped_limit_names_the_kernel_and_the_key():
+    text = (FIXTURES / "vmem_scoped_limit.txt").read_text()
+    out = xla_out_of_memory(text)
+    assert out["xla_error"] == "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:"
+    assert out["xla_error_text"] == text.strip()  # the whole message, not its first line
+    assert out["xla_overflow_op"] == "splash_mqa_fwd_segmented_residuals"
+    assert (out["xla_overflow_need_bytes"], out["xla_overflow_limit_bytes"]) == (18 * MIB, 16 * MIB)
+    advice = onchip_advice(out["xla_memory_space"], "splash", out)
+    assert advice.startswith("splash_mqa_fwd_segmented_residuals needs 18.00 MiB of VMEM, over libtpu's scoped "
+                             "limit of 16.00 MiB: set tpu_scoped_vmem_limit_kib=18432 or more")
+    assert "flash_block_q, flash_block_kv" in advice  # the forward's keys: it is the forward kernel
+
+
+def test_over_the_chip_names_the_kernel_and_its_largest_buffer():
+    out = xla_out_of_memory((FIXTURES / "vmem_capacity.txt").read_text())
+    assert out["xla_overflow_op"] == "splash_mqa_fwd_segmented_residuals" and out["xla_overflow_limit"] == "capacity"
+    assert out["xla_overflow_need_bytes"] == pytest.approx(70.59 * MIB, abs=0.01 * MIB)
+    assert out["xla_overflow_largest"].startswith("32.00M: input window allocation for operator input 8. The window "
+                                                  "shape is s32[1,2048,2048]")
+    advice = onchip_advice("vmem", "splash", out)
+    assert "more than the chip's 63.94 MiB: lower flash_block_q, flash_block_kv" in advice
+    assert "tpu_scoped_vmem_limit_kib" not in advice  # no limit to raise: the memory itself is full
+
+
+def test_a_backward_kernel_gets_its_own_keys():
+    overflow = {"xla_overflow_op": "splash_mha_dkv_no_residuals", "xla_overflow_need_bytes": 80 * MIB,
+                "xla_overflow_limit_bytes": 64 * MIB, "xla_overflow_limit": "capacity"}
+    assert "lower flash_block_q_dkv, flash_block_kv_dkv" in onchip_advice("vmem", "splash", overflow)
+    assert onchip_advice("vmem", "splash").startswith("a kernel needs more on-chip VMEM than it has")
+
+
+def test_a_vmem_overflow_is_named_in_a_real_compile():
+    # libtpu's own limit (0): the scoped limit stops the forward kernel. The default (-1, v5p: 65472 KiB) reaches
+    # the compile: the same kernel then runs past the chip's VMEM instead, which the verdict says.
+    needs_libtpu()
+    procs = {limit: start_compile(*HEAD_DIM_256, f"tpu_scoped_vmem_limit_kib={limit}") for limit in (0, -1)}
+    results = {limit: finish(proc, timeout=600) for limit, proc in procs.items()}
+    for limit, kind in ((0, "scoped"), (-1, "capacity")):
+        code, text, report = results[limit]
+        assert code == 3 and report is not None, text
+        assert report["xla_overflow_op"].startswith("splash_") and report["xla_overflow_limit"] == kind, report
+        assert "Ran out of memory in memory space vmem" in report["xla_error_text"]
+        assert "DOES NOT COMPILE: on-chip VMEM overflowed, not HBM" in text and report["xla_overflow_op"] in text
+    assert "set tpu_scoped_vmem_limit_kib=" in results[0][1]
