@@ -68,7 +68,7 @@ def test_relative_output_directory_checkpoints_and_writes_the_resolved_config(tm
     ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space smem. Used 1.00M of "
      "1.00M smem.", "overflowed on-chip SMEM: raise flash_block_q"),
     ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. Used 130M of "
-     "128M vmem.", "overflowed on-chip VMEM: lower flash_block_q"),
+     "128M vmem.", "needs 130.00 MiB of VMEM, more than the chip's 128.00 MiB: lower flash_block_q"),
 ])
 def test_out_of_memory_exits_4_with_what_to_change(monkeypatch, capsys, message, expected):
     import jax
