@@ -123,14 +123,15 @@ def is_out_of_memory(error: BaseException) -> bool:
 def out_of_memory_advice(message: str, config: Config, argv: list[str]) -> str:
     """What to change: for a kernel's on-chip memory, its block sizes; for HBM, the memory levers, and the
     command that checks a fit before launching."""
-    space = xla_out_of_memory(message).get("xla_memory_space")
+    parsed = xla_out_of_memory(message)
+    space = parsed.get("xla_memory_space")
     if space:
         import jax
 
         from maxctx.attention.dispatch import resolve_kernel
 
         kernel = resolve_kernel(config.attention, platform=jax.devices()[0].platform, dtype=config.dtype)
-        return f"what to change: {onchip_advice(space, kernel, onchip_overflow(message))}"
+        return f"what to change: {onchip_advice(space, kernel, parsed)}"
     plan = " ".join(["python -m maxctx.compile", *argv, "compile_topology=<your slice, e.g. v5p-128>"])
     return (f"what to change: lower per_device_batch_size or max_target_length, set remat_policy=full, or spread the "
             f"state and sequence over more devices (ici_fsdp_parallelism, ici_context_parallelism); check a setting "
