@@ -58,11 +58,26 @@ def test_splash_backward_blocks_match_reference(strategy, blocks):
                             splash.Blocks(**blocks))
 
 
-def check_against_reference(strategy, ring, a2a, window, splash_blocks=None, ring_backward_overlap=False):
+@pytest.mark.parametrize("strategy,ring,a2a,block,seq,head_dim,stored", [
+    # The blocks TPU recipes run (MaxText's sa_block_* of 1024, and 2048 at head_dim 256): forward, dQ and dK/dV
+    # at those blocks, partial blocks computed in the kernel (ring hops) or stored (a2a's gathered zig-zag keys).
+    ("p2p", 2, 1, 1024, 4096, 128, False), ("p2p", 2, 1, 2048, 8192, 256, False),
+    ("usp", 2, 2, 1024, 4096, 128, False), ("a2a", 1, 2, 1024, 4096, 256, True)])
+def test_splash_at_recipe_blocks_matches_reference(strategy, ring, a2a, block, seq, head_dim, stored, monkeypatch):
+    from maxctx.attention import flash, splash
+
+    monkeypatch.setattr(flash, "flash_backward", None)
+    check_against_reference(strategy, ring, a2a, 0, splash.Blocks(stored_masks=stored), block=block, seq=seq,
+                            head_dim=head_dim)
+
+
+def check_against_reference(strategy, ring, a2a, window, splash_blocks=None, ring_backward_overlap=False, block=128,
+                            seq=S, head_dim=D):
+    S, D = seq, head_dim  # noqa: N806 (the legend's names)
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, S, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(2, S, K, D)).astype(np.float32) for _ in range(2))
-    lengths = [100, 250, 162]
+    lengths = [S * 100 // 512, S * 250 // 512, S - S * 350 // 512]
     seg = np.stack([np.ones(S), np.repeat(np.arange(1, 4), lengths)]).astype(np.int32)
     pos = np.stack([np.arange(S), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
     dout = rng.normal(size=q.shape).astype(np.float32)
@@ -75,7 +90,7 @@ def check_against_reference(strategy, ring, a2a, window, splash_blocks=None, rin
 
     mesh = make_mesh(ring, a2a)
     cp = ring * a2a
-    spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=True, block_q=128, block_kv=128,
+    spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance=True, block_q=block, block_kv=block,
                          window=window, ring_backward_overlap=ring_backward_overlap,
                          **({"splash_blocks": splash_blocks} if splash_blocks else {}))
     perm = zigzag_permutation(S, cp)
@@ -171,8 +186,13 @@ def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
     distinct = sorted(int(loop.index.max()) + 1 for loop in loops)
     assert distinct[0] <= 2 and distinct[1] <= 2 and distinct[2] == 16, distinct  # only the diagonal's all differ
     diagonal = next(loop for loop in loops if int(loop.index.max()) + 1 == 16)
+    for info in diagonal.infos.values():  # partial blocks computed in the kernel, from each chunk's q_sequence
+        assert info.partial_mask_blocks is None and info.mask_next is None and info.q_sequence.shape == (16, 256)
+    stored = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True,
+                                splash_blocks=splash.Blocks(stored_masks=True))
+    diagonal = next(loop for loop in stored.splash_kernels if int(loop.index.max()) + 1 == 16)
     for info in diagonal.infos.values():  # the same causal block on every chunk's diagonal, pooled once per pass
-        assert len(info.partial_mask_blocks) == 1
+        assert len(info.partial_mask_blocks) == 1 and info.q_sequence is None
     for loop in loops:  # [chunk tables, 1, query blocks per chunk, width] (dK/dV: [..., 1, width, key blocks])
         for name, info in loop.infos.items():
             tables = [info.data_next, info.block_mask] + ([info.mask_next] if info.mask_next is not None else [])
@@ -181,8 +201,8 @@ def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
             assert all(t.shape[:len(shape)] == shape and t.dtype.itemsize <= 2 for t in tables), name
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_row_chunked_hop_backward_matches_reference(fused):
+@pytest.mark.parametrize("fused,stored", [(False, False), (True, False), (False, True)])
+def test_row_chunked_hop_backward_matches_reference(fused, stored):
     # One ring hop in 3 row chunks of 2 query blocks, GQA (2 query heads per kv head), checked against the dense
     # block backward: chunk 0 sees every key (one partial block, the diagonal), chunk 1 sees keys through its first
     # query block only (3 key blocks, 2 partial: the tables of every pass differ in width from chunk 0's, padded)
@@ -196,13 +216,14 @@ def test_row_chunked_hop_backward_matches_reference(fused):
     q_orig = np.concatenate([np.arange(1408, 1664), np.arange(700, 828), np.arange(0, 128), np.arange(128, 384)])
     kv_orig = np.arange(512, 1536)
     loop = splash.make_kernel(q_orig, kv_orig, 2, 128, 128, save_residuals=True, interpret=True,
-                              max_table_entries=16, blocks=splash.Blocks(fused_backward=fused))
+                              max_table_entries=16, blocks=splash.Blocks(fused_backward=fused, stored_masks=stored))
     assert isinstance(loop, splash.RowLoop) and loop.chunks == 3 and splash_backward.has_backward(loop)
     assert loop.index.tolist() == [0, 1, 2]
     dkv = loop.infos["dkv_mask_info"]
     if not fused:  # splash shrinks the dK/dV tables' query axis (not under the fused kernel): 2, 1 and 0, padded
         assert dkv.block_mask.shape[2] == 2 and not dkv.block_mask[1, :, 1].any()
-    assert loop.infos["fwd_mask_info"].block_mask.shape[-1] == 8 and len(dkv.partial_mask_blocks) == 3
+    assert loop.infos["fwd_mask_info"].block_mask.shape[-1] == 8
+    assert len(dkv.partial_mask_blocks) == 3 if stored else dkv.partial_mask_blocks is None
     assert not dkv.block_mask[2].any()
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(1, len(q_orig), 4, 128)), jnp.float32)
@@ -250,3 +271,24 @@ def test_a_chunk_between_two_key_runs_and_out_of_the_window_is_hidden():
                                max_table_entries=16, window=100)
     assert isinstance(parts, splash.RowLoop) and parts.chunks == 16
     assert int(parts.index.max()) + 1 == 2  # the first chunk sees key 1023; every other chunk sees no key
+
+
+def test_partial_blocks_are_computed_where_the_keys_form_few_runs():
+    # A ring hop's keys (one device's zig-zag shard: two runs, one in rank) and a natural-order call take the mask
+    # in the kernel (q_sequence and a KeyRuns function, no stored block); a gathered zig-zag order over 4 devices
+    # (8 runs) keeps stored blocks. The computed function equals the dense mask, windowed too.
+    from maxctx.attention import splash, splash_masks
+
+    order = zigzag_permutation(4096, 4)
+    for q_orig, kv_orig, computed in ((order[1024:2048], order[:1024], True), (np.arange(2048), np.arange(2048), True),
+                                      (order[1024:2048], order, False)):
+        kernel = splash.make_kernel(q_orig, kv_orig, 1, 256, 256, save_residuals=False, interpret=True)[0][2]
+        for info in (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info):
+            assert (info.q_sequence is not None) == computed and (info.partial_mask_blocks is None) == computed
+        assert (kernel.kwargs["mask_function"] is not None) == computed
+    for window in (0, 300):
+        values, function = splash_masks.computed_mask(order[1024:2048], order[2048:3072], window)
+        got = np.asarray(function(values[:, None], np.arange(1024)[None, :]))
+        behind = order[1024:2048, None] - order[None, 2048:3072]
+        np.testing.assert_array_equal(got, (behind >= 0) & ((behind < window) if window else True))
+    assert splash_masks.computed_mask(order[1024:2048], order) is None

@@ -70,6 +70,7 @@ class Blocks:
     kv_dq: int = 0
     fused_backward: bool = False  # one kernel for dQ, dK and dV (sa_use_fused_bwd_kernel)
     ring_backward: bool = True  # ring hops' backward through splash's kernels (False: benchmarks only)
+    stored_masks: bool = False  # partial blocks loaded, never computed (splash_masks; benchmarks and tests only)
 
     @classmethod
     def from_config(cls, config) -> Blocks:
@@ -179,7 +180,7 @@ def backward_kernels_available() -> bool:
 def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int,
               blocks: Blocks, backward: bool):
     kernel_lib, mask_lib = _lib()
-    mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig, window)] * group)
+    mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig, window, not blocks.stored_masks)] * group)
     sizes = blocks.sizes(len(q_orig), len(kv_orig), bq, bkv, backward=backward)
     # Concrete tables even when built under a trace (jit stages jnp.array otherwise): kernels are cached across
     # traces (kernels._splash_kernels), and RowLoop reads the tables on the host.
@@ -219,7 +220,7 @@ class RowLoop:
     def pick(info, which):
         """One chunk's MaskInfo from a stacked one: table `which` (traced) of each stacked table."""
         return info._replace(**{name: jax.lax.dynamic_index_in_dim(getattr(info, name), which, keepdims=False)
-                                for name in _TABLES if getattr(info, name) is not None})
+                                for name in (*_TABLES, "q_sequence") if getattr(info, name) is not None})
 
     def __call__(self, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT):
         b, s, h, d = q_BSHD.shape
@@ -272,6 +273,8 @@ def _stack(infos: list, axis: int):
         tables["mask_next"].append(mask_next)
     stacked = {name: _small(np.stack(arrays)) if blocks or name != "mask_next" else None
                for name, arrays in tables.items()}
+    if seen[0].q_sequence is not None:  # masks computed in the kernel: each chunk's query indices (any, if unseen)
+        stacked["q_sequence"] = np.stack([seen[0].q_sequence if info is None else info.q_sequence for info in infos])
     return seen[0]._replace(partial_mask_blocks=np.stack(blocks) if blocks else None, **stacked)
 
 

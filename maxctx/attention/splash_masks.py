@@ -10,13 +10,26 @@ load balance), so each splash call gets a static mask over original indices:
 Splash builds its block tables on the host by asking the mask for every block. At long context nearly every block
 is all visible or all hidden, so the mask answers those from the block's cached index range and a shared constant
 block instead of comparing elementwise (benchmarks/splash_masks.md measures both).
+
+Blocks that are partly visible are computed in the kernel when the keys form at most COMPUTED_RUNS runs
+(computed_mask: every ring hop, and any call in natural order): splash then gets a value per query as its
+`q_sequence` and a `KeyRuns` mask function that maps a key's place in the call to its value, instead of a stored
+boolean block per partial block. A stored block is an s32[block_q, block_kv] window in VMEM,
+double-buffered: 32 MiB at blocks of 2048, half the VMEM of a v5p (docs/long_context.md, "Splash's blocks and
+VMEM"). Calls over more key runs (a gathered zig-zag sequence: 2C runs) keep stored blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
+
+from maxctx.attention.index_runs import runs
+
+# The most runs of key indices a mask computes in the kernel (one select per run past the first, per score).
+COMPUTED_RUNS = 4
 
 
 def _mask_lib():
@@ -25,16 +38,58 @@ def _mask_lib():
     return mask_lib
 
 
-def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0):
+@dataclasses.dataclass(frozen=True)
+class KeyRuns:
+    """Splash's in-kernel mask function: mask(q, k) for a query's value q (its q_sequence entry) and a key's place
+    k in the call, the key's value being k plus its run's offset, `runs` ((start, length) of the keys' values in
+    the call's order). Hashable by value, as splash's kernels are compared by their settings."""
+    runs: tuple[tuple[int, int], ...]
+    window: int = 0
+
+    def __call__(self, q, k):
+        import jax.numpy as jnp
+
+        first_start, first_length = self.runs[0]
+        value, place = k + first_start, first_length
+        for start, length in self.runs[1:]:
+            value = jnp.where(k >= place, k + (start - place), value)
+            place += length
+        visible = value <= q
+        return visible & (q - value < self.window) if self.window else visible
+
+
+def computed_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0):
+    """(q_sequence, KeyRuns) computing mask[i, j] in the kernel, or None where the keys' values take more than
+    COMPUTED_RUNS runs. Causal: values are ranks among the keys (a query's is the rank of the last key it sees),
+    so a zig-zag ring hop's two key runs are one; windowed: indices from the keys' first. Either way the function
+    depends on the keys alone, so the row chunks of one call (splash.RowLoop) share it."""
+    kv_orig, q_orig = np.asarray(kv_orig), np.asarray(q_orig)
+    if window:
+        keys, queries = kv_orig - kv_orig.min(), q_orig - kv_orig.min()
+    else:
+        ordered = np.sort(kv_orig)
+        keys, queries = np.searchsorted(ordered, kv_orig), np.searchsorted(ordered, q_orig, side="right") - 1
+    key_runs = runs(keys)
+    if len(key_runs) > COMPUTED_RUNS:
+        return None
+    return queries.astype(np.int32), KeyRuns(key_runs, window)
+
+
+def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0, computed: bool = True):
     """A splash Mask: mask[i, j] = kv_orig[j] <= q_orig[i] (causal on original indices), and within `window`
-    tokens (q_orig[i] - kv_orig[j] < window) when it is > 0."""
+    tokens (q_orig[i] - kv_orig[j] < window) when it is > 0. With `computed`, and where computed_mask allows, the
+    mask also has splash's `q_sequence` and `mask_function`: the kernel computes its partial blocks instead of
+    loading them."""
     mask_lib = _mask_lib()
+    in_kernel = computed_mask(q_orig, kv_orig, window) if computed and len(kv_orig) else None
 
     class OrderedCausalMask(mask_lib.Mask):
         def __init__(self):
             self.q_orig, self.kv_orig = np.asarray(q_orig), np.asarray(kv_orig)
-            self._key = (self.q_orig.tobytes(), self.kv_orig.tobytes(), window)
+            self._key = (self.q_orig.tobytes(), self.kv_orig.tobytes(), window, computed)
             self._ranges = ({}, {})  # per axis: slice -> (min, max, length) of the original indices it selects
+            if in_kernel is not None:  # what splash's _process_mask looks for: then no partial block is stored
+                self.q_sequence, self.mask_function = in_kernel
 
         def _range(self, axis: int, where: slice) -> tuple[int, int, int]:
             key = (where.start, where.stop, where.step)
