@@ -12,8 +12,11 @@ Block tables (query blocks x key blocks per call) live in on-chip SMEM, which ov
 MAX_TABLE_ENTRIES runs over chunks of its query rows (make_kernel): as several kernels (calls with autodiff's
 backward: a2a, all_gather), or, for ring hops, as one kernel per pass (forward, dQ, dK/dV) in a loop over the
 chunks with each chunk's tables as data (RowLoop), so the program's size does not grow with the number of chunks.
-Key blocks are computed COMPUTE_BLOCK keys at a time whatever the block size, so larger blocks do not overflow
-VMEM. flash_block_q / flash_block_kv set every pass's blocks unless the flash_block_*_dkv / *_dq / *_compute keys
+Key blocks are computed COMPUTE_BLOCK keys at a time whatever the block size (the score tile stays bq x 512), and
+partly visible blocks are computed in the kernel rather than loaded where the keys allow (splash_masks): a loaded
+partial block is an s32[bq, bkv] window, double-buffered, which at 2048 x 2048 is half a v5p's VMEM. What a pass
+still holds grows with bq x D (query, output and accumulator windows): docs/long_context.md, "Splash's blocks and
+VMEM", has the measured limits. flash_block_q / flash_block_kv set every pass's blocks unless the flash_block_*_dkv / *_dq / *_compute keys
 (MaxText's sa_block_*) set the backward's apart (Blocks). Each kernel's tables cover the whole call on one device:
 splash's q_seq_shards is not used (docs/long_context.md, "Splash at these lengths", says why).
 
