@@ -163,7 +163,7 @@ def _packed_xla(q, k, v, offsets, lengths, *, window, return_lse):
     return out, residual.at[sequence, :, local].set(lse_BSH.astype(jnp.float32))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def packed_supported(implementation: str = "cudnn") -> bool:
     """Whether the packed call is there: JAX's private cuDNN entry point with the offsets, lengths and mask type
     it needs, on a Hopper or later GPU (JAX refuses the packed layout before). Off GPU, the XLA stand-in."""
@@ -179,7 +179,7 @@ def packed_supported(implementation: str = "cudnn") -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kv_offsets_follow_kv_heads() -> bool:
     """Whether JAX strides the packed key offsets by the kv heads (jax >= 0.11); before, by the query heads, which
     is wrong under GQA. Asked of JAX's own offset fix-up on a two-token example, not of its version."""

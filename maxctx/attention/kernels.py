@@ -8,12 +8,12 @@ A `LocalKernel` is built outside shard_map for one strategy's token layout and u
   block_backward(hop, ..., out, lse, dout)                     -> (dq, dk, dv) fp32 given the merged out/lse
 Kernels: dot_product (reference, O(S T) memory), blockwise (flash.py: the flash-attention algorithm in plain
 JAX, every platform), splash (TPU Pallas), cudnn (GPU: cuDNN's causal or packed mask types where the call's
-tokens allow, chosen on the device, else a boolean mask; see cudnn.py). `hop` (a Python int, or the ring loop's traced index) picks
-the ring hop's splash kernel; only splash needs it (its masks are index-based, see splash.py), the others mask from
-positions. Splash rings run their backward hops through splash's own dQ and dK/dV kernels given the ring's merged
-out and lse (splash_backward); cuDNN rings, and splash's where this JAX lacks those kernels or with
-Blocks.ring_backward=False, with the blockwise backward (exact, pure JAX): cuDNN exposes no backward that takes the
-merged lse.
+tokens allow, chosen on the device, else a boolean mask; see cudnn.py). `hop` (a Python int, or the ring loop's
+traced index) picks the ring hop's splash kernel; only splash needs it (its masks are index-based, see
+splash.py), the others mask from positions. Splash rings run their backward hops through splash's own dQ and
+dK/dV kernels given the ring's merged out and lse (splash_backward); cuDNN rings, and splash's where this JAX
+lacks those kernels or with Blocks.ring_backward=False, with the blockwise backward (exact, pure JAX): cuDNN
+exposes no backward that takes the merged lse.
 """
 
 from __future__ import annotations
