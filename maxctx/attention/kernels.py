@@ -44,11 +44,11 @@ class LocalKernel:
     block_kv: int = 512
     q_axes: Any = None
     window: int = 0  # sliding window W (0: none): query i sees key j iff 0 <= pos[i] - pos[j] < W, same document
-    # cudnn only: queries and keys are the whole sequence in natural order (cudnn.py's fast calls may apply)
-    natural: bool = False
     # splash only: the distinct kernels over all hops and, per [hop][query shard], which one runs.
     splash_kernels: tuple = ()
     splash_table: tuple = ()
+    # cudnn only: queries and keys are the whole sequence in natural order (cudnn.py's fast calls may apply)
+    natural: bool = False
 
     def _pick(self, hop, branches, *args):
         """Runs this device's branch of `branches` (one per splash kernel) at `hop`."""
