@@ -136,3 +136,34 @@ def test_private_api_guards():
     assert isinstance(traced, bool) and traced == cudnn.kv_offsets_follow_kv_heads()
     if jax.__version_info__ < (0, 11):  # fixed in JAX 0.11 (jax-ml/jax PR 39521)
         assert not traced
+
+
+@pytest.mark.parametrize("strategy,ring,a2a,load_balance,natural", [
+    (None, 1, 1, False, True),  # no mesh
+    ("all_gather", 1, 1, True, True),  # C = 1: every strategy runs all_gather, the tokens are the whole sequence
+    ("a2a", 1, 2, False, True),  # after the all-to-all, whole sequences in natural order
+    ("a2a", 1, 2, True, False),  # ... in zig-zag order
+    ("all_gather", 2, 1, False, False),  # query shards against the gathered keys
+    ("p2p", 2, 1, False, False),  # ring hops
+])
+def test_strategies_tell_the_kernel_their_order(strategy, ring, a2a, load_balance, natural, monkeypatch):
+    from maxctx.attention.dispatch import AttentionSpec, attend
+    from tests.support.meshes import make_mesh
+
+    seen, original = [], cudnn.cudnn_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["natural"])
+        return original(*args, **{**kwargs, "implementation": "xla"})
+
+    monkeypatch.setattr(cudnn, "cudnn_attention", recording)
+    pos, seg = layout([0, 9], [0])
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(2, S, 4, 8)), jnp.float32)
+    k = v = q[:, :, :2]
+    spec = AttentionSpec(kernel="cudnn", strategy=strategy or "all_gather", load_balance=load_balance)
+    mesh = None if strategy is None else make_mesh(ring, a2a)
+    jax.eval_shape(lambda *a: attend(*a, spec=spec, mesh=mesh), q, k, v, pos, seg)
+    assert seen and set(seen) == {natural}
+    if strategy is None:
+        want = dot_product_attention(q, k, v, pos, seg, pos, seg)[0]
+        np.testing.assert_allclose(attend(q, k, v, pos, seg, spec), want, atol=2e-5, rtol=2e-5)
