@@ -68,17 +68,20 @@ from maxctx.parallelism import MESH_AXES  # noqa: E402
 
 VALUE_TOL, GRAD_TOL = 3e-2, 5e-2
 TRAIN_TIMEOUT_S = 200  # one training run; a hung one must not take the whole lease
+# The kernels and speed parts each run in a process of their own, so that a GPU error that poisons a process
+# (a CUDA context left in error) cannot take the next part with it.
+PART_TIMEOUT_S = 240
 # (name, B, S, H, K, D, documents, window)
-CASES = [("causal, GQA 32/8", 1, 4096, 32, 8, 128, 1, 0), ("packed: 3 documents", 2, 4096, 16, 4, 128, 3, 0),
-         ("packed: 3 documents, MHA", 2, 4096, 16, 16, 128, 3, 0),
-         ("sliding window 1024", 1, 4096, 16, 4, 128, 1, 1024),
-         ("packed: 3 documents, window 512", 2, 4096, 16, 4, 128, 3, 512),
+# The packed call (JAX's private API) last, so that whatever it does cannot cost the others their rows.
+CASES = [("causal, GQA 32/8", 1, 4096, 32, 8, 128, 1, 0), ("sliding window 1024", 1, 4096, 16, 4, 128, 1, 1024),
+         ("causal, 8K", 1, 8192, 32, 8, 128, 1, 0),
          ("packed: 24 documents (over the bound)", 1, 4096, 16, 4, 128, 24, 0),
-         ("causal, 8K", 1, 8192, 32, 8, 128, 1, 0)]
-CPU_CASES = [("causal, GQA 4/2", 1, 256, 4, 2, 32, 1, 0), ("packed: 3 documents", 2, 256, 4, 2, 32, 3, 0),
-             ("packed: 3 documents, MHA", 2, 256, 4, 4, 32, 3, 0), ("sliding window 64", 1, 256, 4, 2, 32, 1, 64),
-             ("packed: 3 documents, window 32", 2, 256, 4, 2, 32, 3, 32),
-             ("packed: 24 documents (over the bound)", 1, 256, 4, 2, 32, 24, 0)]
+         ("packed: 3 documents, MHA", 2, 4096, 16, 16, 128, 3, 0), ("packed: 3 documents", 2, 4096, 16, 4, 128, 3, 0),
+         ("packed: 3 documents, window 512", 2, 4096, 16, 4, 128, 3, 512)]
+CPU_CASES = [("causal, GQA 4/2", 1, 256, 4, 2, 32, 1, 0), ("sliding window 64", 1, 256, 4, 2, 32, 1, 64),
+             ("packed: 24 documents (over the bound)", 1, 256, 4, 2, 32, 24, 0),
+             ("packed: 3 documents, MHA", 2, 256, 4, 4, 32, 3, 0), ("packed: 3 documents", 2, 256, 4, 2, 32, 3, 0),
+             ("packed: 3 documents, window 32", 2, 256, 4, 2, 32, 3, 32)]
 # cuDNN's calls (maxctx.attention.cudnn); --cpu-check runs them through jax.nn's XLA implementation
 CUDNN_IMPLEMENTATION = "xla" if CPU_CHECK else "cudnn"
 CUDNN = "cudnn"  # the path chosen on the device (the call's queries and keys are the whole sequence, in order)
@@ -175,9 +178,10 @@ def residual_layouts(q, k, v, pos, seg, window: int, ref_lse) -> str:
     return "; ".join(f"{name}: {error(x, ref_lse):.1e}" for name, x in candidates.items())
 
 
-def kernels_table() -> list[str]:
-    lines = ["| case | kernel | out | lse | dq | dk | dv | within tolerance | compile + run |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def kernels_table():
+    """Yields the table's lines as they come."""
+    yield "| case | kernel | out | lse | dq | dk | dv | within tolerance | compile + run |"
+    yield "|---|---|---|---|---|---|---|---|---|"
     notes = ["", "The packed call's residual read in each layout it might have, against the reference lse:", ""]
     for name, b, s, h, k, d, documents, window in CPU_CASES if CPU_CHECK else CASES:
         case = f"{name} (B {b}, S {s}, H {h}, K {k}, D {d})"
@@ -185,9 +189,9 @@ def kernels_table() -> list[str]:
         try:
             ref = run_kernel("dot_product", q, kk, v, cot, pos, seg, window, f32=True)
         except Exception as e:  # the case's failure is a result of the check, not its end
-            lines.append(f"| {case} | dot_product (fp32 reference) | {failure(e)} | | | | | NO | |")
+            yield f"| {case} | dot_product (fp32 reference) | {failure(e)} | | | | | NO | |"
             continue
-        variants = [CUDNN, CUDNN_MASKED] + (["blockwise"] if CPU_CHECK else [])
+        variants = [CUDNN_MASKED] + (["blockwise"] if CPU_CHECK else []) + [CUDNN]
         for kernel in variants:
             label = kernel
             start = time.perf_counter()
@@ -197,14 +201,14 @@ def kernels_table() -> list[str]:
                 got = run_kernel(kernel, q, kk, v, cot, pos, seg, window)
                 jax.block_until_ready(got)
             except Exception as e:  # one kernel's failure is a result of the check, not its end
-                lines.append(f"| {case} | {label} | {failure(e)} | | | | | NO | |")
+                yield f"| {case} | {label} | {failure(e)} | | | | | NO | |"
                 if kernel == CUDNN:  # the packed call is compiled into every natural-order call: try without it
-                    variants.insert(variants.index(kernel) + 1, CUDNN_UNPACKED)
+                    variants.append(CUDNN_UNPACKED)
                 continue
             seconds = time.perf_counter() - start
             errs = [error(g, r) for g, r in zip(got, ref)]
             ok = all(e <= VALUE_TOL for e in errs[:2]) and all(e <= GRAD_TOL for e in errs[2:])
-            lines.append(f"| {case} | {label} | " + " | ".join(f"{e:.1e}" for e in errs)
+            yield (f"| {case} | {label} | " + " | ".join(f"{e:.1e}" for e in errs)
                          + f" | {'yes' if ok else 'NO'} | {seconds:.1f} s |")
         if documents > 1 and cudnn_path(pos, seg) == "packed":
             try:
@@ -212,7 +216,8 @@ def kernels_table() -> list[str]:
             except Exception as e:
                 notes.append(f"- {case}: {failure(e)}")
         del ref
-    return lines + (notes if len(notes) > 3 else [])
+    if len(notes) > 3:
+        yield from notes
 
 
 def run_strategy(strategy: str, ring: int, a2a: int, kernel: str, q, k, v, cot, pos, seg) -> list[np.ndarray]:
@@ -309,12 +314,11 @@ def speed_rows(b: int, s: int) -> dict:
     packed = SyntheticSource(128256, s, b, seed=0).batch(0)
     pos, one = jnp.tile(jnp.arange(s, dtype=jnp.int32), (b, 1)), jnp.ones((b, s), jnp.int32)
     window = s // 8
-    return {"one document": (pos, one, 0),
-            "packed (synthetic row 0)": (jnp.asarray(packed["positions"]), jnp.asarray(packed["segment_ids"]), 0),
-            f"one document, window {window}": (pos, one, window)}
+    return {"one document": (pos, one, 0), f"one document, window {window}": (pos, one, window),
+            "packed (synthetic row 0)": (jnp.asarray(packed["positions"]), jnp.asarray(packed["segment_ids"]), 0)}
 
 
-def speed_table() -> list[str]:
+def speed_table():
     """Forward + backward time of one layer's attention at the 1B model's training shape: each cuDNN call chosen
     on the device (the call's path in brackets), the boolean-mask call alone, cuDNN's causal mask type called
     directly (no path test), and blockwise. TFLOP/s over the causal pairs of whole rows (MaxText's MFU) and over
@@ -322,9 +326,10 @@ def speed_table() -> list[str]:
     from maxctx.metrics.flops import attention_pairs
     b, s, h, k, d = (1, 1024, 4, 2, 32) if CPU_CHECK else (1, 32768, 32, 8, 64)
     q, kk, v, cot, _, _ = inputs(b, s, h, k, d, documents=1)
-    lines = [f"B {b}, S {s}, H {h}, K {k}, D {d}; best of 5 (blockwise: 3) after a compile; TFLOP/s counted as "
-             "12 H D pairs (forward and backward, no recompute):", "",
-             "| row | kernel | fwd+bwd ms | TFLOP/s on causal pairs | TFLOP/s on kept pairs |", "|---|---|---|---|---|"]
+    yield from [f"B {b}, S {s}, H {h}, K {k}, D {d}; best of 5 (blockwise: 3) after a compile; TFLOP/s counted as "
+                "12 H D pairs (forward and backward, no recompute):", "",
+                "| row | kernel | fwd+bwd ms | TFLOP/s on causal pairs | TFLOP/s on kept pairs |",
+                "|---|---|---|---|---|"]
 
     def grad_fn(kernel: str, window: int):
         fn = kernel_call(kernel, h // k, window)
@@ -344,8 +349,8 @@ def speed_table() -> list[str]:
     for row, (p, g, window) in speed_rows(b, s).items():
         causal = attention_pairs(b, s)
         kept = attention_pairs(b, s, segment_ids=np.asarray(g), window=window)
-        variants = [CUDNN, CUDNN_MASKED] + (["cudnn is_causal, no path test"] if row.startswith("one") else [])
-        variants.append("blockwise")
+        variants = [CUDNN_MASKED, "blockwise"] + (["cudnn is_causal, no path test"] if row.startswith("one") else [])
+        variants.append(CUDNN)  # last: see CASES
         for name in variants:
             label = name
             try:
@@ -354,13 +359,26 @@ def speed_table() -> list[str]:
                 fn = direct(window) if name.endswith("no path test") else grad_fn(name, window)
                 ms = timed_ms(fn, q, kk, v, p, g, repeats=3 if name == "blockwise" else 5)
             except Exception as e:  # a failure is a result of the check
-                lines.append(f"| {row} | {label} | {failure(e, 200)} | | |")
+                yield f"| {row} | {label} | {failure(e, 200)} | | |"
                 if name == CUDNN:  # try without the packed call, compiled into every natural-order call
-                    variants.insert(1, CUDNN_UNPACKED)
+                    variants.append(CUDNN_UNPACKED)
                 continue
-            lines.append(f"| {row} | {label} | {ms:.1f} | {12 * h * d * causal / ms / 1e9:.1f} | "
-                         f"{12 * h * d * kept / ms / 1e9:.1f} |")
-    return lines
+            yield (f"| {row} | {label} | {ms:.1f} | {12 * h * d * causal / ms / 1e9:.1f} | "
+                   f"{12 * h * d * kept / ms / 1e9:.1f} |")
+
+
+def run_part(part: str) -> None:
+    """Prints the `part` table (kernels or speed) from a child process; if the child dies or hangs, says so."""
+    sys.stdout.flush()
+    cmd = [sys.executable, os.path.abspath(__file__), f"--part-child={part}"] + (["--cpu-check"] if CPU_CHECK else [])
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, timeout=PART_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"\n(the {part} part was stopped after {PART_TIMEOUT_S} s; the rows above are what it had printed)")
+        return
+    if proc.returncode:
+        tail = " / ".join(proc.stderr.strip().splitlines()[-3:])[-600:]
+        print(f"\n(the {part} part stopped with exit code {proc.returncode}: {tail})")
 
 
 def main() -> None:
@@ -369,7 +387,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--parts", default="kernels,strategies,train",
                         help="comma-separated: kernels, speed, strategies, train")
+    parser.add_argument("--part-child", choices=("kernels", "speed"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.part_child:
+        for line in kernels_table() if args.part_child == "kernels" else speed_table():
+            print(line, flush=True)
+        return
     parts = set(args.parts.split(","))
     fast = "blockwise" if CPU_CHECK else "cudnn"
     print("# GPU check\n")
@@ -379,10 +402,10 @@ def main() -> None:
                                                 else ""))
     if "kernels" in parts:
         print("\n## Kernels against dot_product in fp32 (max |x - ref| / max |ref|)\n")
-        print("\n".join(kernels_table()), flush=True)
+        run_part("kernels")
     if "speed" in parts:
         print("\n## Kernel speed: one layer's attention, forward and backward\n")
-        print("\n".join(speed_table()), flush=True)
+        run_part("speed")
     if "strategies" in parts:
         print("\n## Strategies against the one-device reference\n")
         print("\n".join(strategies_table(fast)), flush=True)
