@@ -19,7 +19,14 @@ back after another one). `choose_path` tests that on the device and the call goe
 test alone is exact in any token order; `natural` (kernels.make_local: the call's queries and keys are the whole
 sequence in its natural order, no context-parallel split, no zig-zag) only says statically whether the fast
 paths can ever apply, so that calls where they cannot (CP shards, ring hops, zig-zag) compile the masked call
-alone. Rows with padding (segment id 0, positions all 0) are not runs and take the masked call.
+alone. Rows with padding (segment id 0, positions all 0) are not runs and take the masked call. One call serves
+the whole batch: causal when every row is one document, packed when every row has at most M (a single-document
+row is a packed row of one), masked otherwise.
+
+The packed call's residual (the lse ring hops need) is read as [document, H, t], documents numbered over the
+batch (packed_residual_index): an assumption about cuDNN that benchmarks/gpu_check.py checks against other
+layouts. JAX before 0.11 strides the packed key offsets by the query heads, wrong under GQA: where its own
+offset fix-up says so (kv_offsets_follow_kv_heads), the packed call gets the kv heads repeated.
 
 cuDNN needs bf16 or fp16 inputs; `auto` picks it on GPU only for those dtypes and uses flash otherwise. Rows with
 no visible key give out 0 and lse -inf, as the other kernels do (only masked calls have such rows).
