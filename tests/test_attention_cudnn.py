@@ -82,6 +82,15 @@ def test_path_per_layout():
 
     assert conds(True) == 1 and conds(False) == 0 and conds(True, kv_len=2 * S) == 0
 
+    calls = lambda shape, **kw: tuple(cudnn.PATHS[c] for c in cudnn.compiled_calls(shape, shape[1], **kw))  # noqa
+    assert calls((2, S, 4, 8), natural=True, implementation="xla") == ("masked", "causal", "packed")
+    assert calls((2, S, 4, 8), natural=True) == ("masked", "causal")  # no cuDNN here: no packed call
+    assert calls((2, S, 4, 8), natural=False, implementation="xla") == ("masked",)
+    assert calls((2, S, 4, 8), natural=True, max_documents=1, implementation="xla") == ("masked", "causal")
+    # JAX's packed offsets count elements in int32: B S H D must stay below 2^31
+    assert calls((4, 2 ** 17, 32, 128), natural=True, implementation="xla") == ("masked", "causal")
+    assert calls((2, 2 ** 17, 32, 128), natural=True, implementation="xla")[-1] == "packed"
+
 
 CASES = {  # name: (rows' document starts, window, the path taken)
     "one document": (([0], [0]), 0, "causal"),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
@@ -202,6 +203,17 @@ def kv_offsets_follow_kv_heads() -> bool:
         return False
 
 
+def compiled_calls(q_shape, kv_len: int, natural: bool, max_documents: int = MAX_DOCUMENTS,
+                   implementation: str = "cudnn") -> tuple[int, ...]:
+    """The calls a cudnn_attention call compiles (choose_path picks among them on the device): the masked one,
+    and where `natural` and the queries and keys are as long, the causal one and, where it is there and its
+    offsets fit JAX's int32 element offsets (B S H D < 2^31), the packed one."""
+    if not natural or q_shape[1] != kv_len:
+        return (MASKED,)
+    packed = max_documents > 1 and math.prod(q_shape) < 2 ** 31 and packed_supported(implementation)
+    return (MASKED, CAUSAL, PACKED) if packed else (MASKED, CAUSAL)
+
+
 def cudnn_attention(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, return_lse: bool = False,
                     window: int = 0, natural: bool = False, max_documents: int = MAX_DOCUMENTS,
                     implementation: str = "cudnn"):
@@ -209,13 +221,11 @@ def cudnn_attention(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, return
     `natural`: the queries and keys are the same sequence in its natural order (the fast calls are compiled and
     chosen on the device); otherwise the masked call alone."""
     options = dict(return_lse=return_lse, window=window, implementation=implementation)
-    branches = [functools.partial(_masked, **options)]
-    if natural and q_BSHD.shape[1] == k_BTKD.shape[1]:
-        branches.append(functools.partial(_causal, **options))
-        if max_documents > 1 and packed_supported(implementation):
-            branches.append(functools.partial(_packed, max_documents=max_documents, **options))
+    branches = {MASKED: functools.partial(_masked, **options), CAUSAL: functools.partial(_causal, **options),
+                PACKED: functools.partial(_packed, max_documents=max_documents, **options)}
+    calls = compiled_calls(q_BSHD.shape, k_BTKD.shape[1], natural, max_documents, implementation)
     args = (q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg)
-    if len(branches) == 1:
+    if calls == (MASKED,):
         return branches[MASKED](*args)
-    path = choose_path(q_pos, q_seg, kv_pos, kv_seg, max_documents, packed=len(branches) > PACKED)
-    return jax.lax.switch(path, branches, *args)
+    path = choose_path(q_pos, q_seg, kv_pos, kv_seg, max_documents, packed=PACKED in calls)
+    return jax.lax.switch(path, [branches[c] for c in calls], *args)
