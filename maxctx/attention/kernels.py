@@ -7,12 +7,13 @@ A `LocalKernel` is built outside shard_map for one strategy's token layout and u
   block_forward(hop, ...)                                      -> (out fp32, lse fp32), for ring hops
   block_backward(hop, ..., out, lse, dout)                     -> (dq, dk, dv) fp32 given the merged out/lse
 Kernels: dot_product (reference, O(S T) memory), blockwise (flash.py: the flash-attention algorithm in plain
-JAX, every platform), splash (TPU Pallas), cudnn (GPU). `hop` (a Python int, or the ring loop's traced index) picks
-the ring hop's splash kernel; only splash needs it (its masks are index-based, see splash.py), the others mask from
-positions. Splash rings run their backward hops through splash's own dQ and dK/dV kernels given the ring's merged
-out and lse (splash_backward); cuDNN rings, and splash's where this JAX lacks those kernels or with
-Blocks.ring_backward=False, with the blockwise backward (exact, pure JAX): cuDNN exposes no backward that takes the
-merged lse.
+JAX, every platform), splash (TPU Pallas), cudnn (GPU: cuDNN's causal or packed mask types where the call's
+tokens allow, chosen on the device, else a boolean mask; see cudnn.py). `hop` (a Python int, or the ring loop's
+traced index) picks the ring hop's splash kernel; only splash needs it (its masks are index-based, see
+splash.py), the others mask from positions. Splash rings run their backward hops through splash's own dQ and
+dK/dV kernels given the ring's merged out and lse (splash_backward); cuDNN rings, and splash's where this JAX
+lacks those kernels or with Blocks.ring_backward=False, with the blockwise backward (exact, pure JAX): cuDNN
+exposes no backward that takes the merged lse.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class LocalKernel:
     # splash only: the distinct kernels over all hops and, per [hop][query shard], which one runs.
     splash_kernels: tuple = ()
     splash_table: tuple = ()
+    # cudnn only: queries and keys are the whole sequence in natural order (cudnn.py's fast calls may apply)
+    natural: bool = False
 
     def _pick(self, hop, branches, *args):
         """Runs this device's branch of `branches` (one per splash kernel) at `hop`."""
@@ -67,7 +70,8 @@ class LocalKernel:
             return flash.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv,
                                          self.window)
         if self.name == "cudnn":
-            return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, window=self.window)
+            return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, window=self.window,
+                                         natural=self.natural)
         return self._splash(hop, False, q, k, v, q_seg, kv_seg)
 
     def block_forward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
@@ -79,7 +83,7 @@ class LocalKernel:
                                        self.window)
         if self.name == "cudnn":
             out, lse = cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, return_lse=True,
-                                             window=self.window)
+                                             window=self.window, natural=self.natural)
         else:
             out, lse = self._splash(hop, True, q, k, v, q_seg, kv_seg)
         return out.astype(jnp.float32), lse
@@ -113,9 +117,13 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     C. A device picks its own with `lax.switch` on a [hop, query shard] table. Off TPU (the mesh's devices, else
     the default backend) splash runs in Pallas interpret mode: slow, for tests. `window` > 0: a sliding window
     (masks then compare by offset, not rank). `splash_blocks`: splash's other block sizes (splash.Blocks; None:
-    all derived from block_q / block_kv)."""
+    all derived from block_q / block_kv). cuDNN: a call whose queries and keys are the whole sequence in natural
+    order (one query shard, one key block, `order` the identity: no CP split, no zig-zag) may take cuDNN's own
+    mask types (maxctx.attention.cudnn)."""
     if name != "splash":
-        return LocalKernel(name, block_q, block_kv, window=window)
+        natural = (order is not None and q_shards == 1 and kv_blocks == 1
+                   and np.array_equal(order, np.arange(len(order))))
+        return LocalKernel(name, block_q, block_kv, window=window, natural=natural)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     kernels, table = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
                                      block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
