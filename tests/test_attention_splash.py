@@ -274,21 +274,24 @@ def test_a_chunk_between_two_key_runs_and_out_of_the_window_is_hidden():
 
 
 def test_partial_blocks_are_computed_where_the_keys_form_few_runs():
-    # A ring hop's keys (one device's zig-zag shard: two runs, one in rank) and a natural-order call take the mask
-    # in the kernel (q_sequence and a KeyRuns function, no stored block); a gathered zig-zag order over 4 devices
-    # (8 runs) keeps stored blocks. The computed function equals the dense mask, windowed too.
+    # A ring hop's keys (one device's zig-zag shard: two runs, one in rank), a natural-order call and a gathered
+    # zig-zag order over 4 devices (8 runs: all_gather, a2a, usp's ring blocks) take the mask in the kernel
+    # (q_sequence and a mask function, no stored block); keys in another order (reversed) keep stored blocks. The
+    # computed functions equal the dense mask, windowed too.
     from maxctx.attention import splash, splash_masks
 
     order = zigzag_permutation(4096, 4)
     for q_orig, kv_orig, computed in ((order[1024:2048], order[:1024], True), (np.arange(2048), np.arange(2048), True),
-                                      (order[1024:2048], order, False)):
+                                      (order[1024:2048], order, True), (order[1024:2048], order[::-1].copy(), False)):
         kernel = splash.make_kernel(q_orig, kv_orig, 1, 256, 256, save_residuals=False, interpret=True)[0][2]
         for info in (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info):
             assert (info.q_sequence is not None) == computed and (info.partial_mask_blocks is None) == computed
         assert (kernel.kwargs["mask_function"] is not None) == computed
     for window in (0, 300):
-        values, function = splash_masks.computed_mask(order[1024:2048], order[2048:3072], window)
-        got = np.asarray(function(values[:, None], np.arange(1024)[None, :]))
-        behind = order[1024:2048, None] - order[None, 2048:3072]
-        np.testing.assert_array_equal(got, (behind >= 0) & ((behind < window) if window else True))
-    assert splash_masks.computed_mask(order[1024:2048], order) is None
+        for kv in (order[2048:3072], order, order[:2048]):
+            values, function = splash_masks.computed_mask(order[1024:2048], kv, window)
+            assert isinstance(function, splash_masks.ZigZagKeys if len(kv) == 4096 else splash_masks.KeyRuns)
+            got = np.asarray(function(values[:, None], np.arange(len(kv), dtype=np.int32)[None, :]))
+            behind = order[1024:2048, None] - kv[None, :]
+            np.testing.assert_array_equal(got, (behind >= 0) & ((behind < window) if window else True))
+    assert splash_masks.computed_mask(order[1024:2048], order[::-1].copy()) is None

@@ -11,12 +11,12 @@ Splash builds its block tables on the host by asking the mask for every block. A
 is all visible or all hidden, so the mask answers those from the block's cached index range and a shared constant
 block instead of comparing elementwise (benchmarks/splash_masks.md measures both).
 
-Blocks that are partly visible are computed in the kernel when the keys form at most COMPUTED_RUNS runs
-(computed_mask: every ring hop, and any call in natural order): splash then gets a value per query as its
-`q_sequence` and a `KeyRuns` mask function that maps a key's place in the call to its value, instead of a stored
-boolean block per partial block. A stored block is an s32[block_q, block_kv] window in VMEM,
+Blocks that are partly visible are computed in the kernel (computed_mask) when the keys form at most COMPUTED_RUNS
+runs (every p2p ring hop, and any call in natural order) or a gathered zig-zag order (all_gather, a2a, usp's ring
+blocks): splash then gets a value per query as its `q_sequence` and a mask function (`KeyRuns`, `ZigZagKeys`)
+that maps a key's place in the call to its value, instead of a stored boolean block per partial block. A stored block is an s32[block_q, block_kv] window in VMEM,
 double-buffered: 32 MiB at blocks of 2048, half the VMEM of a v5p (docs/long_context.md, "Splash's blocks and
-VMEM"). Calls over more key runs (a gathered zig-zag sequence: 2C runs) keep stored blocks.
+VMEM"). Other key orders keep stored blocks.
 """
 
 from __future__ import annotations
@@ -58,9 +58,47 @@ class KeyRuns:
         return visible & (q - value < self.window) if self.window else visible
 
 
+@dataclasses.dataclass(frozen=True)
+class ZigZagKeys:
+    """Splash's in-kernel mask function for keys in a gathered zig-zag order: 2m runs of n keys, run 2h starting at
+    value low + h n and run 2h + 1 at high - h n (each device's two chunks, in device order: all_gather's and a2a's
+    whole sequence, usp's ring blocks). The run of key place k is found in fp32, k + 1/2 over n (exact while
+    places stay below 2^22; _zigzag checks every place), so the cost per score does not grow with m."""
+    n: int
+    low: int
+    high: int
+    window: int = 0
+
+    def __call__(self, q, k):
+        import jax.numpy as jnp
+
+        run = jnp.floor((k.astype(jnp.float32) + 0.5) * (1.0 / self.n)).astype(jnp.int32)
+        half = jnp.right_shift(run, 1)
+        start = jnp.where(jnp.bitwise_and(run, 1) == 1, self.high - half * self.n, self.low + half * self.n)
+        value = k - run * self.n + start
+        visible = value <= q
+        return visible & (q - value < self.window) if self.window else visible
+
+
+def _zigzag(keys: np.ndarray, window: int):
+    """ZigZagKeys whose values are `keys` (the middle device's two chunks may be one run), else None. Checked on
+    every place, the fp32 run index included, as the kernel computes it."""
+    n, size = runs(keys)[0][1], len(keys)
+    if size % (2 * n) or size >= 2 ** 22 or size == n:
+        return None
+    place = np.arange(size)
+    run = np.floor((place.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / n)).astype(np.int64)
+    if not np.array_equal(run, place // n):
+        return None
+    low, high = int(keys[0]), int(keys[n])
+    half = run // 2
+    values = place - run * n + np.where(run % 2 == 1, high - half * n, low + half * n)
+    return ZigZagKeys(n, low, high, window) if np.array_equal(values, keys) else None
+
+
 def computed_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0):
-    """(q_sequence, KeyRuns) computing mask[i, j] in the kernel, or None where the keys' values take more than
-    COMPUTED_RUNS runs. Causal: values are ranks among the keys (a query's is the rank of the last key it sees),
+    """(q_sequence, mask function) computing mask[i, j] in the kernel: KeyRuns for keys in at most COMPUTED_RUNS
+    runs, ZigZagKeys for a gathered zig-zag order; None otherwise (splash then loads its partial blocks). Causal: values are ranks among the keys (a query's is the rank of the last key it sees),
     so a zig-zag ring hop's two key runs are one; windowed: indices from the keys' first. Either way the function
     depends on the keys alone, so the row chunks of one call (splash.RowLoop) share it."""
     kv_orig, q_orig = np.asarray(kv_orig), np.asarray(q_orig)
@@ -70,9 +108,8 @@ def computed_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0):
         ordered = np.sort(kv_orig)
         keys, queries = np.searchsorted(ordered, kv_orig), np.searchsorted(ordered, q_orig, side="right") - 1
     key_runs = runs(keys)
-    if len(key_runs) > COMPUTED_RUNS:
-        return None
-    return queries.astype(np.int32), KeyRuns(key_runs, window)
+    function = KeyRuns(key_runs, window) if len(key_runs) <= COMPUTED_RUNS else _zigzag(keys, window)
+    return None if function is None else (queries.astype(np.int32), function)
 
 
 def ordered_causal_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0, computed: bool = True):

@@ -14,7 +14,7 @@ bytes and a sublane tile 8 x 4 bytes per query:
     dK/dV:   q, dout: bq D 2 each; k, v, dk, dv: bkv D 2 each; dk and dv accumulators: bkv D 4 each; q segment ids,
              logsumexp, di: 8 bq 4 each; kv segment ids: bkv 128 4
     dQ:      q, dout, dq: bq D 2 each; k, v: bkv D 2 each; dq accumulator: bq D 4; q segment ids: bq 128 4;
-             logsumexp, di: 8 bq 4 each (lanes when bq is the row axis); kv segment ids: 8 bkv 4
+             logsumexp, di: bq 4 each (one row); kv segment ids: 8 bkv 4
 
 plus the partial mask: a loaded block is s32 bq bkv (4 bytes per entry: splash takes booleans and the compiled
 operand is 32-bit), a computed one (maxctx.attention.splash_masks) only the query values, bq 128 4 (forward,
@@ -45,7 +45,7 @@ def windows(kernel_pass: str, bq: int, bkv: int, head_dim: int, stored_mask: boo
     elif kernel_pass == "dq":
         out = {"q": bq * d * itemsize, "dout": bq * d * itemsize, "dq": bq * d * itemsize, "k": bkv * d * itemsize,
                "v": bkv * d * itemsize, "dq_accumulator": bq * d * F32, "q_segment_ids": bq * LANES * F32,
-               "logsumexp": SUBLANES * bq * F32, "di": SUBLANES * bq * F32, "kv_segment_ids": SUBLANES * bkv * F32}
+               "logsumexp": bq * F32, "di": bq * F32, "kv_segment_ids": SUBLANES * bkv * F32}
         query_values = bq * LANES * F32
     else:
         raise ValueError(f"kernel_pass must be fwd, dkv or dq, not {kernel_pass!r}")
