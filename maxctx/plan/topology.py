@@ -67,7 +67,9 @@ CHIPS: dict[str, Chip] = {
     "v6e": Chip("TPU v6e", "v6e", "TPU v6 lite", 2, False, 1, False, 32 * GIB, 1640e9, 800e9,
                 "https://cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps HBM; 800 GBps bidirectional ICI)"),
     "tpu7x": Chip("TPU7x (Ironwood)", "tpu7x", "TPU7x", 3, True, 2, False, 192 * GIB, 7380e9, 1200e9,
-                  "https://cloud.google.com/tpu/docs/tpu7x (192 GiB, 7380 GBps HBM; 1200 GBps bidirectional ICI)"),
+                  "https://cloud.google.com/tpu/docs/tpu7x (192 GiB, 7380 GBps HBM; 1200 GBps bidirectional ICI); "
+                  "scoped VMEM: the 64.00M of VMEM per TensorCore libtpu 0.0.42.1 reports (docs/long_context.md; "
+                  "its own limit is 32 MiB; 65472 KiB as on v5p)", scoped_vmem_kib=65472),
 }
 ALIASES = {"v5litepod": "v5e", "v5": "v5p", "v7x": "tpu7x"}
 
