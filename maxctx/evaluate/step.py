@@ -38,25 +38,29 @@ def bucket_of(positions_BS: jax.Array, seq_len: int) -> jax.Array:
     return jnp.minimum(bit_length - 1, n - 1)
 
 
+def eval_sums(ce_BS: jax.Array, correct_BS: jax.Array, batch: dict) -> dict[str, jax.Array]:
+    """What an eval batch adds up, from per-token cross-entropy and right greedy predictions: loss_sum,
+    weight_sum, rows (holding a weight), bucket_loss and bucket_weight [num_buckets(S)], and row_correct [B]
+    (1 where every weighted token's greedy prediction is its target: how a passkey answer is scored)."""
+    weights_BS = batch["weights"].astype(jnp.float32)
+    seq_len = batch["inputs"].shape[1]
+    in_bucket_BSK = jax.nn.one_hot(bucket_of(batch["positions"], seq_len), num_buckets(seq_len),
+                                   dtype=jnp.float32) * weights_BS[..., None]
+    scored_B = jnp.any(weights_BS > 0, axis=1)
+    all_right_B = jnp.all(correct_BS | (weights_BS == 0), axis=1) & scored_B
+    return {"loss_sum": jnp.sum(ce_BS * weights_BS), "weight_sum": jnp.sum(weights_BS),
+            "rows": jnp.sum(scored_B.astype(jnp.float32)), "bucket_loss": jnp.einsum("BS,BSK->K", ce_BS, in_bucket_BSK),
+            "bucket_weight": jnp.sum(in_bucket_BSK, axis=(0, 1)), "row_correct": all_right_B.astype(jnp.float32)}
+
+
 def eval_step_fn(setup: TrainSetup):
-    """`(params, batch) -> sums` (unjitted): loss_sum, weight_sum, rows (holding a weight), bucket_loss and
-    bucket_weight [num_buckets(S)], and row_correct [B] (1 where every weighted token's greedy prediction is its
-    target: how the passkey eval scores an answer)."""
+    """`(params, batch) -> eval_sums` of the model (unjitted)."""
 
     def step(params, batch):
         model = nnx.merge(setup.graphdef, params)
         ce_BS, correct_BS = model.token_scores(batch["inputs"], batch["positions"], batch["segment_ids"],
                                                batch["targets"])
-        weights_BS = batch["weights"].astype(jnp.float32)
-        seq_len = batch["inputs"].shape[1]
-        in_bucket_BSK = jax.nn.one_hot(bucket_of(batch["positions"], seq_len), num_buckets(seq_len),
-                                       dtype=jnp.float32) * weights_BS[..., None]
-        scored_B = jnp.any(weights_BS > 0, axis=1)
-        all_right_B = jnp.all(correct_BS | (weights_BS == 0), axis=1) & scored_B
-        return {"loss_sum": jnp.sum(ce_BS * weights_BS), "weight_sum": jnp.sum(weights_BS),
-                "rows": jnp.sum(scored_B.astype(jnp.float32)),
-                "bucket_loss": jnp.einsum("BS,BSK->K", ce_BS, in_bucket_BSK),
-                "bucket_weight": jnp.sum(in_bucket_BSK, axis=(0, 1)), "row_correct": all_right_B.astype(jnp.float32)}
+        return eval_sums(ce_BS, correct_BS, batch)
 
     return step
 
