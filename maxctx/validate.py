@@ -259,6 +259,9 @@ def _check_passkey(config: Config) -> None:
     if lengths and (not depths or any(not 0 <= d <= 1 for d in depths)):
         raise ConfigError(f"passkey_depths={config.passkey_depths} must list depths in [0, 1] (0: the key at the "
                           f"start of the haystack, 1: at its end)")
+    if config.eval_steps == 0 and config.eval_interval > 0 and not lengths:
+        raise ConfigError("eval_steps=0 scores no eval batches and passkey_lengths is empty, so an eval would do "
+                          "nothing; set eval_steps > 0 (or -1), or passkey_lengths")
     if lengths and config.passkey_examples < 1:
         raise ConfigError(f"passkey_examples={config.passkey_examples} must be >= 1 with passkey_lengths set")
     if not 0 <= config.synthetic_passkey_fraction <= 1:

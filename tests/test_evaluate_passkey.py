@@ -9,9 +9,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from maxctx.data import passkey
 from maxctx.data.pipeline import create_data_iterator
+from maxctx.errors import ConfigError
 from maxctx.evaluate.passkey import PasskeyEval, grid_rows
 from maxctx.evaluate.step import eval_sums, jit_eval_step
 from maxctx.loader import load_config
@@ -44,6 +46,21 @@ def test_an_example_holds_the_key_at_its_depth_and_scores_only_the_answer():
             assert starts == [1 + round(depth * room)], (fmt, depth)
         control = passkey.passkey_row(fmt, filler, 96, 0.5, "31415", needle=False)
         assert not any((control["inputs"][i:i + len(key)] == key).all() for i in range(96 - len(key)))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["passkey_lengths=4k"], "must be comma-separated numbers"),
+    (["passkey_lengths=16"], "every length must be >= 32"),
+    (["passkey_lengths=64", "passkey_depths=0,1.5"], r"must list depths in \[0, 1\]"),
+    (["passkey_lengths=64", "vocab_size=20"], "vocab_size=20: passkey documents without a tokenizer"),
+    (["passkey_lengths=64,100", "cpu_devices=8", "ici_context_parallelism=4"],
+     "the passkey length 100 breaks a rule of sequence lengths: max_target_length=100 is not divisible by 8"),
+    (["eval_interval=10", "eval_steps=0"], "an eval would do nothing"),
+    (["synthetic_passkey_fraction=2"], r"must be in \[0, 1\]"),
+])
+def test_bad_passkey_keys_are_refused_before_jax(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(args)
 
 
 def test_keys_have_five_to_seven_digits():

@@ -21,7 +21,6 @@ import numpy as np
 
 MIN_DIGITS, MAX_DIGITS = 5, 7
 TOKEN_FORMAT_IDS = 14  # the token-id format's reserved ids: 10 digits, intro (2), outro, question word
-MIN_TOKEN_FORMAT_VOCAB = 32
 INTRO, OUTRO, QUESTION = "The pass key is", ". Remember it.", "What is the pass key? The pass key is"
 # The filler of the passkey papers (Mohtashami & Jaggi 2023), used when the run has no eval text of its own.
 FILLER_TEXT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
