@@ -128,7 +128,10 @@ def plot_passkey(runs: dict[str, dict[str, list[dict]]], path: str, plt) -> str 
             grids[f"{name} @ step {latest[-1]['step']}"] = latest[-1]["passkey_accuracy"]
     if not grids:
         return None
-    fig, axes = plt.subplots(1, len(grids), figsize=(1.5 + 4.5 * len(grids), 4.5), squeeze=False)
+    columns = max(len({k.split("/")[0] for k in cells}) for cells in grids.values())
+    width = max(3.5, 1.2 + 0.55 * columns)  # inches per panel: room for each length's column
+    fig, axes = plt.subplots(1, len(grids), figsize=(1.0 + width * len(grids), 4.5), squeeze=False,
+                             layout="constrained")
     for ax, (title, cells) in zip(axes[0], grids.items()):
         lengths = sorted({int(k.split("/")[0]) for k in cells})
         depths = sorted({float(k.split("/")[1]) for k in cells})
@@ -136,12 +139,13 @@ def plot_passkey(runs: dict[str, dict[str, list[dict]]], path: str, plt) -> str 
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+                ax.text(j, i, f"{value:.2f}".rstrip("0").rstrip("."), ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths],
+                      rotation=45)
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_xlabel("length (tokens)")
         ax.set_ylabel("depth of the key")
-        ax.set_title(f"passkey accuracy: {title}", fontsize=9)
+        ax.set_title("passkey accuracy\n" + title, fontsize=9)
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -56,7 +56,7 @@ def test_loss_by_position_and_passkey_pngs(tmp_path):
     out = tmp_path / "plots"
     result = python(PLOT, *runs, "--out", out, timeout=120)
     assert result.returncode == 0, result.stderr
-    for name, size in (("loss_by_position.png", (800, 450)), ("passkey.png", (1050, 450))):
+    for name, size in (("loss_by_position.png", (800, 450)), ("passkey.png", (800, 450))):  # 2 panels of 3.5 in
         data = (out / name).read_bytes()
         assert data[:8] == PNG_SIGNATURE and struct.unpack(">II", data[16:24]) == size, name
         assert len(data) > 5000, name
