@@ -54,10 +54,12 @@ def without_cp():
     return params, by_position(params)
 
 
-@pytest.mark.parametrize("strategy", strategy_names())
-def test_cp_buckets_equal_those_without_cp(without_cp, strategy):
+@pytest.mark.parametrize("strategy,balanced", [(s, True) for s in strategy_names()] + [("p2p", False)])
+def test_cp_buckets_equal_those_without_cp(without_cp, strategy, balanced):
+    """Zig-zag order (context_parallel_load_balance=true), and once in the plain order."""
     params, expected = without_cp
-    got = by_position(params, "ici_context_parallelism=4", *config_args(strategy, 4))
+    got = by_position(params, "ici_context_parallelism=4", *config_args(strategy, 4),
+                      f"context_parallel_load_balance={str(balanced).lower()}")
     assert list(got) == list(expected) == ["loss", *bucket_labels(128)]  # packed documents fill every bucket
     np.testing.assert_allclose(list(got.values()), list(expected.values()), rtol=1e-5, err_msg=strategy)
 

@@ -22,6 +22,7 @@ from maxctx.data import passkey
 from maxctx.data.global_batch import host_layout, to_global_arrays
 from maxctx.data.pipeline import padding_rows
 from maxctx.data.registry import DATASETS
+from maxctx.data.sources import make_source
 from maxctx.data.synthetic import BOS, chain_vocab, make_document, transition_table
 from maxctx.data.tokenizer import EncodeDocument, load_tokenizer
 from maxctx.parallelism import mesh_context_degree
@@ -46,8 +47,6 @@ def filler_tokens(config: Config, count: int) -> np.ndarray:
         rng = np.random.default_rng([config.seed, 31])
         table = transition_table(chain_vocab(config.vocab_size, config.synthetic_passkey_fraction), config.seed)
         return make_document(rng, table, count + 2)[1:-1]
-    from maxctx.data.sources import make_source
-
     source = make_source(config, "eval")
     encode = EncodeDocument(source, load_tokenizer(config), config.vocab_size, add_bos=False, add_eos=False)
     parts, total = [], 0
