@@ -29,7 +29,8 @@ setup(
     packages=find_packages(include=["maxctx", "maxctx.*"]),
     python_requires=">=3.11",
     cmdclass={"build_py": BuildWithConfigs},
-    entry_points={"console_scripts": ["maxctx-train=maxctx.train:cli", "maxctx-compile=maxctx.compile:cli"]},
+    entry_points={"console_scripts": ["maxctx-train=maxctx.train:cli", "maxctx-compile=maxctx.compile:cli",
+                                         "maxctx-evaluate=maxctx.evaluate.cli:cli"]},
     install_requires=requirements,
     extras_require={
         "tpu": ["jax[tpu]"],

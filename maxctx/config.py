@@ -153,6 +153,11 @@ class Config:
     eval_interval: int = 0
     eval_steps: int = 4  # -1: the whole eval split, every eval
     eval_per_device_batch_size: float = 0.0  # 0: per_device_batch_size
+    synthetic_passkey_fraction: float = 0.0  # synthetic data: the share of passkey documents
+    # The passkey eval (maxctx.evaluate.passkey): comma-separated lengths ("": off) and depths, examples per cell.
+    passkey_lengths: str = ""
+    passkey_depths: str = "0,0.25,0.5,0.75,1"
+    passkey_examples: int = 4
     # Checkpointing.
     enable_checkpointing: bool = True
     async_checkpointing: bool = True
@@ -205,6 +210,12 @@ class Config:
     def eval_batch_size(self, num_devices: int) -> int:
         """Sequences per eval batch (MaxText: eval_per_device_batch_size x devices, no gradient accumulation)."""
         return int(round((self.eval_per_device_batch_size or self.per_device_batch_size) * num_devices))
+
+    @property
+    def passkey_grid(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """(lengths, depths) of the passkey eval, parsed from their comma-separated keys (checked by validate)."""
+        split = lambda text: [part.strip() for part in str(text).split(",") if part.strip()]  # noqa: E731
+        return tuple(int(x) for x in split(self.passkey_lengths)), tuple(float(x) for x in split(self.passkey_depths))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

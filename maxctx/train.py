@@ -102,7 +102,7 @@ def _train(config: Config, plan: Plan | None = None) -> int:
 
     from maxctx.checkpoint.manager import Checkpointer
     from maxctx.data.pipeline import create_data_iterator
-    from maxctx.evaluate import make_evaluator
+    from maxctx.evaluate.loop import make_evaluator
     from maxctx.mesh import create_mesh
     from maxctx.metrics import NonFiniteLossError, Profiler, peak_flops_per_device, training_flops_per_step
     from maxctx.runtime import is_primary

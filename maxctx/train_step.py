@@ -167,19 +167,6 @@ def jit_train_step(setup: TrainSetup):
                    out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
 
 
-def jit_eval_step(setup: TrainSetup):
-    """`(params, batch) -> (sum of weighted loss, sum of weights, rows with a weight)`, jitted for any batch size
-    (one compile per size); the caller divides once at the end."""
-    replicated = NamedSharding(setup.mesh, P())
-
-    def step(params, batch):
-        loss, weight = loss_sums(setup.graphdef, params, batch)
-        return loss, weight, jnp.sum(jnp.any(batch["weights"] > 0, axis=1).astype(jnp.float32))
-
-    return jax.jit(step, in_shardings=(setup.state_shardings["params"], setup.batch_shardings),
-                   out_shardings=(replicated,) * 3, compiler_options=compiler_options(setup.config, setup.mesh))
-
-
 def compile_train_step(setup: TrainSetup):
     """AOT-compiles the step for the abstract state and batch; returns the `Compiled` (callable like the step)."""
     lowered = jit_train_step(setup).lower(setup.abstract_state, setup.abstract_batch())

@@ -82,6 +82,12 @@ def check_devices(config: Config, num_devices: int) -> None:
     # splash: asked for, or what auto/flash pick when compiling for a TPU topology
     if config.attention == "splash" or config.attention in ("auto", "flash") and config.compile_topology:
         _check_splash_rows(config, cp)
+    for length in sorted(set(config.passkey_grid[0]) - {config.max_target_length}):
+        try:  # a passkey example is a sequence of its length: the same rules
+            check_devices(dataclasses.replace(config, max_target_length=length, passkey_lengths=""), num_devices)
+        except ConfigError as e:
+            raise ConfigError(f"passkey_lengths={config.passkey_lengths}: the passkey length {length} breaks a "
+                              f"rule of sequence lengths: {e}") from None
 
 
 def _check_splash_rows(config: Config, cp: int) -> None:
@@ -193,8 +199,9 @@ def validate(config: Config) -> None:
                           "gs://bucket/folder")
     _positive(config, "steps", "cpu_devices", "eval_interval", "jax_num_processes", "reuse_example_batch",
               "max_num_checkpoints_to_keep", "eval_per_device_batch_size", *SPLASH_BLOCK_KEYS, allow_zero=True)
-    if config.eval_steps <= 0 and config.eval_steps != -1:
-        raise ConfigError(f"eval_steps={config.eval_steps} must be > 0, or -1 for the whole eval split")
+    if config.eval_steps < -1:
+        raise ConfigError(f"eval_steps={config.eval_steps} must be > 0, 0 (no eval batches: only the passkey grid) "
+                          f"or -1 for the whole eval split")
     if config.tpu_scoped_vmem_limit_kib < -1:
         raise ConfigError(f"tpu_scoped_vmem_limit_kib={config.tpu_scoped_vmem_limit_kib} must be -1 (the TPU "
                           f"generation's default), 0 (libtpu's own) or a size in KiB")
@@ -231,10 +238,38 @@ def validate(config: Config) -> None:
                           f"(0 picks the default)")
     _check_paths(config)
     _check_data(config)
+    _check_passkey(config)
     _check_files(config)
     num_devices = planner.num_devices(config)  # cpu_devices, or a compile_topology's devices
     if num_devices is not None:
         check_devices(config, num_devices)
+
+
+def _check_passkey(config: Config) -> None:
+    """The passkey grid parses and is in range (maxctx.data.passkey: shortest example, the token-id format)."""
+    try:
+        lengths, depths = config.passkey_grid
+    except ValueError:
+        raise ConfigError(f"passkey_lengths='{config.passkey_lengths}' and passkey_depths='{config.passkey_depths}' "
+                          f"must be comma-separated numbers (whole numbers for lengths), e.g. passkey_lengths=4096,"
+                          f"8192 passkey_depths=0,0.5,1") from None
+    if any(length < 32 for length in lengths):
+        raise ConfigError(f"passkey_lengths={config.passkey_lengths}: every length must be >= 32 tokens (the key, "
+                          f"its needle and the question alone take up to 21 of them)")
+    if lengths and (not depths or any(not 0 <= d <= 1 for d in depths)):
+        raise ConfigError(f"passkey_depths={config.passkey_depths} must list depths in [0, 1] (0: the key at the "
+                          f"start of the haystack, 1: at its end)")
+    if config.eval_steps == 0 and config.eval_interval > 0 and not lengths:
+        raise ConfigError("eval_steps=0 scores no eval batches and passkey_lengths is empty, so an eval would do "
+                          "nothing; set eval_steps > 0 (or -1), or passkey_lengths")
+    if lengths and config.passkey_examples < 1:
+        raise ConfigError(f"passkey_examples={config.passkey_examples} must be >= 1 with passkey_lengths set")
+    if not 0 <= config.synthetic_passkey_fraction <= 1:
+        raise ConfigError(f"synthetic_passkey_fraction={config.synthetic_passkey_fraction} must be in [0, 1]")
+    token_format = (lengths or config.synthetic_passkey_fraction > 0) and not config.tokenizer_path
+    if token_format and config.vocab_size < 32:
+        raise ConfigError(f"vocab_size={config.vocab_size}: passkey documents without a tokenizer use the top 14 ids "
+                          f"of the vocabulary for digits and markers; set vocab_size >= 32 or give tokenizer_path")
 
 
 def _check_window(config: Config) -> None:

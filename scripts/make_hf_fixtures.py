@@ -1,7 +1,7 @@
 """Makes tests/fixtures/hf/: tiny random Hugging Face models (made and run by `transformers`) and their fp32 logits
 on fixed tokens, then checks that maxctx's export of each loads back in `transformers` with the same logits.
 
-    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--check-only]
+    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--check-only | --token-losses-only]
 
 Needs torch and transformers (pip install torch transformers); neither is a dependency of maxctx or its tests,
 which read only the files written here:
@@ -9,6 +9,9 @@ which read only the files written here:
     <name>/config.json, <name>/model.safetensors   the model as save_pretrained writes it (fp32)
     <name>/tokens.npy  int32 [1, S]                 fixed tokens
     <name>/logits.npy  float32 [1, S, V]            transformers' fp32 logits at positions 0..S-1
+    <name>/token_losses.npy  float32 [S - 1]        transformers' cross-entropy of token t+1 given tokens 0..t
+                                                    (per-position loss; --token-losses-only adds it to existing
+                                                    fixtures without remaking their weights)
 
 Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query and 2 KV heads of 16):
     llama      Llama 2 style: rope_theta 1e4, untied output
@@ -75,6 +78,22 @@ def make(name: str, out: str) -> None:
     print(f"{directory}: {sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))} bytes")
 
 
+def token_losses(name: str, out: str) -> None:
+    """The per-position loss of the stored model on its tokens: loss_type ForCausalLM's cross-entropy, unreduced."""
+    import torch
+    import transformers
+
+    directory = os.path.join(out, name)
+    config = json.load(open(os.path.join(directory, "config.json")))
+    model = getattr(transformers, config["architectures"][0]).from_pretrained(directory, attn_implementation="eager")
+    tokens = torch.from_numpy(np.load(os.path.join(directory, "tokens.npy"))).long()
+    with torch.no_grad():
+        logits = model.float().eval()(tokens).logits.float()
+        losses = torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:], reduction="none")
+    np.save(os.path.join(directory, "token_losses.npy"), losses.numpy().astype(np.float32))
+    print(f"{directory}/token_losses.npy: mean {float(losses.mean()):.4f} over {losses.numel()} positions")
+
+
 def window_logits(out: str, window: int = 32) -> None:
     import transformers
 
@@ -112,10 +131,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "tests", "fixtures", "hf"))
     parser.add_argument("--check-only", action="store_true", help="only check the exports of existing fixtures")
+    parser.add_argument("--token-losses-only", action="store_true",
+                        help="only write token_losses.npy for the existing fixtures")
     args = parser.parse_args()
     for name in MODELS:
+        if args.token_losses_only:
+            token_losses(name, args.out)
+            continue
         if not args.check_only:
             make(name, args.out)
+            token_losses(name, args.out)
             if name == "mistral":
                 window_logits(args.out)
         check_export(name, args.out)

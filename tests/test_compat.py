@@ -170,8 +170,8 @@ def test_maxtext_eval_keys(place):
         load_config([BASE, "eval_interval=5", "eval_steps=-1"])
     with pytest.raises(ConfigError, match="eval_per_device_batch_size=0.25 x 2 devices = 0.5 sequences"):
         load_config([BASE, "cpu_devices=2", "eval_interval=5", "eval_per_device_batch_size=0.25"])
-    with pytest.raises(ConfigError, match="eval_steps=0 must be > 0, or -1"):
-        load_config([BASE, "eval_steps=0"])
+    with pytest.raises(ConfigError, match=r"eval_steps=-2 must be > 0, 0 \(no eval batches"):
+        load_config([BASE, "eval_steps=-2"])
 
 
 def test_a_command_naming_data_never_trains_on_synthetic(place):

@@ -51,14 +51,19 @@ def train(env, out, run_name, *overrides):
 @pytest.mark.parametrize("source", ["arrayrecord_text", "arrayrecord_tokens", "tfds", "text"])
 def test_train_py_trains_on_each_source(setup, tmp_path, source):
     root, tok, env = setup
-    proc = train(env, tmp_path, source, *sources(root, tok)[source])
+    # The passkey grid too: haystacks of this source's eval documents, the key in its tokenizer's tokens (or, for
+    # token ids, the token-id format), under CP (C = 2, zig-zag order).
+    proc = train(env, tmp_path, source, *sources(root, tok)[source], "passkey_lengths=64,128", "passkey_depths=0,1",
+                 "passkey_examples=2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = metrics(tmp_path / source)
     train_losses = [r["loss"] for r in records if r.get("event") == "train"]
     evals = [r for r in records if r.get("event") == "eval"]
     assert len(train_losses) == 3 and all(0 < loss < 7 for loss in train_losses)
     assert len(evals) == 1 and evals[0]["perplexity"] > 1 and evals[0]["tokens"] > 0
-    assert "eval at step 3" in proc.stdout
+    assert list(evals[0]["loss_by_position"]) == ["1-2", "2-4", "4-8", "8-16", "16-32", "32-64"]
+    assert sorted(evals[0]["passkey_accuracy"]) == ["128/0", "128/1", "64/0", "64/1"]
+    assert "eval at step 3" in proc.stdout and "passkey at step 3" in proc.stdout
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -13,7 +13,8 @@ import pytest
 from tests.support.processes import BASE_YML, ROOT, cpu_env, losses, run, train_command
 
 
-@pytest.mark.parametrize("command", [["-m", "maxctx.train"], ["train.py"], ["-m", "maxctx.compile"]])
+@pytest.mark.parametrize("command", [["-m", "maxctx.train"], ["train.py"], ["-m", "maxctx.compile"],
+                                     ["-m", "maxctx.evaluate"]])
 def test_help(command):
     result = subprocess.run([sys.executable, *command, "model_name=llama3-8b", "--help"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
@@ -30,9 +31,11 @@ def test_module_entry_point_reports_config_errors():
 def test_console_scripts_are_declared():
     setup = open(os.path.join(ROOT, "setup.py")).read()
     assert "maxctx-train=maxctx.train:cli" in setup and "maxctx-compile=maxctx.compile:cli" in setup
+    assert "maxctx-evaluate=maxctx.evaluate.cli:cli" in setup
     from maxctx import compile, train
+    from maxctx.evaluate import cli as evaluate
 
-    assert callable(train.cli) and callable(compile.cli)
+    assert callable(train.cli) and callable(compile.cli) and callable(evaluate.cli)
 
 
 def test_built_package_carries_its_configs(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from maxctx.data.sources import encode_tokens
 from maxctx.data.tokenizer import Tokenizer
-from maxctx.evaluate import Evaluator
+from maxctx.evaluate.loop import Evaluator
 from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
 from maxctx.train_step import init_state, make_setup

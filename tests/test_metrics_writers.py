@@ -62,6 +62,19 @@ def test_tensorboard_tags_and_values(tmp_path):
     assert scalars["eval/total_weights"] == [(20, 512.0)]
 
 
+def test_eval_objects_get_a_tag_per_entry(tmp_path):
+    """loss_by_position and passkey_accuracy: objects in metrics.jsonl, one TensorBoard tag per bucket or cell."""
+    values = {"loss": 2.0, "loss_by_position": {"1-2": 5.0, "2-4": 3.0}, "passkey_accuracy": {"4096/0.5": 0.75},
+              "checkpoint": "/ckpt/800"}
+    with MetricsWriter(str(tmp_path), enable_tensorboard=True, is_primary=True) as writer:
+        writer.write_eval(800, values)
+    scalars = read_scalars(str(tmp_path / "tensorboard"))
+    assert scalars["eval/loss_by_position/1-2"] == [(800, 5.0)] and scalars["eval/loss_by_position/2-4"] == [(800, 3.0)]
+    assert scalars["eval/passkey_accuracy/4096/0.5"] == [(800, 0.75)] and scalars["eval/avg_loss"] == [(800, 2.0)]
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["loss_by_position"] == values["loss_by_position"] and record["checkpoint"] == "/ckpt/800"
+
+
 def test_jsonl_records(tmp_path):
     compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((64, 32)), jnp.ones((32, 16))).compile()
     record = compile_record(compiled, analytic_flops_per_device=2 * 64 * 32 * 16)

@@ -40,3 +40,23 @@ def test_two_runs_give_valid_pngs(tmp_path):
 def test_missing_run_dir_is_an_error(tmp_path):
     result = python(PLOT, tmp_path / "nope", "--out", tmp_path / "plots", timeout=60)
     assert result.returncode == 1 and "metrics.jsonl" in result.stderr
+
+
+def test_loss_by_position_and_passkey_pngs(tmp_path):
+    """Two evaluated checkpoints of one run, and an evaluated model: a curve per eval record, a heatmap per run."""
+    runs = [tmp_path / "train_run", tmp_path / "evaluated"]
+    for run, steps in zip(runs, ([100, 200], [0])):
+        os.makedirs(run)
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in steps:
+                buckets = {f"{2 ** k}-{2 ** (k + 1)}": 5.0 / (k + 1) + 100 / step if step else 3.0 for k in range(12)}
+                cells = {f"{n}/{d}": d * n / 8192 for n in (1024, 2048, 4096, 8192) for d in (0, 0.5, 1)}
+                f.write(json.dumps({"event": "eval", "step": step, "loss": 2.0, "loss_by_position": buckets,
+                                    "passkey_accuracy": cells}) + "\n")
+    out = tmp_path / "plots"
+    result = python(PLOT, *runs, "--out", out, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for name, size in (("loss_by_position.png", (800, 450)), ("passkey.png", (800, 450))):  # 2 panels of 3.5 in
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE and struct.unpack(">II", data[16:24]) == size, name
+        assert len(data) > 5000, name

@@ -14,7 +14,8 @@ context_parallel_load_balance is on and the context parallelism C > 1.
     tokenizer.py       the tokenizer's checks, and documents -> (input, target) pairs
     tokenizer_types.py tokenizer_type readers: sentencepiece, tiktoken (Llama 3), huggingface (tokenizer.json)
     packing.py         first-fit and concat packing into rows with segment ids and positions
-    synthetic.py       dataset_type=synthetic: learnable packed Markov-chain documents
+    synthetic.py       dataset_type=synthetic: learnable packed Markov-chain documents (with passkey documents)
+    passkey.py         passkey documents: a key in a haystack, asked for at the end (evals, the synthetic mix)
     global_batch.py    per-host numpy batches -> global jax arrays
     prepare.py         offline: train a tokenizer, write tokenized ArrayRecord shards (scripts/)
 """

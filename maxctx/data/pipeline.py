@@ -103,7 +103,7 @@ class SyntheticIterator:
         self.mesh, self.layout = mesh, layout
         self.cp = mesh_context_degree(mesh.shape) if config.context_parallel_load_balance else 1
         self.source = SyntheticSource(config.vocab_size, config.max_target_length, layout.global_shape[0],
-                                      config.seed, stream)
+                                      config.seed, stream, config.synthetic_passkey_fraction)
         self.step = 0
 
     def __iter__(self):

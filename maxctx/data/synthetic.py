@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from maxctx.config import ConfigError
+from maxctx.data import passkey
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_CONTENT = 3
@@ -64,11 +65,28 @@ def pack_row(documents: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]
     return row
 
 
+def chain_vocab(vocab_size: int, passkey_fraction: float) -> int:
+    """The ids the chain walks below: with passkey documents in the mix, not the passkey format's reserved top ids,
+    so digits and markers appear only where they mean something."""
+    return vocab_size - passkey.TOKEN_FORMAT_IDS if passkey_fraction > 0 else vocab_size
+
+
+def passkey_document(rng: np.random.Generator, table: np.ndarray, length: int, vocab_size: int) -> np.ndarray:
+    """A passkey document (maxctx.data.passkey's token-id format) of about `length` tokens: BOS, a chain walk with
+    the needle at a random depth, the question, the key, EOS."""
+    fmt = passkey.token_format(vocab_size, BOS)
+    filler = make_document(rng, table, max(length - fmt.overhead, 4))[1:-1]
+    tokens, _ = passkey.passkey_tokens(fmt, filler, float(rng.random()), passkey.random_key(rng))
+    return np.concatenate([tokens, [EOS]]).astype(np.int32)
+
+
 class SyntheticSource:
     """Generates global batches [global_batch, seq_len] as a pure function of the step. Streams (0 train,
-    1 eval) draw different documents from the same chain."""
+    1 eval) draw different documents from the same chain; with `passkey_fraction` > 0 that fraction of the
+    documents are passkey documents (synthetic_passkey_fraction)."""
 
-    def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int, stream: int = 0):
+    def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int, stream: int = 0,
+                 passkey_fraction: float = 0.0):
         if vocab_size < MIN_VOCAB:
             raise ConfigError(f"vocab_size={vocab_size} is too small for dataset_type=synthetic (ids 0-2 are PAD, BOS "
                               f"and EOS, and the chain needs two content tokens); set vocab_size >= {MIN_VOCAB}")
@@ -76,7 +94,8 @@ class SyntheticSource:
             raise ConfigError(f"max_target_length={seq_len} is too short for dataset_type=synthetic (a document is "
                               f"BOS, two or more content tokens and EOS); set max_target_length >= {MIN_LENGTH}")
         self.seq_len, self.global_batch, self.seed, self.stream = seq_len, global_batch, seed, stream
-        self.table = transition_table(vocab_size, seed)
+        self.passkey_fraction, self.vocab_size = passkey_fraction, vocab_size
+        self.table = transition_table(chain_vocab(vocab_size, passkey_fraction), seed)
 
     def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
         """The global batch of `step` (or only `rows` of it; each row is generated independently)."""
@@ -89,6 +108,9 @@ class SyntheticSource:
         documents, total = [], 0
         while total < self.seq_len:
             length = int(rng.integers(max(4, self.seq_len // 8), self.seq_len + 2))
-            documents.append(make_document(rng, self.table, length))
-            total += length - 1
+            if self.passkey_fraction > 0 and rng.random() < self.passkey_fraction:  # no draw when off: same data
+                documents.append(passkey_document(rng, self.table, length, self.vocab_size))
+            else:
+                documents.append(make_document(rng, self.table, length))
+            total += len(documents[-1]) - 1
         return pack_row(documents, self.seq_len)

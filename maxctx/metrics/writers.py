@@ -3,7 +3,8 @@
 Record kinds in metrics.jsonl, told apart by the "event" field:
     {"event": "compile", ...}          once, before step 0: the compiled step's memory analysis and FLOPs
     {"event": "train", "step": n, ...} every log_period steps: the keys of TAGS below, as plain names
-    {"event": "eval", "step": n, ...}  after each evaluation
+    {"event": "eval", "step": n, ...}  after each evaluation; loss_by_position ({"1-2": loss, ...}) and
+                                       passkey_accuracy ({"<length>/<depth>": accuracy, ...}) are objects
 
 TensorBoard tags follow MaxText (`learning/loss`, `perf/step_time_seconds`, ...) so existing dashboards work;
 maxctx adds `perf/mfu`. Only the primary process (jax.process_index() == 0) writes anything. With
@@ -120,14 +121,19 @@ class MetricsWriter:
                                                   filename_suffix=f".{uuid.uuid4().hex[:8]}")
 
     def _write_line(self, record: dict[str, Any]) -> None:
-        self._jsonl.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        line = {k: {n: _jsonable(x) for n, x in v.items()} if isinstance(v, dict) else _jsonable(v)
+                for k, v in record.items()}
+        self._jsonl.write(json.dumps(line) + "\n")
         self._jsonl.flush()
 
     def _scalars(self, step: int, metrics: dict[str, Any], tags: dict[str, str], prefix: str) -> None:
         if self._tb is None:
             return
         for key, value in metrics.items():
-            if isinstance(value, (int, float)) or hasattr(value, "item"):
+            if isinstance(value, dict):  # a tag per entry: eval/loss_by_position/1-2, eval/passkey_accuracy/4096/0.5
+                for name, entry in value.items():
+                    self._tb.add_scalar(f"{prefix}/{key}/{name}", float(entry), global_step=step)
+            elif isinstance(value, (int, float)) or hasattr(value, "item"):
                 self._tb.add_scalar(tags.get(key, f"{prefix}/{key}"), float(value), global_step=step)
         self._tb.flush()
 

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, param
-from maxctx.model.tiling import sum_chunks
+from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
 _QKV = ("query_proj", "key_proj", "value_proj")
@@ -94,13 +94,18 @@ class Decoder(nnx.Module):
         weights_BS = weights_BS.astype(jnp.float32)
 
         def chunk_loss(x, targets, weights):
-            logits_BSV = _logits(x, w, tied, dtype)
-            log_z = jax.nn.logsumexp(logits_BSV, axis=-1)
-            target_logit = jnp.take_along_axis(logits_BSV, targets[..., None], axis=-1)[..., 0]
-            return jnp.sum((log_z - target_logit) * weights)
+            return jnp.sum(_cross_entropy(_logits(x, w, tied, dtype), targets)[0] * weights)
 
         loss = sum_chunks(chunk_loss, self.cfg.num_vocab_tiling, self.mesh, x_BSD, targets_BS, weights_BS)
         return loss, jnp.sum(weights_BS)
+
+    def token_scores(self, inputs_BS, positions_BS, segment_ids_BS, targets_BS):
+        """Per token, for evals: (cross-entropy fp32 [B, S], the greedy prediction is the target bool [B, S]);
+        tiled over the vocabulary like `loss_sums`."""
+        x_BSD = self.hidden(inputs_BS, positions_BS, segment_ids_BS)
+        w, tied, dtype = *self._output_weight(), self.cfg.dtype
+        chunk = lambda x, targets: _cross_entropy(_logits(x, w, tied, dtype), targets)  # noqa: E731
+        return map_chunks(chunk, self.cfg.num_vocab_tiling, self.mesh, x_BSD, targets_BS)
 
     def _output_weight(self):
         """(weight, tied): the embedding [V, D] when tied, else the output projection [D, V]; in weight_dtype."""
@@ -145,6 +150,13 @@ class Decoder(nnx.Module):
             for i in range(cfg.num_layers):
                 x = layer_fns[i % period](x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return self.final_norm(x)
+
+
+def _cross_entropy(logits_BSV, targets_BS):
+    """(cross-entropy [B, S], argmax == target [B, S]) from fp32 logits."""
+    log_z = jax.nn.logsumexp(logits_BSV, axis=-1)
+    target_logit = jnp.take_along_axis(logits_BSV, targets_BS[..., None], axis=-1)[..., 0]
+    return log_z - target_logit, jnp.argmax(logits_BSV, axis=-1) == targets_BS
 
 
 def _logits(x_BSD, w, tied: bool, dtype):

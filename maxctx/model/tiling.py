@@ -46,21 +46,25 @@ def _check(s: int, n: int, cp: int) -> None:
         raise ValueError(f"sequence length {s} is not divisible by {cp} context shards x {n} chunks")
 
 
-def map_chunks(fn: Callable, n: int, mesh: Mesh | None, x_BSX) -> jax.Array:
-    """fn(x[B, S', ...]) -> y[B, S', ...], token by token, applied to N chunks in turn; returns y[B, S, ...]."""
+def map_chunks(fn: Callable, n: int, mesh: Mesh | None, *xs_BS):
+    """fn(*chunks of xs) -> a pytree of y[B, S', ...], token by token, applied to N chunks in turn; returns the
+    pytree of y[B, S, ...]. Every x is [B, S, ...]."""
     if n <= 1:
-        return fn(x_BSX)
+        return fn(*xs_BS)
     cp = mesh_context_degree(mesh.shape) if mesh is not None else 1
-    _check(x_BSX.shape[1], n, cp)
-    body = jax.checkpoint(lambda c: fn(_flat(c)), policy=jax.checkpoint_policies.nothing_saveable)
+    _check(xs_BS[0].shape[1], n, cp)
+    body = jax.checkpoint(lambda cs: fn(*map(_flat, cs)), policy=jax.checkpoint_policies.nothing_saveable)
 
-    def step(carry, chunk):
-        y = body(chunk)
-        return carry, y.reshape(chunk.shape[:3] + y.shape[2:])
+    def step(carry, chunks):
+        return carry, jax.tree.map(lambda y: y.reshape(chunks[0].shape[:3] + y.shape[2:]), body(chunks))
 
-    _, ys = jax.lax.scan(step, None, _split(x_BSX, n, cp, mesh))  # [N, B, C, T, ...]
-    ys = jnp.moveaxis(ys, 0, 2)
-    return ys.reshape(ys.shape[0], -1, *ys.shape[4:])
+    _, ys = jax.lax.scan(step, None, tuple(_split(x, n, cp, mesh) for x in xs_BS))  # [N, B, C, T, ...]
+
+    def unsplit(y):
+        y = jnp.moveaxis(y, 0, 2)
+        return y.reshape(y.shape[0], -1, *y.shape[4:])
+
+    return jax.tree.map(unsplit, ys)
 
 
 def sum_chunks(fn: Callable, n: int, mesh: Mesh | None, *xs_BS):

@@ -17,6 +17,8 @@ second run while its previous one is alive.
   --env KEY=VALUE   environment variable for the train process on every worker (repeatable),
                     e.g. --env LIBTPU_INIT_ARGS=--xla_tpu_enable_async_collective_fusion=true
   --no-follow       return after starting instead of following worker 0's log
+  --evaluate        run  python -m maxctx.evaluate CONFIG key=value ...  instead (a checkpoint's evals:
+                    load_parameters_path=..., docs/continued_pretraining.md)
 
 Everything else (or everything after --) is the train command's arguments.
 
@@ -31,6 +33,7 @@ HELP
 
 ENVS=()
 FOLLOW=1
+ENTRY="train.py"
 TRAIN_ARGS=()
 while (($#)); do
   common_flag "$@"
@@ -40,6 +43,7 @@ while (($#)); do
       [[ ${2:-} == [A-Za-z_]*=* ]] || die "--env needs KEY=VALUE, got '${2:-}'"
       ENVS+=("$2"); shift 2 ;;
     --no-follow) FOLLOW=0; shift ;;
+    --evaluate) ENTRY="-m maxctx.evaluate"; shift ;;
     --) shift; TRAIN_ARGS+=("$@"); break ;;
     --*) die "unknown flag '$1' (see --help); train settings are key=value words" ;;
     *) TRAIN_ARGS+=("$1"); shift ;;
@@ -50,7 +54,7 @@ resolve_location
 
 train="env"
 for word in ${ENVS[@]+"${ENVS[@]}"}; do train+=" $(shell_quote "$word")"; done
-train+=" nohup .venv/bin/python train.py"
+train+=" nohup .venv/bin/python $ENTRY"
 for word in "${TRAIN_ARGS[@]}"; do train+=" $(shell_quote "$word")"; done
 
 on_all_workers "set -e; mkdir -p ${REMOTE_LOG%/*}; \
