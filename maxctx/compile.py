@@ -13,6 +13,10 @@ machine with libtpu installed and no TPU. For a topology the report adds:
   Exit status 0: compiled and fits; 3: does not fit; 2: bad config.
 - FLOPs per step: analytic model FLOPs (maxctx.metrics, MaxText's convention) and XLA's cost analysis (which counts a
   scanned layer once and counts remat recompute, so it is far below the analytic figure with scan_layers=true).
+- what the compiled program runs per step (maxctx.plan.program, read from its HLO): how many times each layer
+  runs the attention forward (1: kept for the backward; 2: recomputed), bytes to and from pinned host memory,
+  collective bytes per kind, and the FLOPs it executes (matmuls plus the Pallas kernels' visited blocks) against
+  the model FLOPs (also for local devices).
 - a roofline ESTIMATE of step time and MFU, not a measurement: max(compute, HBM, ICI) time at the chip's peak
   rates (maxctx.plan.roofline says what each term counts and what it leaves out).
 
@@ -31,7 +35,7 @@ import time
 from maxctx.config import Config, ConfigError
 from maxctx.loader import load, usage
 from maxctx.parallelism import A2A_AXIS
-from maxctx.plan import planner
+from maxctx.plan import planner, program
 from maxctx.plan.out_of_memory import fit, onchip_advice, xla_out_of_memory
 from maxctx.plan.roofline import roofline
 from maxctx.validate import check_devices
@@ -71,6 +75,7 @@ def compile_report(config: Config, plan: planner.Plan | None = None) -> dict:
             save_compiled(compiled, config.compiled_trainstep_file)
             report["compiled_trainstep_file"] = config.compiled_trainstep_file
         report.update(compile_record(compiled, analytic_flops_per_device=flops))
+        report.update(program.read(compiled, config.base_num_decoder_layers))
     except jax.errors.JaxRuntimeError as e:
         if target is None or "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -129,6 +134,7 @@ def format_report(report: dict) -> list[str]:
     lines.append(f"FLOPs per device per step: {report['analytic_flops_per_device'] / 1e12:.4g} TFLOP (model, "
                  f"analytic); XLA cost analysis {report.get('xla_flops_per_device', math.nan) / 1e12:.4g} TFLOP "
                  f"(a scanned layer counted once, recompute included)")
+    lines += program_lines(report)
     if "estimate_step_time_s" in report:
         lines.append(f"roofline estimate (not a measurement): step {_seconds(report['estimate_step_time_s'])}, "
                      f"{report['estimate_bound']}-bound (compute {_seconds(report['estimate_compute_s'])}, HBM "
@@ -138,6 +144,24 @@ def format_report(report: dict) -> list[str]:
                      f"{report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s")
     lines.append(f"compiled in {report['compile_time_s']:.1f} s")
     return lines
+
+
+def program_lines(report: dict) -> list[str]:
+    """What the compiled program runs per step (maxctx.plan.program), when it compiled."""
+    if "attention_forward_calls" not in report:
+        return []
+    per_layer = report["attention_forwards_per_layer"]
+    forwards = "none found" if per_layer is None else (
+        f"{per_layer:g} per layer ({'recomputed in the backward' if per_layer > 1 else 'kept for the backward'})")
+    comm = ", ".join(f"{k} {v / GIB:.3g} GiB" for k, v in sorted(report["collective_bytes"].items())) or "none"
+    executed, model = report["executed_flops"], report["analytic_flops_per_device"]
+    return [f"compiled program per step: attention forward {forwards}; host transfers: to device "
+            f"{report['host_to_device_bytes'] / GIB:.3g} GiB, to host {report['device_to_host_bytes'] / GIB:.3g} GiB",
+            f"collectives per step: {comm}",
+            f"executed FLOPs per device: {executed / 1e12:.4g} TFLOP (matmuls {report['executed_dot_flops'] / 1e12:.4g}"
+            f" + Pallas kernels {report['executed_pallas_flops'] / 1e12:.4g}), {executed / model:.3g} x model FLOPs"
+            + (f"; {report['uncounted_loops']} loops of unknown trip count counted once"
+               if report["uncounted_loops"] else "")]
 
 
 USAGE = ("Compiles the train step without training and reports memory per device, FLOPs and (for a TPU\n"
