@@ -17,8 +17,8 @@ machine with libtpu installed and no TPU. For a topology the report adds:
   runs the attention forward (1: kept for the backward; 2: recomputed), bytes to and from pinned host memory,
   collective bytes per kind, and the FLOPs it executes (matmuls plus the Pallas kernels' visited blocks) against
   the model FLOPs (also for local devices).
-- a roofline ESTIMATE of step time and MFU, not a measurement: max(compute, HBM, ICI) time at the chip's peak
-  rates (maxctx.plan.roofline says what each term counts and what it leaves out).
+- a step-time ESTIMATE and MFU, not a measurement: maxctx.plan.step_time (the one model, calibrated on MaxText's
+  measured v5p rows; docs/step_time_model.md), fed the program's attention forwards and host bytes.
 
 With `--plan`, nothing compiles: the ranked table of maxctx.plan.planner (what `context_parallel_strategy=auto`
 chooses from) is printed; `--verify` then compiles its three best fitting candidates for the topology and prints
@@ -35,9 +35,8 @@ import time
 from maxctx.config import Config, ConfigError
 from maxctx.loader import load, usage
 from maxctx.parallelism import A2A_AXIS
-from maxctx.plan import planner, program
+from maxctx.plan import planner, program, step_time
 from maxctx.plan.out_of_memory import fit, onchip_advice, xla_out_of_memory
-from maxctx.plan.roofline import roofline
 from maxctx.validate import check_devices
 
 GIB = 1024 ** 3
@@ -87,9 +86,17 @@ def compile_report(config: Config, plan: planner.Plan | None = None) -> dict:
     if target is not None:
         report.update(topology=target.name, libtpu_topology=target.libtpu_name,
                       num_slices=config.compile_topology_num_slices, devices_per_chip=target.chip.devices_per_chip,
-                      **fit(report, target.chip),
-                      **roofline(config, dict(mesh.shape), setup.global_batch, report["num_params"], target.chip))
+                      **fit(report, target.chip), **_estimate(config, dict(mesh.shape), setup.global_batch, report))
     return report
+
+
+def _estimate(config: Config, mesh: dict[str, int], global_batch: int, report: dict) -> dict:
+    """maxctx.plan.step_time's estimate, with the compiled program's attention forwards and host bytes."""
+    hw = step_time.hardware(config, math.prod(mesh.values()))
+    host = report.get("host_to_device_bytes", 0) + report.get("device_to_host_bytes", 0)
+    est = step_time.estimate(config, mesh, global_batch, hw, forwards_per_layer=report.get(
+        "attention_forwards_per_layer"), host_bytes=host if "host_to_device_bytes" in report else None)
+    return step_time.report(est, hw, global_batch * config.max_target_length)
 
 
 def _argument_bytes(setup) -> int:
@@ -136,12 +143,11 @@ def format_report(report: dict) -> list[str]:
                  f"(a scanned layer counted once, recompute included)")
     lines += program_lines(report)
     if "estimate_step_time_s" in report:
-        lines.append(f"roofline estimate (not a measurement): step {_seconds(report['estimate_step_time_s'])}, "
-                     f"{report['estimate_bound']}-bound (compute {_seconds(report['estimate_compute_s'])}, HBM "
-                     f"{_seconds(report['estimate_hbm_s'])}, ICI {_seconds(report['estimate_ici_s'])}"
-                     + (f", DCN {_seconds(report['estimate_dcn_s'])}" if report.get("estimate_dcn_s") else "")
-                     + "), MFU "
-                     f"{report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s")
+        terms = ", ".join(f"{k} {_seconds(report[f'estimate_{k}_s'])}" for k in
+                          ("matmul", "attention", "recompute", "memory", "collectives", "host"))
+        lines.append(f"step-time ESTIMATE (maxctx.plan.step_time, calibrated on MaxText's measured v5p rows): step "
+                     f"{_seconds(report['estimate_step_time_s'])} ({terms}; collectives and host: the exposed "
+                     f"part), MFU {report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s")
     lines.append(f"compiled in {report['compile_time_s']:.1f} s")
     return lines
 
