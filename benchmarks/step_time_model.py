@@ -3,6 +3,7 @@ every row. No compile, no TPU: the model's arithmetic only.
 
     python3 benchmarks/step_time_model.py          # the table (docs/step_time_model.md)
     python3 benchmarks/step_time_model.py --fit    # the fitted constants from the FITTED rows
+    python3 benchmarks/step_time_model.py --what-if    # MaxText's recomputing lengths with context offloaded
 
 The rows: tpu-recipes `training/v5p/Llama3.1-8B-LongContext-Maxtext/cluster_toolkit/README.md` (AI-Hypercomputer),
 llama3.1-8b with head_dim=256, 16 query heads, 4 KV heads (its variant), ring CP with causal load balance, tokamax
@@ -30,14 +31,14 @@ VARIANT = ["model_name=llama3.1-8b", "head_dim=256", "base_num_query_heads=16", 
            "context_parallel_strategy=p2p", "context_parallel_load_balance=true", "compile_topology=v5p-128",
            "peak_tflops_per_device=459"]
 # (tokens, ici_context, ici_fsdp, per_device_batch, remat_policy, context, decoder_layer_input, measured step s,
-#  the UBench run's step s or None)
-ROWS = [(65536, 4, 16, 0.5, "custom", "device", "device", 10.25, None),
-        (262144, 16, 4, 0.125, "custom", "offload", "offload", 26.31, None),
-        (1048576, 64, 1, 0.03125, "custom", "offload", "device", 90.30, 95.73),
-        (2097152, 64, 1, 0.03125, "custom", "offload", "offload", 346.18, 357.68),
-        (4194304, 64, 1, 0.03125, "custom", "offload", "offload", 1358.40, 1373.73),
-        (10485760, 64, 1, 0.015625, "full", None, None, 8056.40, None),
-        (14680064, 64, 1, 0.015625, "custom", "remat", "offload", 15623.09, None)]
+#  the UBench run's step s or None, the README's measured MFU (the upper end of a range))
+ROWS = [(65536, 4, 16, 0.5, "custom", "device", "device", 10.25, None, 0.673),
+        (262144, 16, 4, 0.125, "custom", "offload", "offload", 26.31, None, 0.681),
+        (1048576, 64, 1, 0.03125, "custom", "offload", "device", 90.30, 95.73, 0.687),
+        (2097152, 64, 1, 0.03125, "custom", "offload", "offload", 346.18, 357.68, 0.699),
+        (4194304, 64, 1, 0.03125, "custom", "offload", "offload", 1358.40, 1373.73, 0.703),
+        (10485760, 64, 1, 0.015625, "full", None, None, 8056.40, None, 0.367),
+        (14680064, 64, 1, 0.015625, "custom", "remat", "offload", 15623.09, None, 0.371)]
 # Each constant is fitted on the row it dominates (the others predicted).
 FITTED = {"XLA_MATMUL_EFFICIENCY": 65536, "SPLASH_EFFICIENCY": 4194304, "RECOMPUTE_ATTENTION": 10485760}
 DEVICES = 64
@@ -90,10 +91,11 @@ def fit() -> dict[str, float]:
 def table() -> list[str]:
     lines = ["| tokens | CP x FSDP | policy (context, layer input) | measured | predicted | error | fitted? | "
              "matmul / attention / recompute / memory / exposed comm / exposed host | predicted MFU | "
-             "model FLOPs x 4/3 at peak (the former roofline) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "MaxText's MFU / maxctx's model FLOPs at the measured time | model FLOPs x 4/3 at peak (the former "
+             "roofline) | host bytes per step; GB/s that would expose them |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
-        seq, cp, fsdp, pdbs, policy, context, inputs, measured, ubench = row
+        seq, cp, fsdp, pdbs, policy, context, inputs, measured, ubench, mfu = row
         est = predict(row)
         err = est.step_s / measured - 1
         also = f" (UBench {ubench:,.2f} s: {est.step_s / ubench - 1:+.1%})" if ubench else ""
@@ -102,14 +104,43 @@ def table() -> list[str]:
         where = f"{policy}" + (f" ({context}, {inputs})" if policy == "custom" else "")
         lines.append(f"| {seq:,} | {cp} x {fsdp} | {where} | {measured:,.2f} s{also} | {est.step_s:,.2f} s | "
                      f"{err:+.1%} | {'fitted' if seq in FITTED.values() else 'predicted'} | {terms} s | "
-                     f"{est.model_flops / est.step_s / 459e12:.1%} | {est.model_flops * 4 / 3 / 459e12:,.0f} s |")
+                     f"{est.model_flops / est.step_s / 459e12:.1%} | {mfu:.1%} / "
+                     f"{est.model_flops / measured / 459e12:.1%} | {est.model_flops * 4 / 3 / 459e12:,.0f} s | "
+                     f"{est.host_bytes / 1e9:,.0f} GB; {est.host_bytes / 2 / (est.compute_s / 3) / 1e9:.2f} |")
+    return lines
+
+
+# What the model predicts when attention's outputs are kept on the host at MaxText's recomputing lengths (no
+# measurement exists): the rows' shapes with remat_policy=custom context=offload decoder_layer_input=offload.
+WHAT_IF = [(10485760, 64, 1, 0.015625, "custom", "offload", "offload"),
+           (14680064, 64, 1, 0.015625, "custom", "offload", "offload"),
+           (16777216, 64, 1, 0.015625, "custom", "offload", "offload")]
+HOST_RAM_PER_VM = 448e9  # a v5p VM: 4 chips, 448 GB RAM (cloud.google.com/tpu/docs/v5p)
+
+
+def what_if() -> list[str]:
+    lines = ["| tokens | policy | predicted step | predicted MFU | host bytes held per VM (4 chips) | of its RAM |",
+             "|---|---|---|---|---|---|"]
+    for row in WHAT_IF:
+        est = predict(row)
+        held = est.host_bytes / 2 * 4
+        lines.append(f"| {row[0]:,} | custom (context={row[5]}, decoder_layer_input={row[6]}) | {est.step_s:,.0f} s | "
+                     f"{est.model_flops / est.step_s / 459e12:.1%} | {held / 1e9:,.0f} GB | "
+                     f"{held / HOST_RAM_PER_VM:.0%} |")
     return lines
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--what-if"]:
+        print("\n".join(what_if()))
+        return
     if sys.argv[1:] == ["--fit"]:
         for name, value in fit().items():
             print(f"{name} = {value:.4f}  (fitted on the {FITTED[name]:,}-token row)")
+        step_time.RECOMPUTE_ATTENTION = 1.0
+        for row in ROWS[5:]:
+            print(f"with RECOMPUTE_ATTENTION = 1 (a recomputed forward costs its FLOPs alone) the {row[0]:,}-token "
+                  f"row would be predicted at {predict(row).step_s:,.0f} s (measured {row[7]:,.0f} s)")
         return
     print("\n".join(table()))
 

@@ -14,7 +14,8 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
                  num_vocab_tiling > 1) at the matmul efficiency, and (attention forwards per layer - 1) attention
                  forwards, each RECOMPUTE_ATTENTION times a forward's share of the attention term. Forwards per
                  layer: the compiled program's count when given (maxctx.plan.program), else the policy's (1 when
-                 `context` is kept on the device or the host, or remat_policy=none; else 2)
+                 remat_policy=none, or `context` is kept on the device or the host and the ring carries it:
+                 _keeps_attention; else 2)
     memory       bytes every step moves through HBM (maxctx.plan.roofline.traffic: weights, optimizer state, the
                  layers' matmul operands and results per pass, logits) at the HBM bandwidth; they stream beside
                  the matmuls that read and write them, so only what exceeds the matmuls' time (recompute
@@ -208,6 +209,16 @@ def _per_token(config: Config, tp: int) -> dict[str, float]:
     return {"bytes": {name: w * b for name, w in widths.items()}, "flops": flops}
 
 
+def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]) -> bool:
+    """Whether the backward reuses the attention forward's outputs: always without remat; with `context` kept only
+    through the ring (p2p, usp over a ring of 2 or more), whose out and log-sum-exp are named `context`
+    (maxctx.attention.ring). Splash's and the blockwise kernel's own VJPs keep residuals no policy names, so their
+    forward runs again (the compiled program's count says so: maxctx.plan.program)."""
+    if config.remat_policy == "none":
+        return True
+    return where["context"] != "remat" and config.context_parallel_strategy in ("p2p", "usp") and mesh["context"] > 1
+
+
 def attention_efficiency(config: Config) -> float:
     """The attention kernel's calibrated share of the peak: splash at its block size (the nearest calibrated one
     below it, else the smallest), the blockwise kernel otherwise."""
@@ -259,7 +270,7 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     model_flops = matmul_flops + attention_flops
     where = placement(config)
     if forwards_per_layer is None:
-        forwards_per_layer = 1 if where["context"] != "remat" else 2
+        forwards_per_layer = 1 if _keeps_attention(config, mesh, where) else 2
     per = _per_token(config, tp)
     redone = sum(f for name, f in per["flops"].items() if where[name] == "remat") * layers * t
     redone += 2 * t * shape.output_params / tp * (config.num_vocab_tiling > 1)

@@ -1,0 +1,48 @@
+"""maxctx.plan.step_time against MaxText's measured v5p-128 rows (benchmarks/step_time_model.py): the fitted rows
+are met, the rows not fitted are predicted within 15%, and the terms follow the policy and the program's counts."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.support.processes import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("step_time_model", ROOT / "benchmarks" / "step_time_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_predicts_maxtext_rows_within_15_percent(bench):
+    for row in bench.ROWS:
+        error = bench.predict(row).step_s / row[7] - 1
+        assert abs(error) < (0.01 if row[0] in bench.FITTED.values() else 0.15), (row[0], error)
+
+
+def test_the_constants_are_the_fit(bench):
+    from maxctx.plan import step_time
+
+    kept = (step_time.XLA_MATMUL_EFFICIENCY, dict(step_time.SPLASH_EFFICIENCY), step_time.RECOMPUTE_ATTENTION)
+    try:
+        fitted = bench.fit()
+    finally:
+        step_time.XLA_MATMUL_EFFICIENCY, step_time.SPLASH_EFFICIENCY, step_time.RECOMPUTE_ATTENTION = kept
+    assert fitted["XLA_MATMUL_EFFICIENCY"] == pytest.approx(kept[0], abs=0.005)
+    assert fitted["SPLASH_EFFICIENCY"] == pytest.approx(kept[1][1024], abs=0.005)
+    assert fitted["RECOMPUTE_ATTENTION"] == pytest.approx(kept[2], abs=0.01)
+
+
+def test_kept_attention_output_removes_the_recompute(bench):
+    row = bench.ROWS[5]  # 10M, remat_policy=full: the attention forward runs again in the backward
+    full = bench.predict(row)
+    offloaded = bench.predict((*row[:4], "custom", "offload", "offload"))
+    assert full.forwards_per_layer == 2 and offloaded.forwards_per_layer == 1
+    assert offloaded.step_s < 0.6 * full.step_s
+    # to the host and back: the attention output (bf16) and its fp32 log-sum-exp, and the layer input, per layer
+    t, layers = 10485760 // 64, 32
+    assert offloaded.host_bytes == pytest.approx(2 * layers * t * ((16 * 256 + 2 * 16) * 2 + 4096 * 2))
