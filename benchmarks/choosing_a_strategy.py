@@ -7,7 +7,7 @@ estimate compares with the compiled memory of every fit-table probe.
 No compile: each fit-table row's command (benchmarks/fit_table.md) is loaded with context_parallel_strategy=auto
 (maxctx.plan.planner), and its choice is checked against the fit table's compiled results: it fits (compiled) when the
 fit table compiled the chosen strategy, with the same offload setting, at this length or longer. The roofline
-column is maxctx.plan.roofline's step-time estimate (the one `maxctx.compile` prints) for the chosen strategy over the
+column is maxctx.plan.step_time's estimate (the one `maxctx.compile` prints) for the chosen strategy over the
 best of the valid strategies at the same length.
 """
 
@@ -25,10 +25,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from maxctx.loader import load_config  # noqa: E402
 from maxctx.parallelism import split_context  # noqa: E402
-from maxctx.plan import (  # noqa: E402
-    planner,
-    step_time,  # noqa: E402
-    )
+from maxctx.plan import planner, step_time  # noqa: E402
 
 # MaxText's measurements, v5p-128 (64 chips), bf16, 2M tokens per step: PR #4687 (step times, llama2-7b) and, as
 # issue 17 summarises them, PRs #4836 / #4893 (the fastest USP split per length, llama3-8b).
@@ -125,10 +122,10 @@ def fit_table() -> list[str]:
 
 def _default_a2a(config) -> int:
     """The A2A degree the fit table's usp rows ran with (usp's default for the config)."""
-    from maxctx.attention import usp
+    from maxctx.attention import strategies
 
     cfg = planner.candidate_config(config, "usp", 0)
-    return usp.a2a_degree(cfg, planner.plan(config).cp)
+    return strategies.get("usp").a2a_degree(cfg, planner.plan(config).cp)
 
 
 def _fits(config, best, row: dict, compiled: dict | None) -> str:
