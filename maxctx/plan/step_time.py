@@ -11,9 +11,10 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
                  the blockwise JAX kernel BLOCKWISE_EFFICIENCY
     recompute    what the backward runs again: the forward of each projection whose output is recomputed (every one
                  under remat_policy=full, the `remat` ones under custom; the output projection once more with
-                 num_vocab_tiling > 1) at the matmul efficiency, and (attention forwards per layer - 1) attention
-                 forwards, each RECOMPUTE_ATTENTION times a forward's share of the attention term. Forwards per
-                 layer: the compiled program's count when given (maxctx.plan.program), else the policy's (1 when
+                 num_vocab_tiling > 1, and the MLP once more with mlp_sequence_chunks > 1 under remat) at the
+                 matmul efficiency, and (attention forwards per layer - 1) attention forwards, each
+                 RECOMPUTE_ATTENTION times a forward's share of the attention term. Forwards per layer: the
+                 compiled program's count when given (maxctx.plan.program), else the policy's (1 when
                  remat_policy=none, or `context` is kept on the device or the host and the ring carries it:
                  _keeps_attention; else 2)
     memory       bytes every step moves through HBM (maxctx.plan.roofline.traffic: weights, optimizer state, the
@@ -274,6 +275,7 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     per = _per_token(config, tp)
     redone = sum(f for name, f in per["flops"].items() if where[name] == "remat") * layers * t
     redone += 2 * t * shape.output_params / tp * (config.num_vocab_tiling > 1)
+    redone += 2 * layers * t * shape.mlp_params / tp * (config.mlp_sequence_chunks > 1 and redone > 0)
     attention_rate = hw.peak_flops * attention_efficiency(config)
     forward_attention_s = attention_flops / 3 / attention_rate
     redone_s = redone / (hw.peak_flops * XLA_MATMUL_EFFICIENCY)
