@@ -96,7 +96,13 @@ def _estimate(config: Config, mesh: dict[str, int], global_batch: int, report: d
     host = report.get("host_to_device_bytes", 0) + report.get("device_to_host_bytes", 0)
     est = step_time.estimate(config, mesh, global_batch, hw, forwards_per_layer=report.get(
         "attention_forwards_per_layer"), host_bytes=host if "host_to_device_bytes" in report else None)
-    return step_time.report(est, hw, global_batch * config.max_target_length)
+    out = step_time.report(est, hw, global_batch * config.max_target_length)
+    if report.get("attention") == "splash":
+        from maxctx.plan import topology as topo
+
+        chip = topo.parse(config.compile_topology).chip
+        out["estimate_splash_block"] = step_time.splash_block(config, chip.scoped_vmem_kib * 1024 or 16 * 2 ** 20)
+    return out
 
 
 def _argument_bytes(setup) -> int:
@@ -147,7 +153,9 @@ def format_report(report: dict) -> list[str]:
                           ("matmul", "attention", "recompute", "memory", "collectives", "host"))
         lines.append(f"step-time ESTIMATE (maxctx.plan.step_time, calibrated on MaxText's measured v5p rows): step "
                      f"{_seconds(report['estimate_step_time_s'])} ({terms}; collectives and host: the exposed "
-                     f"part), MFU {report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s")
+                     f"part), MFU {report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s"
+                     + (f"; the model's splash block: {report['estimate_splash_block']}"
+                        if "estimate_splash_block" in report else ""))
     lines.append(f"compiled in {report['compile_time_s']:.1f} s")
     return lines
 

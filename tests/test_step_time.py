@@ -46,3 +46,18 @@ def test_kept_attention_output_removes_the_recompute(bench):
     # to the host and back: the attention output (bf16) and its fp32 log-sum-exp, and the layer input, per layer
     t, layers = 10485760 // 64, 32
     assert offloaded.host_bytes == pytest.approx(2 * layers * t * ((16 * 256 + 2 * 16) * 2 + 4096 * 2))
+
+
+def test_splash_block_is_the_most_efficient_calibrated_one_that_fits(monkeypatch):
+    from maxctx.loader import load_config
+    from maxctx.plan import step_time
+
+    config = load_config(["configs/base.yml", "model_name=llama3-8b", "head_dim=256"])
+    vmem = 65472 * 1024  # v5p's scoped VMEM (maxctx.plan.topology)
+    assert step_time.splash_block(config, vmem) == 1024  # the one calibrated block
+    monkeypatch.setattr(step_time, "SPLASH_EFFICIENCY", {1024: 0.71, 2048: 0.75})
+    assert step_time.splash_block(config, vmem) == 2048
+    assert step_time.attention_efficiency(load_config(["configs/base.yml", "attention=splash", "flash_block_q=2048",
+                                                       "flash_block_kv=2048"])) == 0.75
+    # 2048's windows (22.5 MiB double-buffered at head_dim 256) need more than half of 32 MiB
+    assert step_time.splash_block(config, 32 * 2 ** 20) == 1024

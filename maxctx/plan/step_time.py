@@ -53,7 +53,8 @@ GIB = 1024 ** 3
 # Calibrated on MaxText's measured v5p-128 rows (benchmarks/step_time_model.py --fit; docs/step_time_model.md).
 XLA_MATMUL_EFFICIENCY = 0.875  # fitted on the 65,536-token row
 SPLASH_EFFICIENCY = {1024: 0.710}  # by splash block size; fitted on the 4,194,304-token row at 1024
-BLOCKWISE_EFFICIENCY = 0.3  # assumption
+SPLASH_BLOCKS = (512, 1024, 2048)  # what splash_block chooses from; an uncalibrated one is not chosen
+BLOCKWISE_EFFICIENCY = 0.3  # assumption: no measured row runs the blockwise kernel
 RECOMPUTE_ATTENTION = 2.80  # fitted on the 10,485,760-token row
 # Pinned host memory <-> HBM per chip, each way: an assumption (docs/step_time_model.md), not calibrated.
 HOST_BYTES_PER_S = 16e9
@@ -218,6 +219,21 @@ def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]
     if config.remat_policy == "none":
         return True
     return where["context"] != "remat" and config.context_parallel_strategy in ("p2p", "usp") and mesh["context"] > 1
+
+
+def splash_block(config: Config, vmem_bytes: float) -> int:
+    """The splash block (query and key, every pass) the model picks: of SPLASH_BLOCKS, those whose passes' windows
+    (maxctx.plan.vmem, double-buffered, partial blocks computed in the kernel) take at most half of `vmem_bytes`
+    (the other half left to the compiler's score tiles and spills: an assumption) and whose efficiency is calibrated
+    (SPLASH_EFFICIENCY), the most efficient, the larger on a tie; the smallest that fits when none is calibrated."""
+    from maxctx.plan.vmem import window_bytes
+
+    fitting = [b for b in SPLASH_BLOCKS if max(window_bytes(p, b, b, config.head_dim, False)
+                                               for p in ("fwd", "dkv", "dq")) <= vmem_bytes / 2]
+    known = [b for b in fitting if b in SPLASH_EFFICIENCY]
+    if not known:
+        return min(fitting, default=min(SPLASH_BLOCKS))
+    return max(known, key=lambda b: (SPLASH_EFFICIENCY[b], b))
 
 
 def attention_efficiency(config: Config) -> float:
