@@ -16,7 +16,8 @@ Key blocks are computed COMPUTE_BLOCK keys at a time whatever the block size (th
 partly visible blocks are computed in the kernel rather than loaded where the keys allow (splash_masks): a loaded
 partial block is an s32[bq, bkv] window, double-buffered, which at 2048 x 2048 is half a v5p's VMEM. What a pass
 still holds grows with bq x D (query, output and accumulator windows): docs/long_context.md, "Splash's blocks and
-VMEM", has the measured limits. flash_block_q / flash_block_kv set every pass's blocks unless the flash_block_*_dkv / *_dq / *_compute keys
+VMEM", has the measured limits. flash_block_q / flash_block_kv set every pass's blocks unless the
+flash_block_*_dkv / *_dq / *_compute keys
 (MaxText's sa_block_*) set the backward's apart (Blocks). Each kernel's tables cover the whole call on one device:
 splash's q_seq_shards is not used (docs/long_context.md, "Splash at these lengths", says why).
 

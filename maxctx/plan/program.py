@@ -116,6 +116,7 @@ class Program:
                 self.computations[computation].append(ins)
                 self.defs[ins.name] = ins
         self.uncounted_loops: list[str] = []
+        self.under_uncounted_loop: set[str] = set()  # computations inside a loop of unknown trips
         self.runs = self._runs()
 
     def _trips(self, loop: Instruction) -> int | None:
@@ -157,27 +158,30 @@ class Program:
         return False
 
     def _runs(self) -> Counter:
-        calls: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        calls: dict[str, list[tuple[str, float, str]]] = defaultdict(list)  # callee, times per call, its loop
         for comp, instructions in self.computations.items():
             for ins in instructions:
                 branches = [c.strip().lstrip("%") for b in _BRANCHES.findall(ins.rest) for c in b.split(",")
                             if c.strip()]
                 working = [c for c in branches if self._works(c)] or branches
-                calls[comp] += [(c, 1) for c in _CALLED.findall(ins.rest)] + [(c, 1 / len(working))
-                                                                             for c in working]
+                calls[comp] += [(c, 1, "") for c in _CALLED.findall(ins.rest)] + [(c, 1 / len(working), "")
+                                                                                 for c in working]
                 if ins.op == "while":
                     trips = self._trips(ins)
                     if trips is None:
                         self.uncounted_loops.append(ins.name)
-                    calls[comp] += [(b, 1 if trips is None else trips) for b in _BODY.findall(ins.rest)]
+                    calls[comp] += [(b, 1 if trips is None else trips, ins.name) for b in _BODY.findall(ins.rest)]
         runs: Counter = Counter()
+        uncounted = set(self.uncounted_loops)
 
-        def visit(comp: str, times: float) -> None:
+        def visit(comp: str, times: float, counted: bool) -> None:
             runs[comp] += times
-            for callee, factor in calls.get(comp, ()):
-                visit(callee, times * factor)
+            if not counted:
+                self.under_uncounted_loop.add(comp)
+            for callee, factor, loop in calls.get(comp, ()):
+                visit(callee, times * factor, counted and loop not in uncounted)
 
-        visit(self.entry, 1)
+        visit(self.entry, 1, True)
         return runs
 
     def instructions(self):
