@@ -105,3 +105,22 @@ ENTRY %main (x: f32[8]) -> f32[8] {
     # 5 - 1 = 4 trips of a 128-byte gather; the conditional's skipping branch is left out of the average.
     assert program.collective_bytes() == {"all-gather": 4 * 128, "collective-permute": 32}
     assert program.uncounted_loops == []
+
+
+def test_blockwise_forward_counted_once_or_twice_on_cpu():
+    # The blockwise kernel's forward (its `attention_forward` scope), differentiated as is and under remat.
+    import jax
+    import jax.numpy as jnp
+
+    from maxctx.attention.flash import flash_attention
+
+    q, kv = jnp.ones((1, 256, 2, 32)), jnp.ones((1, 256, 1, 32))
+    pos, seg = jnp.arange(256)[None], jnp.ones((1, 256), jnp.int32)
+
+    def loss(q, k, v):
+        return flash_attention(q, k, v, pos, seg, pos, seg, 64, 64)[0].sum()
+
+    for fn, forwards in ((loss, 1), (jax.checkpoint(loss), 2)):
+        hlo = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+        total, forward = Program(hlo).attention_forwards()
+        assert forward > 0 and total / forward == forwards

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxctx.attention.cost import PALLAS_MACS_SCOPE
 from maxctx.attention.flash import block_size
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
 from maxctx.attention.splash_masks import ordered_causal_mask, sees_a_key
@@ -327,7 +328,7 @@ def visited_macs(block_mask, rows: int, kernel, head_dim: int) -> int:
 
 def pallas_scope(macs: int):
     """The name scope that states a Pallas call's visited products x head dim in the program (maxctx.plan.program)."""
-    return jax.named_scope(f"pallas_macs={int(macs)}")
+    return jax.named_scope(f"{PALLAS_MACS_SCOPE}{int(macs)}")
 
 
 def _call_one(kernel, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool, macs: int | None = None):

@@ -11,8 +11,8 @@ which the load-balanced ring never takes). A loop whose trips cannot be read cou
 `uncounted_loops`.
 
 - attention forwards per layer: executions of the attention forward kernel (Pallas: a `tpu_custom_call` whose
-  kernel is a forward, splash's `splash_mqa_fwd*`; blockwise: the score dots under the `attention_forward` scope
-  of maxctx.attention.flash) over those in the forward pass (op_name outside autodiff's `transpose(...)`): 1 when
+  kernel is a forward, splash's `splash_mqa_fwd*`; blockwise: the matmuls of the computations holding ops of
+  maxctx.attention.flash's `attention_forward` scope, since a fused matmul may carry no op_name) over those in the forward pass (op_name outside autodiff's `transpose(...)`): 1 when
   the backward reuses the forward's outputs, 2 when it recomputes them (remat). The ratio holds with the layer
   scan rolled or unrolled, and with a ring's conditional hops, since both passes run the same structure.
 - host transfers: bytes moved between HBM and pinned host memory (memory space S(5)): a copy, dynamic-slice or
@@ -32,13 +32,16 @@ import math
 import re
 from collections import Counter, defaultdict
 
+from maxctx.attention.cost import ATTENTION_FORWARD_SCOPE, PALLAS_MACS_SCOPE
+
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
 _BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1,
           "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
 _INSTR = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)", re.S)
 _COMPUTATION = re.compile(r"(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
-_CALLED = re.compile(r"\b(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLED = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+_TRUE_FALSE = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
@@ -47,7 +50,6 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 HOST = "S(5)"  # TPU's memory space of pinned host memory in a layout
 # Matmuls per query-key product of each splash kernel (module doc).
 _KERNEL_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4, "fused": 5}
-PALLAS_SCOPE = "pallas_macs="
 
 
 def shape_bytes(text: str) -> int:
@@ -151,7 +153,7 @@ class Program:
         for ins in self.computations.get(comp, ()):
             if ins.op in ("dot", "convolution", "custom-call") or ins.op.removesuffix("-start") in COLLECTIVES:
                 return True
-            callees = _CALLED.findall(ins.rest) + _BODY.findall(ins.rest) + [
+            callees = _CALLED.findall(ins.rest) + _BODY.findall(ins.rest) + _TRUE_FALSE.findall(ins.rest) + [
                 c.strip().lstrip("%") for b in _BRANCHES.findall(ins.rest) for c in b.split(",") if c.strip()]
             if any(c not in seen and self._works(c, seen | {comp}) for c in callees):
                 return True
@@ -162,7 +164,7 @@ class Program:
         for comp, instructions in self.computations.items():
             for ins in instructions:
                 branches = [c.strip().lstrip("%") for b in _BRANCHES.findall(ins.rest) for c in b.split(",")
-                            if c.strip()]
+                            if c.strip()] + _TRUE_FALSE.findall(ins.rest)
                 working = [c for c in branches if self._works(c)] or branches
                 calls[comp] += [(c, 1, "") for c in _CALLED.findall(ins.rest)] + [(c, 1 / len(working), "")
                                                                                  for c in working]
@@ -192,14 +194,30 @@ class Program:
                 for ins in instructions:
                     yield ins, times
 
-    def attention_forwards(self) -> tuple[int, int]:
-        """(attention forward kernels run per step, of which in the forward pass); module doc."""
-        total = forward = 0
-        for ins, times in self.instructions():
-            if _is_attention_forward(ins):
+    def attention_forwards(self) -> tuple[float, float]:
+        """(attention forward kernels run per step, of which in the forward pass); module doc. Blockwise: the
+        matmuls (alone or in a fusion) of every computation holding ops of its forward's scope (a fusion's own
+        instruction may carry no op_name: CPU's), in the forward pass unless those ops are autodiff's."""
+        total = forward = 0.0
+        for comp, instructions in self.computations.items():
+            times = self.runs.get(comp, 0)
+            kernels = [i for i in instructions if 'custom_call_target="tpu_custom_call"' in i.rest
+                       and _kernel_kind(i) == "fwd"]
+            for ins in kernels:
                 total += times
                 forward += times * ("transpose(" not in ins.op_name)
+            scoped = [i.op_name for i in instructions if ATTENTION_FORWARD_SCOPE in i.op_name]
+            if scoped and times:
+                n = sum(self._matmul(i) for i in instructions)
+                total += times * n
+                forward += times * n * (not any("transpose(" in name for name in scoped))
         return total, forward
+
+    def _matmul(self, ins: Instruction) -> bool:
+        if ins.op in ("dot", "convolution"):
+            return True
+        fused = _CALLED.search(ins.rest) if ins.op == "fusion" else None
+        return fused is not None and any(i.op in ("dot", "convolution") for i in self.computations.get(fused[1], ()))
 
     def host_transfer_bytes(self) -> tuple[int, int]:
         """(host-to-device, device-to-host) bytes per step (module doc)."""
@@ -279,7 +297,7 @@ class Program:
         for ins, times in self.instructions():
             if 'custom_call_target="tpu_custom_call"' not in ins.rest:
                 continue
-            macs = re.search(PALLAS_SCOPE + r"(\d+)", ins.op_name)
+            macs = re.search(PALLAS_MACS_SCOPE + r"(\d+)", ins.op_name)
             kind = _kernel_kind(ins)
             if macs is None or kind is None:
                 unknown += times
@@ -310,10 +328,6 @@ def _kernel_kind(ins: Instruction) -> str | None:
     return "dq" if "_dq" in name else None
 
 
-def _is_attention_forward(ins: Instruction) -> bool:
-    if 'custom_call_target="tpu_custom_call"' in ins.rest:
-        return _kernel_kind(ins) == "fwd"
-    return ins.op == "dot" and "attention_forward" in ins.op_name
 
 
 def read(compiled, num_layers: int) -> dict:
