@@ -12,9 +12,10 @@ which the load-balanced ring never takes). A loop whose trips cannot be read cou
 
 - attention forwards per layer: executions of the attention forward kernel (Pallas: a `tpu_custom_call` whose
   kernel is a forward, splash's `splash_mqa_fwd*`; blockwise: the matmuls of the computations holding ops of
-  maxctx.attention.flash's `attention_forward` scope, since a fused matmul may carry no op_name) over those in the forward pass (op_name outside autodiff's `transpose(...)`): 1 when
-  the backward reuses the forward's outputs, 2 when it recomputes them (remat). The ratio holds with the layer
-  scan rolled or unrolled, and with a ring's conditional hops, since both passes run the same structure.
+  maxctx.attention.flash's `attention_forward` scope, since a fused matmul may carry no op_name) over those in
+  the forward pass (op_name outside autodiff's `transpose(...)`): 1 when the backward reuses the forward's
+  outputs, 2 when it recomputes them (remat). The ratio holds with the layer scan rolled or unrolled, and with a
+  ring's conditional hops, since both passes run the same structure.
 - host transfers: bytes moved between HBM and pinned host memory (memory space S(5)): a copy, dynamic-slice or
   dynamic-update-slice (or its async -start) whose operand is on the host and result on the device (to device),
   or the reverse (to host, the device operand's bytes).
