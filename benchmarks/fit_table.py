@@ -47,7 +47,6 @@ MIN_EXP, MAX_EXP = 16, 27
 LOSS_CHUNK, MLP_CHUNK = 4096, 16384  # tokens per device and chunk, at most
 # name -> model shape (D, F, V, L, head dim), for sorting XLA's buffers by what they hold.
 SHAPES = {"llama3-8b": (4096, 14336, 128256, 32, 128), "llama3.1-70b": (8192, 28672, 128256, 80, 128)}
-DEFAULT_VMEM_KIB = 16 * 1024  # scoped VMEM where maxctx.plan.topology states none: an assumption
 BREAKDOWN = ("layer inputs", "logits", "output head", "mlp", "attention", "activations", "other")
 
 
@@ -87,7 +86,7 @@ def splash_block(cmd: list[str]) -> int:
 
     config = _config(cmd)
     chip = topology.parse(config.compile_topology).chip
-    return step_time.splash_block(config, (chip.scoped_vmem_kib or DEFAULT_VMEM_KIB) * 1024)
+    return step_time.splash_block(config, step_time.scoped_vmem_bytes(chip))
 
 
 def estimate(cmd: list[str]) -> str:

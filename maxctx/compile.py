@@ -101,7 +101,7 @@ def _estimate(config: Config, mesh: dict[str, int], global_batch: int, report: d
         from maxctx.plan import topology as topo
 
         chip = topo.parse(config.compile_topology).chip
-        out["estimate_splash_block"] = step_time.splash_block(config, chip.scoped_vmem_kib * 1024 or 16 * 2 ** 20)
+        out["estimate_splash_block"] = step_time.splash_block(config, step_time.scoped_vmem_bytes(chip))
     return out
 
 
@@ -179,7 +179,7 @@ def program_lines(report: dict) -> list[str]:
 
 
 USAGE = ("Compiles the train step without training and reports memory per device, FLOPs and (for a TPU\n"
-         "compile_topology) whether it fits and a roofline estimate. Exit status: 0 fits, 2 bad config, 3 does not "
+         "compile_topology) whether it fits and a step-time estimate. Exit status: 0 fits, 2 bad config, 3 does not "
          "fit.\n--plan: print the context-parallel planner's ranked table instead (context_parallel_strategy=auto);"
          "\n--verify: also compile its three best candidates and show their compiled memory next to the estimate.")
 FLAGS = ("--plan", "--verify")

@@ -53,6 +53,7 @@ GIB = 1024 ** 3
 # Calibrated on MaxText's measured v5p-128 rows (benchmarks/step_time_model.py --fit; docs/step_time_model.md).
 XLA_MATMUL_EFFICIENCY = 0.875  # fitted on the 65,536-token row
 SPLASH_EFFICIENCY = {1024: 0.710}  # by splash block size; fitted on the 4,194,304-token row at 1024
+DEFAULT_SCOPED_VMEM_BYTES = 16 * 2 ** 20  # where maxctx.plan.topology states no limit: an assumption
 SPLASH_BLOCKS = (512, 1024, 2048)  # what splash_block chooses from; an uncalibrated one is not chosen
 BLOCKWISE_EFFICIENCY = 0.3  # assumption: no measured row runs the blockwise kernel
 RECOMPUTE_ATTENTION = 2.80  # fitted on the 10,485,760-token row
@@ -219,6 +220,12 @@ def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]
     if config.remat_policy == "none":
         return True
     return where["context"] != "remat" and config.context_parallel_strategy in ("p2p", "usp") and mesh["context"] > 1
+
+
+def scoped_vmem_bytes(chip: topology.Chip) -> int:
+    """The VMEM a kernel may use on `chip`: maxctx's scoped limit where topology states one, else
+    DEFAULT_SCOPED_VMEM_BYTES."""
+    return chip.scoped_vmem_kib * 1024 or DEFAULT_SCOPED_VMEM_BYTES
 
 
 def splash_block(config: Config, vmem_bytes: float) -> int:
