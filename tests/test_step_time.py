@@ -61,3 +61,22 @@ def test_splash_block_is_the_most_efficient_calibrated_one_that_fits(monkeypatch
                                                        "flash_block_kv=2048"])) == 0.75
     # 2048's windows (22.5 MiB double-buffered at head_dim 256) need more than half of 32 MiB
     assert step_time.splash_block(config, 32 * 2 ** 20) == 1024
+
+
+def test_planner_counts_what_the_policy_keeps_on_the_device():
+    from maxctx.loader import load_config
+    from maxctx.plan import planner
+
+    base = ["configs/base.yml", "compile_topology=v5p-128", "model_name=llama3.1-8b", "head_dim=256",
+            "base_num_query_heads=16", "base_num_kv_heads=4", "max_target_length=1048576",
+            "ici_context_parallelism=64", "ici_fsdp_parallelism=1", "per_device_batch_size=0.03125",
+            "context_parallel_strategy=p2p", "remat_policy=custom", "decoder_layer_input=offload"]
+
+    def p2p(where):
+        return next(c for c in planner.plan(load_config([*base, f"context={where}"])).ranked if c.label == "p2p")
+
+    device, offload = p2p("device"), p2p("offload")
+    # the attention output (bf16) and the ring's fp32 log-sum-exp, per layer and token: 32 layers x 32,768 tokens
+    assert device.memory_bytes - offload.memory_bytes == 32 * 32768 * (16 * 256 * 2 + 16 * 4)
+    assert device.step_s == pytest.approx(offload.step_s)  # both keep it: one attention forward
+    assert p2p("remat").step_s > 1.5 * device.step_s

@@ -9,7 +9,8 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
     attention memory  the strategy's `activation_bytes` (what one layer saves for its backward; tests check it
                       against the compiled program), plus the backward's transient buffers (its `transient_bytes`)
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
-                      the saved layer inputs L t D b (none when offloaded) + the layer's working set
+                      the saved layer inputs L t D b (none when offloaded) and every other tensor the remat policy
+                      keeps on the device (step_time.placement: L t x its bytes per token) + the layer's working set
                       LAYER_WORK_BYTES t D (calibrated; LAYER_WORK_BYTES_INPUTS_ON_DEVICE t D when the inputs stay
                       in HBM) + the larger of the attention memory and the loss / MLP
                       tiles; a candidate above FIT_FRACTION of HBM is ranked after the fitting ones (auto takes
@@ -135,6 +136,10 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
     saved_inputs = 0 if offloaded else layers * tokens * config.base_emb_dim * b
     work = (LAYER_WORK_BYTES if offloaded else LAYER_WORK_BYTES_INPUTS_ON_DEVICE) * tokens * config.base_emb_dim
+    # What else the policy keeps in HBM for the backward (the attention output under context=device, ...)
+    kept = step_time.per_token(config, tp)["bytes"]
+    saved_inputs += layers * tokens * sum(kept[name] for name, where in step_time.placement(config).items()
+                                          if where == "device" and name != "decoder_layer_input")
     state = params * (wb + 12) / shards + params / layers * wb / max(1, tp)
     tiles = max(2 * tokens / config.num_vocab_tiling * config.vocab_size / tp * 4,
                 3 * tokens / config.mlp_sequence_chunks * config.base_mlp_dim / tp * b)

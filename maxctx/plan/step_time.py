@@ -199,7 +199,7 @@ def placement(config: Config) -> dict[str, str]:
             "offload" if name in offloaded else "remat" for name in REMAT_NAMES}
 
 
-def _per_token(config: Config, tp: int) -> dict[str, float]:
+def per_token(config: Config, tp: int) -> dict[str, float]:
     """Per token and device: each named projection's forward FLOPs (`flops`) and each named tensor's bytes."""
     d, h, k, hd, f = (config.base_emb_dim, config.base_num_query_heads // tp, max(1, config.base_num_kv_heads // tp),
                       config.head_dim, config.base_mlp_dim // tp)
@@ -295,7 +295,7 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     where = placement(config)
     if forwards_per_layer is None:
         forwards_per_layer = 1 if _keeps_attention(config, mesh, where) else 2
-    per = _per_token(config, tp)
+    per = per_token(config, tp)
     redone = sum(f for name, f in per["flops"].items() if where[name] == "remat") * layers * t
     redone += 2 * t * shape.output_params / tp * (config.num_vocab_tiling > 1)
     redone += 2 * layers * t * shape.mlp_params / tp * (config.mlp_sequence_chunks > 1 and redone > 0)
