@@ -55,9 +55,9 @@ def fit_rows() -> list[dict]:
         if line.startswith("Memory breakdown"):
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 12 or cells[0] in ("model", "---"):
+        if len(cells) < 12 or cells[0] in ("model", "---"):
             continue
-        command = re.search(r"`(python -m maxctx\.compile [^`]*)`", cells[11])
+        command = re.search(r"`(python -m maxctx\.compile [^`]*)`", cells[-1])
         top = re.match(r"([\d,]+)", cells[4])
         gib = re.match(r"([\d.]+) /", cells[6])
         rows.append({"model": cells[0], "topology": cells[1], "strategy": cells[2], "offload": cells[3],
