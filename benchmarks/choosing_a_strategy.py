@@ -7,7 +7,7 @@ estimate compares with the compiled memory of every fit-table probe.
 No compile: each fit-table row's command (benchmarks/fit_table.md) is loaded with context_parallel_strategy=auto
 (maxctx.plan.planner), and its choice is checked against the fit table's compiled results: it fits (compiled) when the
 fit table compiled the chosen strategy, with the same offload setting, at this length or longer. The roofline
-column is maxctx.plan.roofline's step-time estimate (the one `maxctx.compile` prints) for the chosen strategy over the
+column is maxctx.plan.step_time's estimate (the one `maxctx.compile` prints) for the chosen strategy over the
 best of the valid strategies at the same length.
 """
 
@@ -25,8 +25,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from maxctx.loader import load_config  # noqa: E402
 from maxctx.parallelism import split_context  # noqa: E402
-from maxctx.plan import planner, topology  # noqa: E402
-from maxctx.plan.roofline import roofline  # noqa: E402
+from maxctx.plan import planner, step_time  # noqa: E402
 
 # MaxText's measurements, v5p-128 (64 chips), bf16, 2M tokens per step: PR #4687 (step times, llama2-7b) and, as
 # issue 17 summarises them, PRs #4836 / #4893 (the fastest USP split per length, llama3-8b).
@@ -56,9 +55,9 @@ def fit_rows() -> list[dict]:
         if line.startswith("Memory breakdown"):
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 12 or cells[0] in ("model", "---"):
+        if len(cells) < 12 or cells[0] in ("model", "---"):
             continue
-        command = re.search(r"`(python -m maxctx\.compile [^`]*)`", cells[11])
+        command = re.search(r"`(python -m maxctx\.compile [^`]*)`", cells[-1])
         top = re.match(r"([\d,]+)", cells[4])
         gib = re.match(r"([\d.]+) /", cells[6])
         rows.append({"model": cells[0], "topology": cells[1], "strategy": cells[2], "offload": cells[3],
@@ -81,11 +80,10 @@ def num_params() -> dict[str, int]:
 
 
 def roofline_step(config, cand, params: int) -> float:
-    chip = topology.parse(config.compile_topology).chip
     n = planner.num_devices(config)
     cfg = planner.candidate_config(config, cand.strategy, cand.a2a)
     mesh = split_context(cfg, n, cand.a2a)
-    return roofline(cfg, mesh, cfg.global_batch_size(n), params, chip)["estimate_step_time_s"]
+    return step_time.estimate(cfg, mesh, cfg.global_batch_size(n), step_time.hardware(cfg, n)).step_s
 
 
 def auto_argv(argv: list[str]) -> list[str]:
@@ -124,10 +122,10 @@ def fit_table() -> list[str]:
 
 def _default_a2a(config) -> int:
     """The A2A degree the fit table's usp rows ran with (usp's default for the config)."""
-    from maxctx.attention import usp
+    from maxctx.attention import strategies
 
     cfg = planner.candidate_config(config, "usp", 0)
-    return usp.a2a_degree(cfg, planner.plan(config).cp)
+    return strategies.get("usp").a2a_degree(cfg, planner.plan(config).cp)
 
 
 def _fits(config, best, row: dict, compiled: dict | None) -> str:

@@ -59,13 +59,50 @@ def chunks(tokens: int, most: int) -> int:
 
 
 def command(model: str, topology: str, strategy: str, offload: bool, seq: int, kernel: str = "blockwise") -> list[str]:
+    """The row's `maxctx.compile` command; with splash, at the block size the step-time model picks (splash_block:
+    rows compiled before it ran at splash's default blocks)."""
     c = ROWS[(model, topology)]
     remat = ["remat_policy=custom", "decoder_layer_input=offload"] if offload else ["remat_policy=full"]
-    return ["python", "-m", "maxctx.compile", "configs/base.yml", f"compile_topology={topology}",
-            f"model_name={model}", f"max_target_length={seq}", f"ici_context_parallelism={c}",
-            "ici_fsdp_parallelism=1", f"per_device_batch_size={1 / c:g}", f"context_parallel_strategy={strategy}",
-            f"attention={kernel}", f"num_vocab_tiling={chunks(seq // c, LOSS_CHUNK)}",
-            f"mlp_sequence_chunks={chunks(seq // c, MLP_CHUNK)}", *remat]
+    cmd = ["python", "-m", "maxctx.compile", "configs/base.yml", f"compile_topology={topology}",
+           f"model_name={model}", f"max_target_length={seq}", f"ici_context_parallelism={c}",
+           "ici_fsdp_parallelism=1", f"per_device_batch_size={1 / c:g}", f"context_parallel_strategy={strategy}",
+           f"attention={kernel}", f"num_vocab_tiling={chunks(seq // c, LOSS_CHUNK)}",
+           f"mlp_sequence_chunks={chunks(seq // c, MLP_CHUNK)}", *remat]
+    if kernel == "splash":
+        block = splash_block(cmd)
+        cmd += [f"flash_block_q={block}", f"flash_block_kv={block}"]
+    return cmd
+
+
+def _config(cmd: list[str]):
+    from maxctx.loader import load_config
+
+    return load_config(cmd[3:])
+
+
+def splash_block(cmd: list[str]) -> int:
+    """The splash block maxctx.plan.step_time picks for this command's model on its chip."""
+    from maxctx.plan import step_time, topology
+
+    config = _config(cmd)
+    chip = topology.parse(config.compile_topology).chip
+    return step_time.splash_block(config, step_time.scoped_vmem_bytes(chip))
+
+
+def estimate(cmd: list[str]) -> str:
+    """maxctx.plan.step_time's step time and MFU for the command (the policy's counts: no program here)."""
+    from maxctx.plan import step_time
+
+    config = _config(cmd)
+    n = ROWS[(config.model_name, config.compile_topology)]
+    mesh = {"data": 1, "fsdp": 1, "context": n, "context_a2a": 1, "tensor": 1}
+    if config.context_parallel_strategy == "usp":
+        from maxctx.parallelism import split_context
+
+        mesh = split_context(config, n, step_time.strategies.get("usp").a2a_degree(config, n))
+    hw = step_time.hardware(config, n)
+    est = step_time.estimate(config, mesh, config.per_device_batch_size * n, hw)
+    return f"{est.step_s:.0f} s, {est.model_flops / est.step_s / hw.peak_flops:.0%}"
 
 
 def categorise(dims: list[int], model: str) -> str:
@@ -255,7 +292,7 @@ def row_line(row: tuple, results: dict) -> str:
     if top is None:
         note = "; ".join(f"S={_tokens(r['seq'])} {r['status']}" + (f" ({_short(r['error'])})" if "error" in r else "")
                          for r in mine) or "not run"
-        return f"{name} - | - | - | - | - | - | - | {note.replace('|', '/')} |"
+        return f"{name} - | - | - | - | - | - | - | - | {note.replace('|', '/')} |"
     rep, chips = top["report"], ROWS[(model, topology)]
     above = [r for r in mine if r["status"] != "fits" and r["seq"] > top["seq"]]
     first = min(above, key=lambda r: r["seq"], default=None)
@@ -266,11 +303,13 @@ def row_line(row: tuple, results: dict) -> str:
     parts = breakdown(top)
     head = max(parts, key=parts.get) if parts else "-"
     host = rep.get("host_temp_size_in_bytes", 0) / GIB
-    est = f"{rep['estimate_step_time_s']:.0f} s, {rep['estimate_mfu']:.0%}"
+    cmd = command(*row, top["seq"])
     return (f"{name} {top['seq']:,} ({_tokens(top['seq'])}{limit}) | {top['seq'] // chips:,} | "
             f"{need_bytes(rep) / GIB:.1f} / {rep['hbm_bytes_per_device'] / GIB:.0f}"
-            + (f" (+{host:.0f} host)" if host else "") + f" | {head} ({parts.get(head, 0):.1f} GiB) | {est} | "
-            f"{splash_cell(row, results)} | {top['wall_s']:.0f} s | `{' '.join(command(*row, top['seq']))}` |")
+            + (f" (+{host:.0f} host)" if host else "") + f" | {head} ({parts.get(head, 0):.1f} GiB) | "
+            f"{estimate(command(*row, top['seq'], 'splash'))} | {splash_cell(row, results)} | {splash_block(cmd)} | "
+            f"{top['wall_s']:.0f} s | "
+            f"`{' '.join(cmd)}` |")
 
 
 def rows(args=None) -> list[tuple]:
@@ -291,14 +330,17 @@ def write_table(results: dict) -> None:
         "decoder_layer_input=offload, else",
         "remat_policy=full. Max context: doubling, then bisection to 1/8 of the power of two. GiB per chip: what",
         "the program needs / HBM (+ pinned host memory). Largest part: the category of XLA's buffers",
-        "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.plan.roofline's step",
-        "time and MFU (not a measurement). Splash: the same command with attention=splash (ring hops' backward",
-        "through splash's own kernels, since 2026-12-03; where that is over, docs/long_context.md has the row with",
-        "the blockwise hop backward). Compile: seconds on the 2-core development VM.",
+        "(memory-usage report, sorted by shape) holding the most bytes. Estimate: maxctx.plan.step_time's step",
+        "time and MFU for the command with attention=splash at the model's block (not a measurement; the policy's",
+        "attention forwards, 2 per layer on every row here; docs/step_time_model.md). Splash: the same command with",
+        "attention=splash (ring hops' backward through splash's own kernels, since 2026-12-03; where that is over,",
+        "docs/long_context.md has the row with the blockwise hop backward), compiled at splash's default blocks.",
+        "Splash block: the block the step-time model picks for the row (step_time.splash_block; a splash probe",
+        "run from now on uses it). Compile: seconds on the 2-core development VM.",
         "",
         "| model | topology | strategy | offload | max tokens | tokens per chip | GiB per chip | largest part "
-        "| estimate (step, MFU) | splash at max | compile | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| estimate with splash (step, MFU) | splash at max | splash block | compile | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [row_line(row, results) for row in rows()]
     lines += ["", "Memory breakdown at each row's maximum (GiB of XLA buffers per category):", "",

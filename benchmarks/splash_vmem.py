@@ -32,7 +32,8 @@ CASES = [("fwd 2048, loaded mask", 256, 2048, 2048, 2048, True),
 
 def probe_argv(head_dim: int, fwd: int, dkv: int, dq: int) -> list[str]:
     return [*PROBE, f"head_dim={head_dim}", f"flash_block_q={fwd}", f"flash_block_kv={fwd}",
-            f"flash_block_q_dkv={dkv}", f"flash_block_kv_dkv={dkv}", f"flash_block_q_dq={dq}", f"flash_block_kv_dq={dq}"]
+            f"flash_block_q_dkv={dkv}", f"flash_block_kv_dkv={dkv}", f"flash_block_q_dq={dq}",
+            f"flash_block_kv_dq={dq}"]
 
 
 def one(argv: list[str], stored: bool) -> None:

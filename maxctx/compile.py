@@ -13,8 +13,12 @@ machine with libtpu installed and no TPU. For a topology the report adds:
   Exit status 0: compiled and fits; 3: does not fit; 2: bad config.
 - FLOPs per step: analytic model FLOPs (maxctx.metrics, MaxText's convention) and XLA's cost analysis (which counts a
   scanned layer once and counts remat recompute, so it is far below the analytic figure with scan_layers=true).
-- a roofline ESTIMATE of step time and MFU, not a measurement: max(compute, HBM, ICI) time at the chip's peak
-  rates (maxctx.plan.roofline says what each term counts and what it leaves out).
+- what the compiled program runs per step (maxctx.plan.program, read from its HLO): how many times each layer
+  runs the attention forward (1: kept for the backward; 2: recomputed), bytes to and from pinned host memory,
+  collective bytes per kind, and the FLOPs it executes (matmuls plus the Pallas kernels' visited blocks) against
+  the model FLOPs (also for local devices).
+- a step-time ESTIMATE and MFU, not a measurement: maxctx.plan.step_time (the one model, calibrated on MaxText's
+  measured v5p rows; docs/step_time_model.md), fed the program's attention forwards and host bytes.
 
 With `--plan`, nothing compiles: the ranked table of maxctx.plan.planner (what `context_parallel_strategy=auto`
 chooses from) is printed; `--verify` then compiles its three best fitting candidates for the topology and prints
@@ -31,9 +35,8 @@ import time
 from maxctx.config import Config, ConfigError
 from maxctx.loader import load, usage
 from maxctx.parallelism import A2A_AXIS
-from maxctx.plan import planner
+from maxctx.plan import planner, program, step_time
 from maxctx.plan.out_of_memory import fit, onchip_advice, xla_out_of_memory
-from maxctx.plan.roofline import roofline
 from maxctx.validate import check_devices
 
 GIB = 1024 ** 3
@@ -71,6 +74,7 @@ def compile_report(config: Config, plan: planner.Plan | None = None) -> dict:
             save_compiled(compiled, config.compiled_trainstep_file)
             report["compiled_trainstep_file"] = config.compiled_trainstep_file
         report.update(compile_record(compiled, analytic_flops_per_device=flops))
+        report.update(program.read(compiled, config.base_num_decoder_layers))
     except jax.errors.JaxRuntimeError as e:
         if target is None or "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -82,9 +86,23 @@ def compile_report(config: Config, plan: planner.Plan | None = None) -> dict:
     if target is not None:
         report.update(topology=target.name, libtpu_topology=target.libtpu_name,
                       num_slices=config.compile_topology_num_slices, devices_per_chip=target.chip.devices_per_chip,
-                      **fit(report, target.chip),
-                      **roofline(config, dict(mesh.shape), setup.global_batch, report["num_params"], target.chip))
+                      **fit(report, target.chip), **_estimate(config, dict(mesh.shape), setup.global_batch, report))
     return report
+
+
+def _estimate(config: Config, mesh: dict[str, int], global_batch: int, report: dict) -> dict:
+    """maxctx.plan.step_time's estimate, with the compiled program's attention forwards and host bytes."""
+    hw = step_time.hardware(config, math.prod(mesh.values()))
+    host = report.get("host_to_device_bytes", 0) + report.get("device_to_host_bytes", 0)
+    est = step_time.estimate(config, mesh, global_batch, hw, forwards_per_layer=report.get(
+        "attention_forwards_per_layer"), host_bytes=host if "host_to_device_bytes" in report else None)
+    out = step_time.report(est, hw, global_batch * config.max_target_length)
+    if report.get("attention") == "splash":
+        from maxctx.plan import topology as topo
+
+        chip = topo.parse(config.compile_topology).chip
+        out["estimate_splash_block"] = step_time.splash_block(config, step_time.scoped_vmem_bytes(chip))
+    return out
 
 
 def _argument_bytes(setup) -> int:
@@ -129,19 +147,39 @@ def format_report(report: dict) -> list[str]:
     lines.append(f"FLOPs per device per step: {report['analytic_flops_per_device'] / 1e12:.4g} TFLOP (model, "
                  f"analytic); XLA cost analysis {report.get('xla_flops_per_device', math.nan) / 1e12:.4g} TFLOP "
                  f"(a scanned layer counted once, recompute included)")
+    lines += program_lines(report)
     if "estimate_step_time_s" in report:
-        lines.append(f"roofline estimate (not a measurement): step {_seconds(report['estimate_step_time_s'])}, "
-                     f"{report['estimate_bound']}-bound (compute {_seconds(report['estimate_compute_s'])}, HBM "
-                     f"{_seconds(report['estimate_hbm_s'])}, ICI {_seconds(report['estimate_ici_s'])}"
-                     + (f", DCN {_seconds(report['estimate_dcn_s'])}" if report.get("estimate_dcn_s") else "")
-                     + "), MFU "
-                     f"{report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s")
+        terms = ", ".join(f"{k} {_seconds(report[f'estimate_{k}_s'])}" for k in
+                          ("matmul", "attention", "recompute", "memory", "collectives", "host"))
+        lines.append(f"step-time ESTIMATE (maxctx.plan.step_time, calibrated on MaxText's measured v5p rows): step "
+                     f"{_seconds(report['estimate_step_time_s'])} ({terms}; collectives and host: the exposed "
+                     f"part), MFU {report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s"
+                     + (f"; the model's splash block: {report['estimate_splash_block']}"
+                        if "estimate_splash_block" in report else ""))
     lines.append(f"compiled in {report['compile_time_s']:.1f} s")
     return lines
 
 
+def program_lines(report: dict) -> list[str]:
+    """What the compiled program runs per step (maxctx.plan.program), when it compiled."""
+    if "attention_forward_calls" not in report:
+        return []
+    per_layer = report["attention_forwards_per_layer"]
+    forwards = "none found" if per_layer is None else (
+        f"{per_layer:g} per layer ({'recomputed in the backward' if per_layer > 1 else 'kept for the backward'})")
+    comm = ", ".join(f"{k} {v / GIB:.3g} GiB" for k, v in sorted(report["collective_bytes"].items())) or "none"
+    executed, model = report["executed_flops"], report["analytic_flops_per_device"]
+    return [f"compiled program per step: attention forward {forwards}; host transfers: to device "
+            f"{report['host_to_device_bytes'] / GIB:.3g} GiB, to host {report['device_to_host_bytes'] / GIB:.3g} GiB",
+            f"collectives per step: {comm}",
+            f"executed FLOPs per device: {executed / 1e12:.4g} TFLOP (matmuls {report['executed_dot_flops'] / 1e12:.4g}"
+            f" + Pallas kernels {report['executed_pallas_flops'] / 1e12:.4g}), {executed / model:.3g} x model FLOPs"
+            + (f"; {report['uncounted_loops']} loops of unknown trip count counted once"
+               if report["uncounted_loops"] else "")]
+
+
 USAGE = ("Compiles the train step without training and reports memory per device, FLOPs and (for a TPU\n"
-         "compile_topology) whether it fits and a roofline estimate. Exit status: 0 fits, 2 bad config, 3 does not "
+         "compile_topology) whether it fits and a step-time estimate. Exit status: 0 fits, 2 bad config, 3 does not "
          "fit.\n--plan: print the context-parallel planner's ranked table instead (context_parallel_strategy=auto);"
          "\n--verify: also compile its three best candidates and show their compiled memory next to the estimate.")
 FLAGS = ("--plan", "--verify")

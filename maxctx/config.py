@@ -17,7 +17,7 @@ from maxctx.errors import ConfigError  # noqa: F401 (re-exported: the error of a
 # flash (MaxText's meaning) and auto: the platform's fast kernel, splash on TPU, cuDNN on GPU (bf16/fp16), else the
 # blockwise JAX kernel, which `blockwise` names on every platform.
 AttentionKernel = Literal["auto", "flash", "dot_product", "blockwise", "splash", "cudnn"]
-# MaxText's policies (maxctx.model.decoder.NAMED_POLICIES says what each keeps), plus none: no remat at all.
+# MaxText's policies (NAMED_POLICIES says what each keeps), plus none: no remat at all.
 RematPolicy = Literal["full", "minimal", "minimal_with_context", "minimal_flash", "save_dot_with_context_except_mlp",
                       "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "qkv_proj_offloaded",
                       "minimal_offloaded", "save_out_proj", "custom", "none"]
@@ -34,6 +34,23 @@ CheckpointFailurePolicy = Literal["exit", "continue"]
 # The tensors remat_policy=custom places (MaxText's names; maxctx.model.layers tags them with checkpoint_name).
 REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
                "mlpwo")
+_QKV = ("query_proj", "key_proj", "value_proj")
+_MATMULS = (*_QKV, "out_proj", "mlpwi", "mlpwo")
+# MaxText's remat policies: the tensors (checkpoint_name tags, REMAT_NAMES) each keeps on the device
+# and each moves to pinned host memory; every other tensor inside the layer is recomputed in the backward.
+NAMED_POLICIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "full": ((), ()),  # only the layer's input is kept; the layer runs again in the backward
+    "minimal": (_MATMULS, ()),  # every projection's output: the cheap elementwise rest is recomputed
+    "minimal_with_context": ((*_MATMULS, "context"), ()),
+    "minimal_flash": ((*_MATMULS, "context"), ()),  # MaxText's older name of minimal_with_context
+    "save_dot_with_context_except_mlp": ((*_QKV, "context", "out_proj"), ()),
+    "save_dot_except_mlpwi": ((*_QKV, "out_proj", "mlpwo"), ()),
+    "save_dot_except_mlp": ((*_QKV, "out_proj"), ()),
+    "save_qkv_proj": (_QKV, ()),
+    "qkv_proj_offloaded": ((), _QKV),
+    "minimal_offloaded": ((), _MATMULS),
+    "save_out_proj": (("out_proj",), ()),
+}
 
 
 @dataclasses.dataclass(frozen=True)

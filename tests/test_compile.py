@@ -17,8 +17,10 @@ import pytest
 from maxctx.config import ConfigError
 from maxctx.loader import load_config
 from maxctx.metrics import training_flops_per_device
+from maxctx.model.shape import ModelShape
+from maxctx.plan import step_time
 from maxctx.plan.out_of_memory import fit, xla_out_of_memory
-from maxctx.plan.roofline import cp_bytes_per_layer, roofline
+from maxctx.plan.roofline import cp_bytes_per_layer
 from maxctx.plan.topology import CHIPS, parse, standard_shape
 from tests.support.processes import python, tpu_env
 from tests.support.strategies import names as strategy_names
@@ -100,17 +102,26 @@ def test_fit_compares_total_bytes_with_device_hbm():
     assert not fit({"total_size_in_bytes": 97 * GIB}, chip)["fits"]
 
 
-def test_roofline_terms():
+def test_step_time_terms():
     config = load_config(["configs/base.yml", "model_name=llama3-8b", "max_target_length=32768",
-                          "ici_context_parallelism=8", "context_parallel_strategy=p2p"])
+                          "ici_context_parallelism=8", "context_parallel_strategy=p2p", "compile_topology=v5p-64"])
     mesh = {"data": 1, "fsdp": 4, "context": 8, "context_a2a": 1, "tensor": 1}
-    chip = CHIPS["v5p"]
-    est = roofline(config, mesh, 4, 8_030_261_248, chip)
+    hw = step_time.hardware(config, 32)
+    est = step_time.estimate(config, mesh, 4, hw)
     flops = training_flops_per_device(config, 4, 32768, 32)
-    assert est["estimate_compute_s"] == pytest.approx(flops * 4 / 3 / 459e12)
-    assert est["estimate_step_time_s"] == max(est["estimate_compute_s"], est["estimate_hbm_s"], est["estimate_ici_s"])
-    assert est["estimate_mfu"] == pytest.approx(flops / 459e12 / est["estimate_step_time_s"])
-    assert 0 < est["estimate_mfu"] <= 0.75  # full remat alone caps it at 3/4
+    assert est.model_flops == pytest.approx(flops)
+    # full remat: every projection's forward again, and the attention forward (context is not kept)
+    assert est.forwards_per_layer == 2
+    assert est.matmul_s == pytest.approx(ModelShape.from_config(config).matmul_flops(4096)
+                                         / (459e12 * step_time.XLA_MATMUL_EFFICIENCY))
+    assert est.recompute_s > est.matmul_s / 3
+    assert est.step_s == pytest.approx(est.compute_s + est.exposed_collective_s + est.exposed_host_s)
+    report = step_time.report(est, hw, 4 * 32768)
+    assert report["estimate_mfu"] == pytest.approx(flops / 459e12 / est.step_s)
+    assert 0 < report["estimate_mfu"] < step_time.SPLASH_EFFICIENCY[1024]
+    # the compiled program's count replaces the policy's: one forward, no attention recompute
+    once = step_time.estimate(config, mesh, 4, hw, forwards_per_layer=1)
+    assert once.step_s < est.step_s and once.host_bytes == 0
     # p2p per layer: (C-1) hops of K/V (8 kv heads x 128, bf16) + ids forward; backward adds fp32 dK/dV.
     t = 4096
     fwd, bwd = cp_bytes_per_layer(config, mesh, t, 2)
@@ -165,7 +176,7 @@ def test_tiny_model_compiles_for_v5e_8():
     assert 0 < report["total_size_in_bytes"] < report["hbm_bytes_per_device"]
     assert report["headroom_bytes"] == report["hbm_bytes_per_device"] - report["total_size_in_bytes"]
     assert "FITS in 16.00 GiB HBM per chip" in out
-    assert math.isfinite(report["estimate_mfu"]) and "roofline estimate" in out
+    assert math.isfinite(report["estimate_mfu"]) and "step-time ESTIMATE" in out
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

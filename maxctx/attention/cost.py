@@ -13,6 +13,10 @@ import math
 # The HLO ops the strategies use. Counted per device as XLA shows them: the result of all-gather, all-to-all and
 # collective-permute, the operand of reduce-scatter.
 KINDS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+# The name scope in which a Pallas attention call states its visited query-key products x head dim (for query
+# heads and batch together), `pallas_macs=N`: maxctx.attention.splash writes it, maxctx.plan.program reads it.
+PALLAS_MACS_SCOPE = "pallas_macs="
+ATTENTION_FORWARD_SCOPE = "attention_forward"  # the blockwise kernel's forward (maxctx.attention.flash)
 
 
 @dataclasses.dataclass(frozen=True)

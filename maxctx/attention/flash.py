@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxctx.attention.cost import ATTENTION_FORWARD_SCOPE
 from maxctx.attention.dot_product import mask_from_positions
 
 
@@ -66,7 +67,13 @@ def _dims(q_BSHD, k_BTKD, block_q: int, block_kv: int) -> tuple[int, ...]:
 
 
 def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512, window=0):
-    """Returns (out[B, S, H, D] fp32, lse[B, H, S] fp32); rows with no visible key give out 0, lse -inf."""
+    """Returns (out[B, S, H, D] fp32, lse[B, H, S] fp32); rows with no visible key give out 0, lse -inf. Under the
+    `attention_forward` scope, by which maxctx.plan.program counts how often the program runs it."""
+    with jax.named_scope(ATTENTION_FORWARD_SCOPE):
+        return _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window)
+
+
+def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window):
     q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg = _tie(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg)
     b, s, h, d, t, k, g, nq, nk = _dims(q_BSHD, k_BTKD, block_q, block_kv)
     scale = d ** -0.5

@@ -31,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.attention.kernels import LocalKernel
 from maxctx.attention.sharded import ring_shift
@@ -94,6 +95,9 @@ def ring_attention(local: LocalKernel, axis, size: int, overlap: bool, q, k, v, 
 
 def _ring_fwd(local, axis, size, overlap, q, k, v, qp, qs, kp, ks):
     out, lse = _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)
+    # The backward's residuals beside q, k, v: named as the layer's attention output, so a remat policy that keeps
+    # `context` (on the device or the host) keeps them too and the backward need not run the ring forward again.
+    out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
     return out, (q, k, v, qp, qs, kp, ks, out, lse)
 
 

@@ -16,7 +16,8 @@ Key blocks are computed COMPUTE_BLOCK keys at a time whatever the block size (th
 partly visible blocks are computed in the kernel rather than loaded where the keys allow (splash_masks): a loaded
 partial block is an s32[bq, bkv] window, double-buffered, which at 2048 x 2048 is half a v5p's VMEM. What a pass
 still holds grows with bq x D (query, output and accumulator windows): docs/long_context.md, "Splash's blocks and
-VMEM", has the measured limits. flash_block_q / flash_block_kv set every pass's blocks unless the flash_block_*_dkv / *_dq / *_compute keys
+VMEM", has the measured limits. flash_block_q / flash_block_kv set every pass's blocks unless the
+flash_block_*_dkv / *_dq / *_compute keys
 (MaxText's sa_block_*) set the backward's apart (Blocks). Each kernel's tables cover the whole call on one device:
 splash's q_seq_shards is not used (docs/long_context.md, "Splash at these lengths", says why).
 
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxctx.attention.cost import PALLAS_MACS_SCOPE
 from maxctx.attention.flash import block_size
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
 from maxctx.attention.splash_masks import ordered_causal_mask, sees_a_key
@@ -219,6 +221,13 @@ class RowLoop:
         """Pass `name`'s stacked MaskInfo (`infos`) as device arrays, made once outside the loop that picks from it."""
         return jax.tree_util.tree_map(jnp.asarray, self.infos[name])
 
+    def macs(self, heads: int, head_dim: int) -> int:
+        """One loop step's visited query-key products x head dim over `heads` (batch x query heads; visited_macs),
+        averaged over the chunks."""
+        tables = self.infos["fwd_mask_info"].block_mask
+        per = [visited_macs(tables[i], self.rows, self.kernel, head_dim) for i in self.index]
+        return sum(per) * heads // self.chunks
+
     @staticmethod
     def pick(info, which):
         """One chunk's MaskInfo from a stacked one: table `which` (traced) of each stacked table."""
@@ -232,7 +241,7 @@ class RowLoop:
         def chunk(xs):
             q, seg, which = xs
             step = type(self.kernel)(self.pick(info, which), None, None, **self.kernel.kwargs)
-            return _call_one(step, q, k_BTKD, v_BTKD, seg, kv_seg_BT, True)
+            return _call_one(step, q, k_BTKD, v_BTKD, seg, kv_seg_BT, True, macs=self.macs(b * h, d))
 
         split = [jnp.moveaxis(x.reshape(b, self.chunks, self.rows, *x.shape[2:]), 1, 0) for x in (q_BSHD, q_seg_BS)]
         out, lse = jax.lax.map(chunk, (*split, jnp.asarray(self.index)))
@@ -305,10 +314,29 @@ def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_resid
     return out, (jnp.concatenate([lse for _, lse in parts], axis=-1) if save_residuals else None)
 
 
-def _call_one(kernel, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool):
+def visited_macs(block_mask, rows: int, kernel, head_dim: int) -> int:
+    """Query-key products x head dim that `kernel` computes per query head: the blocks its forward table visits
+    (nonzero `block_mask` [1, query blocks, key blocks]; every block when splash keeps no table) x block_q x
+    block_kv x head_dim. The FLOPs of each pass are a multiple of it (maxctx.plan.program reads
+    it from the kernel's scope, `pallas_macs=`)."""
+    sizes = kernel.kwargs["block_sizes"]
+    if block_mask is None:
+        return rows * sizes.block_kv * head_dim
+    table = np.asarray(block_mask)
+    return int(np.count_nonzero(table)) * (rows // table.shape[-2]) * sizes.block_kv * head_dim
+
+
+def pallas_scope(macs: int):
+    """The name scope that states a Pallas call's visited products x head dim in the program (maxctx.plan.program)."""
+    return jax.named_scope(f"{PALLAS_MACS_SCOPE}{int(macs)}")
+
+
+def _call_one(kernel, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool, macs: int | None = None):
     kernel_lib, _ = _lib()
     b, s, h, d = q_BSHD.shape
     kv_heads = k_BTKD.shape[2]
+    if macs is None:
+        macs = visited_macs(kernel.fwd_mask_info.block_mask, s, kernel, d) * b * h
     q_BKGSD = (q_BSHD * d ** -0.5).reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
     k_BKTD, v_BKTD = k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
     segments = kernel_lib.SegmentIds(q=q_seg_BS.astype(jnp.int32), kv=kv_seg_BT.astype(jnp.int32))
@@ -316,7 +344,8 @@ def _call_one(kernel, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residual
     def one(q_GSD, k_TD, v_TD, seg):
         return kernel(q_GSD, k_TD, v_TD, segment_ids=seg)
 
-    result = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGSD, k_BKTD, v_BKTD, segments)
+    with pallas_scope(macs):
+        result = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q_BKGSD, k_BKTD, v_BKTD, segments)
     out, lse = (result[0], result[1][0]) if save_residuals else (result, None)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
     if lse is not None:

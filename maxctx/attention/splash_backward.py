@@ -40,8 +40,10 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
         if kernels[0][2] is None:  # the hop sees no key
             return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))
         kernel = kernels[0][2]
-        dq, dk, dv = _backward(kernel, kernel.dq_mask_info, kernel.dkv_mask_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS,
-                               kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
+        b, s, h, d = q_BSHD.shape
+        with splash.pallas_scope(splash.visited_macs(kernel.fwd_mask_info.block_mask, s, kernel, d) * b * h):
+            dq, dk, dv = _backward(kernel, kernel.dq_mask_info, kernel.dkv_mask_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS,
+                                   kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
         return _scaled(dq), dk, dv
     loop = kernels
     infos = {name: loop.device_info(name) for name in ("dq_mask_info", "dkv_mask_info") if name in loop.infos}
@@ -52,7 +54,8 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
                                   ((q_BSHD, 1), (q_seg_BS, 1), (out_BSHD, 1), (lse_BHS, 2), (dout_BSHD, 1)))
         dq_info, dkv_info = (None if name not in infos else loop.pick(infos[name], which)
                              for name in ("dq_mask_info", "dkv_mask_info"))
-        dq, dk, dv = _backward(loop.kernel, dq_info, dkv_info, q, k_BTKD, v_BTKD, seg, kv_seg_BT, out, lse, dout)
+        with splash.pallas_scope(loop.macs(q_BSHD.shape[0] * q_BSHD.shape[2], q_BSHD.shape[3])):
+            dq, dk, dv = _backward(loop.kernel, dq_info, dkv_info, q, k_BTKD, v_BTKD, seg, kv_seg_BT, out, lse, dout)
         return (grads[0] + dk, grads[1] + dv), dq
 
     zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (k_BTKD, v_BTKD))

@@ -15,27 +15,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxctx.config import NAMED_POLICIES
 from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, param
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
-
-_QKV = ("query_proj", "key_proj", "value_proj")
-_MATMULS = (*_QKV, "out_proj", "mlpwi", "mlpwo")
-# MaxText's remat policies: the tensors (checkpoint_name tags, maxctx.config.REMAT_NAMES) each keeps on the device
-# and each moves to pinned host memory; every other tensor inside the layer is recomputed in the backward.
-NAMED_POLICIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "full": ((), ()),  # only the layer's input is kept; the layer runs again in the backward
-    "minimal": (_MATMULS, ()),  # every projection's output: the cheap elementwise rest is recomputed
-    "minimal_with_context": ((*_MATMULS, "context"), ()),
-    "minimal_flash": ((*_MATMULS, "context"), ()),  # MaxText's older name of minimal_with_context
-    "save_dot_with_context_except_mlp": ((*_QKV, "context", "out_proj"), ()),
-    "save_dot_except_mlpwi": ((*_QKV, "out_proj", "mlpwo"), ()),
-    "save_dot_except_mlp": ((*_QKV, "out_proj"), ()),
-    "save_qkv_proj": (_QKV, ()),
-    "qkv_proj_offloaded": ((), _QKV),
-    "minimal_offloaded": ((), _MATMULS),
-    "save_out_proj": (("out_proj",), ()),
-}
 
 
 def remat_policy(cfg: ModelConfig):

@@ -2,7 +2,11 @@
 
     topology.py       TPU slices by name (v5p-128, ...) for ahead-of-time compiles; their HBM and links
     planner.py        context_parallel_strategy=auto: candidates ranked by memory and step time (no JAX)
-    roofline.py       the step-time estimate `maxctx.compile` prints
+    step_time.py      the one step-time model (planner, maxctx.compile), calibrated on MaxText's measured rows
+    roofline.py       the bytes a step moves through HBM, ICI and DCN (the model's memory and collective terms)
+    program.py        what a compiled step runs, read from its HLO: attention forwards, host and collective bytes,
+                      executed FLOPs
+    vmem.py           splash's VMEM per pass
     out_of_memory.py  XLA's out-of-memory errors read, the fit verdict, and what to change
 
 Nothing is imported here: the planner runs while the config loads, before JAX starts.

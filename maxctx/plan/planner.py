@@ -9,14 +9,16 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
     attention memory  the strategy's `activation_bytes` (what one layer saves for its backward; tests check it
                       against the compiled program), plus the backward's transient buffers (its `transient_bytes`)
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
-                      the saved layer inputs L t D b (none when offloaded) + the layer's working set
+                      the saved layer inputs L t D b (none when offloaded) and every other tensor the remat policy
+                      keeps on the device (step_time.placement: L t x its bytes per token) + the layer's working set
                       LAYER_WORK_BYTES t D (calibrated; LAYER_WORK_BYTES_INPUTS_ON_DEVICE t D when the inputs stay
                       in HBM) + the larger of the attention memory and the loss / MLP
                       tiles; a candidate above FIT_FRACTION of HBM is ranked after the fitting ones (auto takes
                       the least memory when none fits)
-    compute           model FLOPs per device (6 P t + 12 L H Dh t x keys per query: S / 2, about W in a local
-                      layer; maxctx.metrics' convention) x 4/3 under full remat, at peak FLOP/s
-    exposed comm      per layer of the attention_layer_pattern, from the strategy's `comm_volume` formulas (forward
+    compute           maxctx.plan.step_time.estimate's (the one step-time model, calibrated on MaxText's measured
+                      rows): matmuls, attention, what the backward recomputes and memory-bound work
+    exposed comm      step_time's exposed collectives and host transfers. Its CP collectives (exposed_per_layer):
+                      per layer of the attention_layer_pattern, from the strategy's `comm_volume` formulas (forward
                       ones once per forward pass): all-gather, reduce-scatter, all-to-all and a local layer's halo
                       permutes wait for their bytes (not overlapped: synchronous in the program compiled for TPU);
                       a forward ring hop overlaps the attention of the block it carries, so each of its hops
@@ -25,7 +27,7 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       (the software-pipelined ring backward, which only benchmarks and tests build); the program
                       sends after the hop's kernel, so every backward send waits in full: the estimate charges
                       what the program does
-    step              compute + L x exposed comm (averaged over the pattern)
+    step              compute + exposed comm
 
 Bandwidths (per device, one direction): a ring hop uses one ICI link; all-gather and reduce-scatter use both
 directions of every torus dimension their group spans; an all-to-all is bisection-bound in each dimension it
@@ -35,8 +37,7 @@ DCN_BYTES_PER_S. The all-to-all of a2a and usp must stay inside a slice (maxctx.
 across slices only ring-style traffic (p2p, usp's ring, all_gather's gather) crosses DCN.
 
 Ranking: fitting candidates by step time; among those within TIE of the fastest (the model cannot tell them
-apart) the one with the least estimated memory is chosen. Not modelled: HBM traffic and the non-CP collectives
-(the same for every candidate), kernel efficiency per block size, load imbalance. docs/choosing_a_strategy.md has
+apart) the one with the least estimated memory is chosen. Not modelled: load imbalance. docs/choosing_a_strategy.md has
 the model's assumptions and its choices against the fit table and MaxText's measurements. No JAX here, except
 the peak FLOP/s table (maxctx.metrics.peaks), imported only when a TPU's peak is needed.
 """
@@ -44,21 +45,27 @@ the peak FLOP/s table (maxctx.metrics.peaks), imported only when a TPU's peak is
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 from maxctx.attention import strategies
-from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
-from maxctx.config import Config, ConfigError, layer_windows
+from maxctx.attention.cost import AttentionShape
+from maxctx.config import Config, ConfigError
 from maxctx.model.shape import ModelShape, dtype_bytes
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
-from maxctx.plan import topology
+from maxctx.plan import step_time, topology
+
+# The device and the collectives' timing live in the step-time model; named here for the planner's readers.
+from maxctx.plan.step_time import (  # noqa: F401
+    DCN_BYTES_PER_S,
+    DCN_LATENCY_S,
+    ICI_LATENCY_S,
+    Hardware,
+    _collective_s,
+    exposed_per_layer,
+    hardware,
+)
 
 GIB = 1024 ** 3
-# DCN bandwidth per chip each way where maxctx.plan.topology has no figure from Google's pages (v4, v6e, tpu7x, and the
-# generic device): an assumption, 100 Gb/s. Latency of one collective or ring hop: assumptions.
-DCN_BYTES_PER_S = topology.DCN_DEFAULT_BYTES_PER_S
-ICI_LATENCY_S, DCN_LATENCY_S = 5e-6, 50e-6
 FIT_FRACTION = 0.9  # of HBM: room for what the memory model leaves out (XLA's own buffers, fragmentation)
 TIE = 0.01  # step times within 1% of the fastest count as equal; the least memory wins among them
 # The decoder layer's own working set in its backward (norms, projections, residuals and their fp32 gradients),
@@ -68,19 +75,6 @@ TIE = 0.01  # step times within 1% of the fastest count as equal; the least memo
 # the remat_policy=full rows: XLA holds more than the saved inputs themselves then).
 LAYER_WORK_BYTES = 38
 LAYER_WORK_BYTES_INPUTS_ON_DEVICE = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One device as the planner sees it; bandwidths in bytes/s, one direction."""
-
-    name: str
-    peak_flops: float
-    hbm_bytes: float
-    hbm_bytes_per_s: float
-    link_bytes_per_s: float  # one ICI link
-    torus: tuple[int, ...]  # devices per torus dimension of one slice
-    dcn_bytes_per_s: float = DCN_BYTES_PER_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,33 +120,6 @@ class Plan:
                 for c in self.ranked]
 
 
-def hardware(config: Config, num_devices: int | None) -> Hardware:
-    """The device of `compile_topology`, else of TPU_ACCELERATOR_TYPE (set on Cloud TPU VMs), else a generic
-    device (CPU runs: the choice is then about validity, not speed)."""
-    name = config.compile_topology or os.environ.get("TPU_ACCELERATOR_TYPE", "")
-    try:
-        topo = topology.parse(name) if name else None
-    except ConfigError:
-        topo = None
-    if topo is None:
-        peak = config.peak_tflops_per_device * 1e12 if config.peak_tflops_per_device > 0 else 1e12
-        return Hardware(f"generic device ({peak / 1e12:g} TFLOP/s, 64 GiB, 100 GB/s memory, 10 GB/s links)", peak,
-                        64 * GIB, 100e9, 10e9, (num_devices or 1,))
-    chip, per_chip = topo.chip, topo.chip.devices_per_chip
-    if config.peak_tflops_per_device > 0:
-        peak = config.peak_tflops_per_device * 1e12
-    else:
-        from maxctx.metrics.peaks import lookup_peak  # imports JAX: only for a TPU's table entry
-
-        peak = lookup_peak(chip.device_kind).tflops_per_device * 1e12
-    links = 2 * chip.dims
-    torus = topo.shape[:-1] + (topo.shape[-1] * per_chip,)
-    slices = f"{num_slices(config)} x " if num_slices(config) > 1 else ""
-    return Hardware(f"{slices}{topo.name} ({chip.name})", peak, chip.hbm_bytes_per_device,
-                    chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / links / per_chip, torus,
-                    chip.dcn_bytes_per_s_or_default / per_chip)
-
-
 def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> AttentionShape:
     return AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
                           heads=config.base_num_query_heads // tp, kv_heads=max(1, config.base_num_kv_heads // tp),
@@ -160,100 +127,23 @@ def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> Atten
                           cp=cp, a2a=a2a, window=window, load_balance=config.context_parallel_load_balance)
 
 
-def _pairs(seq: int, window: int) -> float:
-    """Keys a query attends to on average (causal): S / 2, or about W in a local layer."""
-    return min(window, seq / 2) if window else seq / 2
-
-
-def _spanned(hw: Hardware, group: int) -> list[tuple[int, int]]:
-    """(devices the group spans, the torus side) per torus dimension it spans. A mesh axis's groups lie on
-    adjacent devices (maxctx.mesh maps the unsplit context axis onto the torus and splits it afterwards), so a group
-    fills the torus dimensions in order: 8 devices of a 4x4x4 torus span 4 along the first and 2 along the second."""
-    out, left = [], group
-    for side in hw.torus:
-        if left <= 1:
-            break
-        extent = min(side, left)
-        out.append((extent, side))
-        left = -(-left // extent)
-    return out or [(1, 1)]
-
-
-def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
-    """Seconds one non-ring collective takes: its ICI part, then (a group beyond the slice) its DCN part."""
-    slices = max(1, c.group // ici_cp) if c.group > ici_cp else 1
-    inside = c.group // slices
-    spans = _spanned(hw, inside)
-    if c.kind == "all-to-all":
-        # Each device sends bytes / U to every member. Along one dimension of extent e the traffic is an
-        # all-to-all among e devices: on a wraparound ring (e = the torus side) a message crosses e / 4 links on
-        # average and each device has 2 links out, so e x bytes / 8 per link; on a line (a part of a dimension, no
-        # wraparound) the middle link carries e x bytes / 4 each way. Dimensions carry their shares at once, so
-        # the slowest dimension sets the time (bisection bound; docs/choosing_a_strategy.md has the source).
-        ici = max(c.bytes * e / (8 if e == side > 2 else 4) for e, side in spans) / hw.link_bytes_per_s
-    else:  # all-gather / reduce-scatter: rings in both directions of every spanned dimension
-        ici = c.bytes * (inside - 1) / c.group / (2 * len(spans) * hw.link_bytes_per_s)
-    ici = ici + ICI_LATENCY_S if inside > 1 else 0.0
-    dcn = c.bytes * (slices - 1) / slices / hw.dcn_bytes_per_s + DCN_LATENCY_S if slices > 1 else 0.0
-    return ici + dcn
-
-
-def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
-                      forward_passes: int, ring_overlap: bool = True) -> float:
-    """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
-    keys come by halo exchange (maxctx.attention.halo) waits for its permutes. `ring_overlap`: the ring backward's
-    sends overlap its hops' kernels, as the software-pipelined backward does (AttentionSpec.ring_backward_overlap);
-    False: each waits in full, as in the program (plan passes its `ring_overlap`)."""
-    attn_fwd = 4 * s.batch * (s.seq / s.cp) * _pairs(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
-    unit = strategies.get(strategy)
-    fwd, bwd = unit.comm_volume(s)
-    ring_bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if dcn_cp > 1 else hw.link_bytes_per_s
-    latency = DCN_LATENCY_S if dcn_cp > 1 else ICI_LATENCY_S
-    if unit.halo_plan(s) is not None:
-        return sum(c.sent_bytes / ring_bw + latency for c in fwd) * forward_passes + sum(
-            c.sent_bytes / ring_bw + latency for c in bwd)
-    r = s.ring
-
-    # Each ring step merges its block's result into fp32 accumulators in HBM (read both, write one): out in the
-    # forward; dq and the travelling dK/dV in the backward. Not overlapped: the merge waits for the block.
-    acc = s.batch * (s.seq / r) * s.head_dim * 4 * s.heads / s.a2a
-    kv_acc = 2 * s.batch * (s.seq / r) * s.head_dim * 4 * replicated_kv_heads(s.kv_heads, s.a2a) / s.a2a
-
-    def ring_s(ops: list[Collective], compute: float, hops: int, merged: float, overlap: bool) -> float:
-        sent = sum(c.sent_bytes for c in ops if c.kind == "collective-permute")
-        if not sent:
-            return 0.0
-        hidden = compute / r if overlap else 0.0
-        return hops * (max(0.0, sent / hops / ring_bw - hidden) + latency + 3 * merged / hw.hbm_bytes_per_s)
-
-    def others_s(ops: list[Collective]) -> float:
-        return sum(_collective_s(c, hw, ici_cp) for c in ops if c.kind != "collective-permute")
-
-    forward = others_s(fwd) + ring_s(fwd, attn_fwd, r - 1, acc, True)
-    backward = others_s(bwd) + ring_s(bwd, 2 * attn_fwd, r, acc + kv_acc, ring_overlap)
-    return forward_passes * forward + backward
-
-
-def _base(config: Config, tp: int, shards: int) -> tuple[float, float, float]:
-    """(compute FLOPs per device, memory per device besides attention, the loss / MLP tiles' bytes); local layers'
-    attention FLOPs scale with their window."""
+def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
+    """(memory per device besides attention, the loss / MLP tiles' bytes)."""
     shape = ModelShape.from_config(config)
     seq, layers, b = config.max_target_length, config.base_num_decoder_layers, shape.itemsize
-    full = config.remat_policy in ("full", "custom")
-    windows = layer_windows(config)
-    pairs = sum(_pairs(seq, w) for w in windows) / len(windows)
-    rows = config.per_device_batch_size * seq
-    flops = shape.matmul_flops(rows) + shape.attention_flops(rows * pairs * layers)
-    flops *= 4 / 3 if full else 1
     params, wb = shape.num_params, shape.weight_itemsize
     tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
     saved_inputs = 0 if offloaded else layers * tokens * config.base_emb_dim * b
     work = (LAYER_WORK_BYTES if offloaded else LAYER_WORK_BYTES_INPUTS_ON_DEVICE) * tokens * config.base_emb_dim
+    # What else the policy keeps in HBM for the backward (the attention output under context=device, ...)
+    kept = step_time.per_token(config, tp)["bytes"]
+    saved_inputs += layers * tokens * sum(kept[name] for name, where in step_time.placement(config).items()
+                                          if where == "device" and name != "decoder_layer_input")
     state = params * (wb + 12) / shards + params / layers * wb / max(1, tp)
     tiles = max(2 * tokens / config.num_vocab_tiling * config.vocab_size / tp * 4,
                 3 * tokens / config.mlp_sequence_chunks * config.base_mlp_dim / tp * b)
-    return flops, state + saved_inputs + work, tiles
+    return state + saved_inputs + work, tiles
 
 
 def candidates(cp: int) -> list[tuple[str, int]]:
@@ -296,9 +186,8 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
     cp, tp = ici["context"] * dcn["context"], ici["tensor"] * dcn["tensor"]
     hw = hardware(config, n)
     fsdp = ici["fsdp"] * dcn["fsdp"] if ici["fsdp"] > 0 and dcn["fsdp"] > 0 else 1
-    flops, base_bytes, tiles = _base(config, tp, fsdp * cp * tp)
-    passes = 2 if config.remat_policy in ("full", "custom") else 1
-    layers = config.base_num_decoder_layers
+    base_bytes, tiles = _base(config, tp, fsdp * cp * tp)
+    data = max(1, n // (fsdp * cp * tp)) if n else 1
     out = []
     for name, u in candidates(cp) if cp > 1 else [("all_gather", 1)]:
         cand = candidate_config(config, name, u)
@@ -314,18 +203,17 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
             out.append(Candidate(name, u, cp, dropped=str(e), valid=False))
             continue
         s = _shape(config, cp, tp, u)
-        windows = layer_windows(config)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
         attn = saved + strategies.get(name).transient_bytes(s, ring_overlap) if cp > 1 else 0.0
         memory = base_bytes + max(attn, tiles)
-        exposed = layers * sum(exposed_per_layer(name, _shape(config, cp, tp, u, w), hw, ici["context"],
-                                                 dcn["context"], passes, ring_overlap)
-                               for w in windows) / len(windows) \
-            if cp > 1 else 0
+        mesh = {"data": data, "fsdp": fsdp, "context": cp // u, "context_a2a": u, "tensor": tp}
+        est = step_time.estimate(cand, mesh, config.per_device_batch_size * data * fsdp * cp * tp, hw,
+                                 ring_overlap=ring_overlap)
         fits = memory <= FIT_FRACTION * hw.hbm_bytes
         dropped = "" if fits else (f"needs ~{memory / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of "
                                    f"{hw.hbm_bytes / GIB:.0f} GiB HBM")
-        out.append(Candidate(name, u, cp, saved, attn, memory, flops / hw.peak_flops, exposed, fits, dropped))
+        out.append(Candidate(name, u, cp, saved, attn, memory, est.compute_s,
+                             est.exposed_collective_s + est.exposed_host_s, fits, dropped))
     return Plan(hw, cp, tuple(_rank(out)))
 
 

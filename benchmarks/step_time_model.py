@@ -1,0 +1,149 @@
+"""maxctx.plan.step_time against MaxText's measured v5p-128 long-context rows: the calibration and the error on
+every row. No compile, no TPU: the model's arithmetic only.
+
+    python3 benchmarks/step_time_model.py          # the table (docs/step_time_model.md)
+    python3 benchmarks/step_time_model.py --fit    # the fitted constants from the FITTED rows
+    python3 benchmarks/step_time_model.py --what-if    # MaxText's recomputing lengths with context offloaded
+
+The rows: tpu-recipes `training/v5p/Llama3.1-8B-LongContext-Maxtext/cluster_toolkit/README.md` (AI-Hypercomputer),
+llama3.1-8b with head_dim=256, 16 query heads, 4 KV heads (its variant), ring CP with causal load balance, tokamax
+splash at sa_block_*=1024, num_vocab_tiling=16, 459 TFLOP/s per device. MaxText's ring sends overlap the hops'
+kernels in the backward as well as the forward (`ring_overlap=True`; maxctx's own program sends its backward hops
+after their kernels, which the planner charges). Where the README gives two step times
+(a UBench run and a second run) the second, whose MFU is the range's upper end, is the row's; the UBench one is
+shown beside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from maxctx.loader import load_config  # noqa: E402
+from maxctx.plan import step_time  # noqa: E402
+
+VARIANT = ["model_name=llama3.1-8b", "head_dim=256", "base_num_query_heads=16", "base_num_kv_heads=4",
+           "num_vocab_tiling=16", "attention=splash", "flash_block_q=1024", "flash_block_kv=1024",
+           "context_parallel_strategy=p2p", "context_parallel_load_balance=true", "compile_topology=v5p-128",
+           "peak_tflops_per_device=459"]
+# (tokens, ici_context, ici_fsdp, per_device_batch, remat_policy, context, decoder_layer_input, measured step s,
+#  the UBench run's step s or None, the README's measured MFU (the upper end of a range))
+ROWS = [(65536, 4, 16, 0.5, "custom", "device", "device", 10.25, None, 0.673),
+        (262144, 16, 4, 0.125, "custom", "offload", "offload", 26.31, None, 0.681),
+        (1048576, 64, 1, 0.03125, "custom", "offload", "device", 90.30, 95.73, 0.687),
+        (2097152, 64, 1, 0.03125, "custom", "offload", "offload", 346.18, 357.68, 0.699),
+        (4194304, 64, 1, 0.03125, "custom", "offload", "offload", 1358.40, 1373.73, 0.703),
+        (10485760, 64, 1, 0.015625, "full", None, None, 8056.40, None, 0.367),
+        (14680064, 64, 1, 0.015625, "custom", "remat", "offload", 15623.09, None, 0.371)]
+# Each constant is fitted on the row it dominates (the others predicted).
+FITTED = {"XLA_MATMUL_EFFICIENCY": 65536, "SPLASH_EFFICIENCY": 4194304, "RECOMPUTE_ATTENTION": 10485760}
+DEVICES = 64
+
+
+@functools.cache
+def config_of(row):
+    seq, cp, fsdp, pdbs, policy, context, inputs = row[:7]
+    keys = [f"max_target_length={seq}", f"ici_context_parallelism={cp}", f"ici_fsdp_parallelism={fsdp}",
+            f"per_device_batch_size={pdbs}", f"remat_policy={policy}"]
+    if policy == "custom":
+        keys += [f"context={context}", f"decoder_layer_input={inputs}"]
+    return load_config(["configs/base.yml", *VARIANT, *keys])
+
+
+def predict(row) -> step_time.StepTime:
+    config = config_of(row)
+    mesh = {"data": 1, "fsdp": row[2], "context": row[1], "context_a2a": 1, "tensor": 1}
+    hw = step_time.hardware(config, DEVICES)
+    return step_time.estimate(config, mesh, row[3] * DEVICES, hw, ring_overlap=True)
+
+
+def _set(name: str, value: float) -> None:
+    if name == "SPLASH_EFFICIENCY":
+        step_time.SPLASH_EFFICIENCY = {**step_time.SPLASH_EFFICIENCY, 1024: value}
+    else:
+        setattr(step_time, name, value)
+
+
+def fit() -> dict[str, float]:
+    """Each constant bisected so its row's prediction meets the measurement, in turns until they settle (each
+    prediction is monotone in every constant)."""
+    rows = {r[0]: r for r in ROWS}
+    values = {}
+    for _ in range(30):
+        for name, seq in FITTED.items():
+            lo, hi = (0.05, 1.0) if "EFFICIENCY" in name else (0.0, 20.0)
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                _set(name, mid)
+                too_slow = predict(rows[seq]).step_s > rows[seq][7]
+                # a higher efficiency is faster; a higher recompute cost is slower
+                lo, hi = ((mid, hi) if too_slow else (lo, mid)) if "EFFICIENCY" in name else \
+                    ((lo, mid) if too_slow else (mid, hi))
+            values[name] = (lo + hi) / 2
+            _set(name, values[name])
+    return values
+
+
+def table() -> list[str]:
+    lines = ["| tokens | CP x FSDP | policy (context, layer input) | measured | predicted | error | fitted? | "
+             "matmul / attention / recompute / memory / exposed comm / exposed host | predicted MFU | "
+             "MaxText's MFU / maxctx's model FLOPs at the measured time | model FLOPs x 4/3 at peak (the former "
+             "roofline) | host bytes per step; GB/s that would expose them |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in ROWS:
+        seq, cp, fsdp, pdbs, policy, context, inputs, measured, ubench, mfu = row
+        est = predict(row)
+        err = est.step_s / measured - 1
+        also = f" (UBench {ubench:,.2f} s: {est.step_s / ubench - 1:+.1%})" if ubench else ""
+        terms = " / ".join(f"{x:,.1f}" for x in (est.matmul_s, est.attention_s, est.recompute_s, est.memory_s,
+                                                 est.exposed_collective_s, est.exposed_host_s))
+        where = f"{policy}" + (f" ({context}, {inputs})" if policy == "custom" else "")
+        lines.append(f"| {seq:,} | {cp} x {fsdp} | {where} | {measured:,.2f} s{also} | {est.step_s:,.2f} s | "
+                     f"{err:+.1%} | {'fitted' if seq in FITTED.values() else 'predicted'} | {terms} s | "
+                     f"{est.model_flops / est.step_s / 459e12:.1%} | {mfu:.1%} / "
+                     f"{est.model_flops / measured / 459e12:.1%} | {est.model_flops * 4 / 3 / 459e12:,.0f} s | "
+                     f"{est.host_bytes / 1e9:,.0f} GB; {est.host_bytes / 2 / (est.compute_s / 3) / 1e9:.2f} |")
+    return lines
+
+
+# What the model predicts when attention's outputs are kept on the host at MaxText's recomputing lengths (no
+# measurement exists): the rows' shapes with remat_policy=custom context=offload decoder_layer_input=offload.
+WHAT_IF = [(10485760, 64, 1, 0.015625, "custom", "offload", "offload"),
+           (14680064, 64, 1, 0.015625, "custom", "offload", "offload"),
+           (16777216, 64, 1, 0.015625, "custom", "offload", "offload")]
+HOST_RAM_PER_VM = 448e9  # a v5p VM: 4 chips, 448 GB RAM (cloud.google.com/tpu/docs/v5p)
+
+
+def what_if() -> list[str]:
+    lines = ["| tokens | policy | predicted step | predicted MFU | host bytes held per VM (4 chips) | of its RAM |",
+             "|---|---|---|---|---|---|"]
+    for row in WHAT_IF:
+        est = predict(row)
+        held = est.host_bytes / 2 * 4
+        lines.append(f"| {row[0]:,} | custom (context={row[5]}, decoder_layer_input={row[6]}) | {est.step_s:,.0f} s | "
+                     f"{est.model_flops / est.step_s / 459e12:.1%} | {held / 1e9:,.0f} GB | "
+                     f"{held / HOST_RAM_PER_VM:.0%} |")
+    return lines
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--what-if"]:
+        print("\n".join(what_if()))
+        return
+    if sys.argv[1:] == ["--fit"]:
+        for name, value in fit().items():
+            print(f"{name} = {value:.4f}  (fitted on the {FITTED[name]:,}-token row)")
+        step_time.RECOMPUTE_ATTENTION = 1.0
+        for row in ROWS[5:]:
+            print(f"with RECOMPUTE_ATTENTION = 1 (a recomputed forward costs its FLOPs alone) the {row[0]:,}-token "
+                  f"row would be predicted at {predict(row).step_s:,.0f} s (measured {row[7]:,.0f} s)")
+        return
+    print("\n".join(table()))
+
+
+if __name__ == "__main__":
+    main()

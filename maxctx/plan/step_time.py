@@ -1,0 +1,356 @@
+"""The one step-time model: the seconds one training step takes per device, term by term, for the planner
+(`context_parallel_strategy=auto`), `python -m maxctx.compile` and benchmarks/step_time_model.py. An ESTIMATE,
+calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources, the fit, the error on each row).
+
+    step = matmul + attention + recompute + memory + exposed collectives + exposed host transfers
+
+    matmul       the weight matmuls' model FLOPs (6 P_matmul t; maxctx.metrics' count, the same as MaxText's
+                 calculate_tflops_training_per_device) at XLA_MATMUL_EFFICIENCY of the peak
+    attention    the attention's model FLOPs (12 H Dh per visible query-key pair per layer, causal: S / 2 keys per
+                 query; MaxText's count) at the kernel's efficiency: splash per block size (SPLASH_EFFICIENCY),
+                 the blockwise JAX kernel BLOCKWISE_EFFICIENCY
+    recompute    what the backward runs again: the forward of each projection whose output is recomputed (every one
+                 under remat_policy=full, the `remat` ones under custom; the output projection once more with
+                 num_vocab_tiling > 1, and the MLP once more with mlp_sequence_chunks > 1 under remat) at the
+                 matmul efficiency, and (attention forwards per layer - 1) attention forwards, each
+                 RECOMPUTE_ATTENTION times a forward's share of the attention term. Forwards per layer: the
+                 compiled program's count when given (maxctx.plan.program), else the policy's (1 when
+                 remat_policy=none, or `context` is kept on the device or the host and the ring carries it:
+                 _keeps_attention; else 2)
+    memory       bytes every step moves through HBM (maxctx.plan.roofline.traffic: weights, optimizer state, the
+                 layers' matmul operands and results per pass, logits) at the HBM bandwidth; they stream beside
+                 the matmuls that read and write them, so only what exceeds the matmuls' time (recompute
+                 included) is counted (a roofline's overlap)
+    collectives  the CP strategy's per layer, exposed as exposed_per_layer says (a ring hop overlaps the attention
+                 of the block it carries, at the attention's calibrated rate; all-gather, reduce-scatter and
+                 all-to-all wait), and the weights' gathers, gradients' reductions and tensor-parallel traffic
+                 (roofline.traffic's ICI and DCN bytes), which XLA runs asynchronously beside the layers' compute:
+                 exposed by what exceeds that compute
+    host         bytes to and from pinned host memory (the compiled program's when given, else the offloaded
+                 tensors' shapes x layers, each way) at HOST_BYTES_PER_S each way, as asynchronous copies: to the
+                 host during the forward, back during the backward; exposed by what one way's time exceeds the
+                 forward's compute (a third of the step's)
+
+Latency of collectives and ring hops (ICI_LATENCY_S, DCN_LATENCY_S) and DCN bandwidth where Google gives none are
+assumptions. Not modelled: load imbalance (zig-zag balances the ring), input pipeline, host overheads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from maxctx.attention import strategies
+from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
+from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
+from maxctx.model.shape import ModelShape
+from maxctx.parallelism import mesh_sizes, num_slices
+from maxctx.plan import topology
+from maxctx.plan.roofline import traffic
+
+GIB = 1024 ** 3
+# Calibrated on MaxText's measured v5p-128 rows (benchmarks/step_time_model.py --fit; docs/step_time_model.md).
+XLA_MATMUL_EFFICIENCY = 0.875  # fitted on the 65,536-token row
+SPLASH_EFFICIENCY = {1024: 0.710}  # by splash block size; fitted on the 4,194,304-token row at 1024
+DEFAULT_SCOPED_VMEM_BYTES = 16 * 2 ** 20  # where maxctx.plan.topology states no limit: an assumption
+SPLASH_BLOCKS = (512, 1024, 2048)  # what splash_block chooses from; an uncalibrated one is not chosen
+BLOCKWISE_EFFICIENCY = 0.3  # assumption: no measured row runs the blockwise kernel
+RECOMPUTE_ATTENTION = 2.80  # fitted on the 10,485,760-token row
+# Pinned host memory <-> HBM per chip, each way: an assumption (docs/step_time_model.md), not calibrated.
+HOST_BYTES_PER_S = 16e9
+
+# DCN bandwidth per chip each way where maxctx.plan.topology has no figure from Google's pages (v4, v6e, tpu7x, and the
+# generic device): an assumption, 100 Gb/s. Latency of one collective or ring hop: assumptions.
+DCN_BYTES_PER_S = topology.DCN_DEFAULT_BYTES_PER_S
+ICI_LATENCY_S, DCN_LATENCY_S = 5e-6, 50e-6
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device as the model sees it; bandwidths in bytes/s, one direction."""
+
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float  # one ICI link
+    torus: tuple[int, ...]  # devices per torus dimension of one slice
+    dcn_bytes_per_s: float = DCN_BYTES_PER_S
+    host_bytes_per_s: float = HOST_BYTES_PER_S  # to or from pinned host memory, each way
+
+    @property
+    def ici_bytes_per_s(self) -> float:
+        """Egress over all links (two per torus dimension)."""
+        return self.link_bytes_per_s * 2 * len(self.torus)
+
+
+def hardware(config: Config, num_devices: int | None) -> Hardware:
+    """The device of `compile_topology`, else of TPU_ACCELERATOR_TYPE (set on Cloud TPU VMs), else a generic
+    device (CPU runs: the choice is then about validity, not speed)."""
+    name = config.compile_topology or os.environ.get("TPU_ACCELERATOR_TYPE", "")
+    try:
+        topo = topology.parse(name) if name else None
+    except ConfigError:
+        topo = None
+    if topo is None:
+        peak = config.peak_tflops_per_device * 1e12 if config.peak_tflops_per_device > 0 else 1e12
+        return Hardware(f"generic device ({peak / 1e12:g} TFLOP/s, 64 GiB, 100 GB/s memory, 10 GB/s links)", peak,
+                        64 * GIB, 100e9, 10e9, (num_devices or 1,))
+    chip, per_chip = topo.chip, topo.chip.devices_per_chip
+    if config.peak_tflops_per_device > 0:
+        peak = config.peak_tflops_per_device * 1e12
+    else:
+        from maxctx.metrics.peaks import lookup_peak  # imports JAX: only for a TPU's table entry
+
+        peak = lookup_peak(chip.device_kind).tflops_per_device * 1e12
+    links = 2 * chip.dims
+    torus = topo.shape[:-1] + (topo.shape[-1] * per_chip,)
+    slices = f"{num_slices(config)} x " if num_slices(config) > 1 else ""
+    return Hardware(f"{slices}{topo.name} ({chip.name})", peak, chip.hbm_bytes_per_device,
+                    chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / links / per_chip, torus,
+                    chip.dcn_bytes_per_s_or_default / per_chip)
+
+
+def _pairs(seq: int, window: int) -> float:
+    """Keys a query attends to on average (causal): S / 2, or about W in a local layer."""
+    return min(window, seq / 2) if window else seq / 2
+
+
+def _spanned(hw: Hardware, group: int) -> list[tuple[int, int]]:
+    """(devices the group spans, the torus side) per torus dimension it spans. A mesh axis's groups lie on
+    adjacent devices (maxctx.mesh maps the unsplit context axis onto the torus and splits it afterwards), so a group
+    fills the torus dimensions in order: 8 devices of a 4x4x4 torus span 4 along the first and 2 along the second."""
+    out, left = [], group
+    for side in hw.torus:
+        if left <= 1:
+            break
+        extent = min(side, left)
+        out.append((extent, side))
+        left = -(-left // extent)
+    return out or [(1, 1)]
+
+
+def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
+    """Seconds one non-ring collective takes: its ICI part, then (a group beyond the slice) its DCN part."""
+    slices = max(1, c.group // ici_cp) if c.group > ici_cp else 1
+    inside = c.group // slices
+    spans = _spanned(hw, inside)
+    if c.kind == "all-to-all":
+        # Each device sends bytes / U to every member. Along one dimension of extent e the traffic is an
+        # all-to-all among e devices: on a wraparound ring (e = the torus side) a message crosses e / 4 links on
+        # average and each device has 2 links out, so e x bytes / 8 per link; on a line (a part of a dimension, no
+        # wraparound) the middle link carries e x bytes / 4 each way. Dimensions carry their shares at once, so
+        # the slowest dimension sets the time (bisection bound; docs/choosing_a_strategy.md has the source).
+        ici = max(c.bytes * e / (8 if e == side > 2 else 4) for e, side in spans) / hw.link_bytes_per_s
+    else:  # all-gather / reduce-scatter: rings in both directions of every spanned dimension
+        ici = c.bytes * (inside - 1) / c.group / (2 * len(spans) * hw.link_bytes_per_s)
+    ici = ici + ICI_LATENCY_S if inside > 1 else 0.0
+    dcn = c.bytes * (slices - 1) / slices / hw.dcn_bytes_per_s + DCN_LATENCY_S if slices > 1 else 0.0
+    return ici + dcn
+
+
+def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
+                      forward_passes: int, ring_overlap: bool = True) -> float:
+    """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
+    keys come by halo exchange (maxctx.attention.halo) waits for its permutes. `ring_overlap`: the ring backward's
+    sends overlap its hops' kernels, as the software-pipelined backward does (AttentionSpec.ring_backward_overlap);
+    False: each waits in full, as in the program (plan passes its `ring_overlap`)."""
+    attn_fwd = 4 * s.batch * (s.seq / s.cp) * _pairs(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
+    unit = strategies.get(strategy)
+    fwd, bwd = unit.comm_volume(s)
+    ring_bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if dcn_cp > 1 else hw.link_bytes_per_s
+    latency = DCN_LATENCY_S if dcn_cp > 1 else ICI_LATENCY_S
+    if unit.halo_plan(s) is not None:
+        return sum(c.sent_bytes / ring_bw + latency for c in fwd) * forward_passes + sum(
+            c.sent_bytes / ring_bw + latency for c in bwd)
+    r = s.ring
+
+    # Each ring step merges its block's result into fp32 accumulators in HBM (read both, write one): out in the
+    # forward; dq and the travelling dK/dV in the backward. Not overlapped: the merge waits for the block.
+    acc = s.batch * (s.seq / r) * s.head_dim * 4 * s.heads / s.a2a
+    kv_acc = 2 * s.batch * (s.seq / r) * s.head_dim * 4 * replicated_kv_heads(s.kv_heads, s.a2a) / s.a2a
+
+    def ring_s(ops: list[Collective], compute: float, hops: int, merged: float, overlap: bool) -> float:
+        sent = sum(c.sent_bytes for c in ops if c.kind == "collective-permute")
+        if not sent:
+            return 0.0
+        hidden = compute / r if overlap else 0.0
+        return hops * (max(0.0, sent / hops / ring_bw - hidden) + latency + 3 * merged / hw.hbm_bytes_per_s)
+
+    def others_s(ops: list[Collective]) -> float:
+        return sum(_collective_s(c, hw, ici_cp) for c in ops if c.kind != "collective-permute")
+
+    forward = others_s(fwd) + ring_s(fwd, attn_fwd, r - 1, acc, True)
+    backward = others_s(bwd) + ring_s(bwd, 2 * attn_fwd, r, acc + kv_acc, ring_overlap)
+    return forward_passes * forward + backward
+
+
+
+def placement(config: Config) -> dict[str, str]:
+    """Where the policy puts each of REMAT_NAMES: `remat` (recomputed in the backward), `device` or `offload`."""
+    if config.remat_policy == "none":
+        return dict.fromkeys(REMAT_NAMES, "device")
+    if config.remat_policy == "custom":
+        return {name: getattr(config, name) for name in REMAT_NAMES}
+    from maxctx.config import NAMED_POLICIES
+
+    saved, offloaded = NAMED_POLICIES[config.remat_policy]
+    return {name: "device" if name in saved or name == "decoder_layer_input" else
+            "offload" if name in offloaded else "remat" for name in REMAT_NAMES}
+
+
+def per_token(config: Config, tp: int) -> dict[str, float]:
+    """Per token and device: each named projection's forward FLOPs (`flops`) and each named tensor's bytes."""
+    d, h, k, hd, f = (config.base_emb_dim, config.base_num_query_heads // tp, max(1, config.base_num_kv_heads // tp),
+                      config.head_dim, config.base_mlp_dim // tp)
+    b = ModelShape.from_config(config).itemsize
+    # the ring's log-sum-exp (fp32) goes with the attention output: maxctx.attention.ring names both `context`
+    widths = {"decoder_layer_input": d, "query_proj": h * hd, "key_proj": k * hd, "value_proj": k * hd,
+              "context": h * hd + 2 * h, "out_proj": d, "mlpwi": 2 * f, "mlpwo": d}
+    flops = {"query_proj": 2 * d * h * hd, "key_proj": 2 * d * k * hd, "value_proj": 2 * d * k * hd,
+             "out_proj": 2 * h * hd * d, "mlpwi": 4 * d * f, "mlpwo": 2 * f * d}
+    return {"bytes": {name: w * b for name, w in widths.items()}, "flops": flops}
+
+
+def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]) -> bool:
+    """Whether the backward reuses the attention forward's outputs: always without remat; with `context` kept only
+    through the ring (p2p, usp over a ring of 2 or more), whose out and log-sum-exp are named `context`
+    (maxctx.attention.ring). Splash's and the blockwise kernel's own VJPs keep residuals no policy names, so their
+    forward runs again (the compiled program's count says so: maxctx.plan.program)."""
+    if config.remat_policy == "none":
+        return True
+    return where["context"] != "remat" and config.context_parallel_strategy in ("p2p", "usp") and mesh["context"] > 1
+
+
+def scoped_vmem_bytes(chip: topology.Chip) -> int:
+    """The VMEM a kernel may use on `chip`: maxctx's scoped limit where topology states one, else
+    DEFAULT_SCOPED_VMEM_BYTES."""
+    return chip.scoped_vmem_kib * 1024 or DEFAULT_SCOPED_VMEM_BYTES
+
+
+def splash_block(config: Config, vmem_bytes: float) -> int:
+    """The splash block (query and key, every pass) the model picks: of SPLASH_BLOCKS, those whose passes' windows
+    (maxctx.plan.vmem, double-buffered, partial blocks computed in the kernel) take at most half of `vmem_bytes`
+    (the other half left to the compiler's score tiles and spills: an assumption) and whose efficiency is calibrated
+    (SPLASH_EFFICIENCY), the most efficient, the larger on a tie; the smallest that fits when none is calibrated."""
+    from maxctx.plan.vmem import window_bytes
+
+    fitting = [b for b in SPLASH_BLOCKS if max(window_bytes(p, b, b, config.head_dim, False)
+                                               for p in ("fwd", "dkv", "dq")) <= vmem_bytes / 2]
+    known = [b for b in fitting if b in SPLASH_EFFICIENCY]
+    if not known:
+        return min(fitting, default=min(SPLASH_BLOCKS))
+    return max(known, key=lambda b: (SPLASH_EFFICIENCY[b], b))
+
+
+def attention_efficiency(config: Config) -> float:
+    """The attention kernel's calibrated share of the peak: splash at its block size (the nearest calibrated one
+    below it, else the smallest), the blockwise kernel otherwise."""
+    if config.attention not in ("splash", "flash", "auto"):
+        return BLOCKWISE_EFFICIENCY
+    block = min(config.flash_block_q, config.flash_block_kv)
+    known = sorted(SPLASH_EFFICIENCY)
+    return SPLASH_EFFICIENCY[max((b for b in known if b <= block), default=known[0])]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """One step's terms per device, in seconds (module doc)."""
+
+    matmul_s: float
+    attention_s: float
+    recompute_s: float
+    memory_s: float
+    collective_s: float  # all collectives' time on the links
+    exposed_collective_s: float  # of which the compute does not hide
+    host_s: float  # host transfers' time on the host link
+    exposed_host_s: float
+    model_flops: float
+    forwards_per_layer: float
+    host_bytes: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.matmul_s + self.attention_s + self.recompute_s + self.memory_s
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_collective_s + self.exposed_host_s
+
+
+def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hardware, *,
+             forwards_per_layer: float | None = None, host_bytes: float | None = None,
+             ring_overlap: bool = False) -> StepTime:
+    """The step-time model (module doc) for `config` on a mesh of these sizes (data, fsdp, context, context_a2a,
+    tensor; ICI and DCN together). `forwards_per_layer` and `host_bytes` (both directions): the compiled program's
+    counts (maxctx.plan.program), else the policy's."""
+    n = math.prod(mesh.values())
+    tp, seq, layers = mesh["tensor"], config.max_target_length, config.base_num_decoder_layers
+    t = global_batch * seq / n  # tokens per device
+    shape = ModelShape.from_config(config)
+    windows = layer_windows(config)
+    matmul_flops = shape.matmul_flops(t)
+    attention_flops = shape.attention_flops(t * layers * sum(_pairs(seq, w) for w in windows) / len(windows))
+    model_flops = matmul_flops + attention_flops
+    where = placement(config)
+    if forwards_per_layer is None:
+        forwards_per_layer = 1 if _keeps_attention(config, mesh, where) else 2
+    per = per_token(config, tp)
+    redone = sum(f for name, f in per["flops"].items() if where[name] == "remat") * layers * t
+    redone += 2 * t * shape.output_params / tp * (config.num_vocab_tiling > 1)
+    redone += 2 * layers * t * shape.mlp_params / tp * (config.mlp_sequence_chunks > 1 and redone > 0)
+    attention_rate = hw.peak_flops * attention_efficiency(config)
+    forward_attention_s = attention_flops / 3 / attention_rate
+    redone_s = redone / (hw.peak_flops * XLA_MATMUL_EFFICIENCY)
+    recompute_s = redone_s + (forwards_per_layer - 1) * RECOMPUTE_ATTENTION * forward_attention_s
+    matmul_s = matmul_flops / (hw.peak_flops * XLA_MATMUL_EFFICIENCY)
+    passes = 2 if redone else 1
+    moved = traffic(config, mesh, global_batch, passes)
+    memory_s = max(0.0, moved["hbm"] / hw.hbm_bytes_per_s - matmul_s - redone_s)
+    compute_s = matmul_s + attention_flops / attention_rate + recompute_s + memory_s
+
+    cp_total, cp_exposed = _cp_seconds(config, mesh, hw, attention_rate, forwards_per_layer, ring_overlap)
+    other = moved["ici"] / hw.ici_bytes_per_s + moved["dcn"] / hw.dcn_bytes_per_s
+    exposed = layers * cp_exposed + max(0.0, other - compute_s)
+    if host_bytes is None:
+        host_bytes = 2 * layers * t * sum(per["bytes"][name] for name, w in where.items() if w == "offload")
+    host_s = host_bytes / 2 / hw.host_bytes_per_s  # one way: to the host in the forward, back in the backward
+    return StepTime(matmul_s, attention_flops / attention_rate, recompute_s, memory_s,
+                    layers * cp_total + other, exposed, host_s, max(0.0, host_s - compute_s / 3), model_flops,
+                    forwards_per_layer, host_bytes)
+
+
+def _cp_seconds(config: Config, mesh: dict[str, int], hw: Hardware, attention_rate: float, forwards: float,
+                ring_overlap: bool) -> tuple[float, float]:
+    """(time on the links, exposed time) of one layer's CP collectives (exposed_per_layer, the ring's hops hidden
+    behind the attention at its calibrated rate)."""
+    cp = mesh["context"] * mesh["context_a2a"]
+    if cp == 1:
+        return 0.0, 0.0
+    n, tp = math.prod(mesh.values()), mesh["tensor"]
+    dcn_cp = mesh_sizes(config, n)[1]["context"] if num_slices(config) > 1 else 1
+    strategy, windows = config.context_parallel_strategy, layer_windows(config)
+    effective = dataclasses.replace(hw, peak_flops=attention_rate)
+    on_links = exposed = 0.0
+    for window in windows:  # averaged over the layer pattern
+        s = AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
+                           heads=config.base_num_query_heads // tp, kv_heads=max(1, config.base_num_kv_heads // tp),
+                           head_dim=config.head_dim, itemsize=ModelShape.from_config(config).itemsize, cp=cp,
+                           a2a=mesh["context_a2a"], window=window, load_balance=config.context_parallel_load_balance)
+        exposed += exposed_per_layer(strategy, s, effective, cp // dcn_cp, dcn_cp, round(forwards), ring_overlap)
+        fwd, bwd = strategies.get(strategy).comm_volume(s)
+        on_links += (forwards * sum(c.sent_bytes for c in fwd) + sum(c.sent_bytes for c in bwd)) / hw.link_bytes_per_s
+    return on_links / len(windows), exposed / len(windows)
+
+
+def report(est: StepTime, hw: Hardware, tokens_per_step: float) -> dict:
+    """The estimate as `maxctx.compile`'s report fields."""
+    terms = {"matmul": est.matmul_s, "attention": est.attention_s, "recompute": est.recompute_s,
+             "memory": est.memory_s, "collectives": est.exposed_collective_s, "host": est.exposed_host_s}
+    return {"peak_flops_per_device": hw.peak_flops, "estimate_step_time_s": est.step_s,
+            **{f"estimate_{k}_s": v for k, v in terms.items()},
+            "estimate_collective_time_s": est.collective_s, "estimate_host_time_s": est.host_s,
+            "estimate_host_bytes": est.host_bytes, "estimate_forwards_per_layer": est.forwards_per_layer,
+            "estimate_largest_term": max(terms, key=terms.get),
+            "estimate_mfu": est.model_flops / (est.step_s * hw.peak_flops),
+            "estimate_tokens_per_s": tokens_per_step / est.step_s}
