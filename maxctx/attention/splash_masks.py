@@ -14,9 +14,9 @@ block instead of comparing elementwise (benchmarks/splash_masks.md measures both
 Blocks that are partly visible are computed in the kernel (computed_mask) when the keys form at most COMPUTED_RUNS
 runs (every p2p ring hop, and any call in natural order) or a gathered zig-zag order (all_gather, a2a, usp's ring
 blocks): splash then gets a value per query as its `q_sequence` and a mask function (`KeyRuns`, `ZigZagKeys`)
-that maps a key's place in the call to its value, instead of a stored boolean block per partial block. A stored block is an s32[block_q, block_kv] window in VMEM,
-double-buffered: 32 MiB at blocks of 2048, half the VMEM of a v5p (docs/long_context.md, "Splash's blocks and
-VMEM"). Other key orders keep stored blocks.
+that maps a key's place in the call to its value, instead of a stored boolean block per partial block. A stored
+block is an s32[block_q, block_kv] window in VMEM, double-buffered: 32 MiB at blocks of 2048, half the VMEM of a
+v5p (docs/long_context.md, "Splash's blocks and VMEM"). Other key orders keep stored blocks.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def _zigzag(keys: np.ndarray, window: int):
 
 def computed_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0):
     """(q_sequence, mask function) computing mask[i, j] in the kernel: KeyRuns for keys in at most COMPUTED_RUNS
-    runs, ZigZagKeys for a gathered zig-zag order; None otherwise (splash then loads its partial blocks). Causal: values are ranks among the keys (a query's is the rank of the last key it sees),
+    runs, ZigZagKeys for a gathered zig-zag order; None otherwise (splash then loads its partial blocks). Causal:
+    values are ranks among the keys (a query's is the rank of the last key it sees),
     so a zig-zag ring hop's two key runs are one; windowed: indices from the keys' first. Either way the function
     depends on the keys alone, so the row chunks of one call (splash.RowLoop) share it."""
     kv_orig, q_orig = np.asarray(kv_orig), np.asarray(q_orig)
