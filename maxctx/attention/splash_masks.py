@@ -54,8 +54,7 @@ class KeyRuns:
         for start, length in self.runs[1:]:
             value = jnp.where(k >= place, k + (start - place), value)
             place += length
-        visible = value <= q
-        return visible & (q - value < self.window) if self.window else visible
+        return _visible(q, value, self.window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,31 +68,40 @@ class ZigZagKeys:
     high: int
     window: int = 0
 
+    def run(self, k, xp):
+        """The run of key places k, in fp32 as the kernel finds it; `xp`: jax.numpy in the kernel, numpy on the host."""
+        return xp.floor((k.astype(xp.float32) + 0.5) * (1.0 / self.n)).astype(xp.int32)
+
+    def values(self, k, xp):
+        """The keys' values at places k (`xp` as for run)."""
+        run = self.run(k, xp)
+        half = xp.right_shift(run, 1)
+        return k - run * self.n + xp.where(xp.bitwise_and(run, 1) == 1, self.high - half * self.n,
+                                           self.low + half * self.n)
+
     def __call__(self, q, k):
         import jax.numpy as jnp
 
-        run = jnp.floor((k.astype(jnp.float32) + 0.5) * (1.0 / self.n)).astype(jnp.int32)
-        half = jnp.right_shift(run, 1)
-        start = jnp.where(jnp.bitwise_and(run, 1) == 1, self.high - half * self.n, self.low + half * self.n)
-        value = k - run * self.n + start
-        visible = value <= q
-        return visible & (q - value < self.window) if self.window else visible
+        return _visible(q, self.values(k, jnp), self.window)
+
+
+def _visible(q, value, window: int):
+    """A key of `value` is visible to a query of value q: causal, and within `window` when it is > 0."""
+    visible = value <= q
+    return visible & (q - value < window) if window else visible
 
 
 def _zigzag(keys: np.ndarray, window: int):
     """ZigZagKeys whose values are `keys` (the middle device's two chunks may be one run), else None. Checked on
-    every place, the fp32 run index included, as the kernel computes it."""
+    every place, the fp32 run index included, with the kernel's own arithmetic (ZigZagKeys.values on numpy)."""
     n, size = runs(keys)[0][1], len(keys)
     if size % (2 * n) or size >= 2 ** 22 or size == n:
         return None
-    place = np.arange(size)
-    run = np.floor((place.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / n)).astype(np.int64)
-    if not np.array_equal(run, place // n):
+    function = ZigZagKeys(n, int(keys[0]), int(keys[n]), window)
+    place = np.arange(size, dtype=np.int32)
+    if not np.array_equal(function.run(place, np), place // n):
         return None
-    low, high = int(keys[0]), int(keys[n])
-    half = run // 2
-    values = place - run * n + np.where(run % 2 == 1, high - half * n, low + half * n)
-    return ZigZagKeys(n, low, high, window) if np.array_equal(values, keys) else None
+    return function if np.array_equal(function.values(place, np), keys) else None
 
 
 def computed_mask(q_orig: np.ndarray, kv_orig: np.ndarray, window: int = 0):
