@@ -44,6 +44,27 @@ def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window,
     check_against_reference(strategy, ring, a2a, window, ring_backward_overlap=overlap)
 
 
+# Rows of packed documents only, which cross shard, chunk and block boundaries: every call's tables are narrowed to
+# the documents (document_blocks), so block pairs between documents are skipped in the forward, dQ and dK/dV.
+DOCUMENTS = [[40, 130, 20, 200, 122], [256, 9, 119, 128]]
+
+
+@pytest.mark.parametrize("strategy,ring,a2a,max_table,window", [
+    ("p2p", 4, 1, None, 0), ("p2p", 8, 1, None, 0), ("usp", 2, 2, None, 0),
+    ("usp", 4, 2, None, 0),
+    ("all_gather", 4, 1, None, 0), ("a2a", 1, 2, 4, 0), ("p2p", 2, 1, 2, 0),
+    ("p2p", 2, 1, None, 128), ("a2a", 1, 2, None, 100), ("p2p", 4, 1, None, 200), ("usp", 2, 2, None, 256)])
+def test_splash_document_tables_match_reference(strategy, ring, a2a, max_table, window, monkeypatch):
+    from maxctx.attention import flash, splash
+
+    if max_table is not None:
+        monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
+    monkeypatch.setattr(flash, "flash_backward", None)
+    scale = 2 if ring * a2a == 8 else 1  # 1024 tokens at C = 8: each device's 128 rows make one splash block
+    check_against_reference(strategy, ring, a2a, window, seq=S * scale,
+                            rows=[[n * scale for n in row] for row in DOCUMENTS])
+
+
 @pytest.mark.parametrize("strategy,blocks", [
     # MaxText's sa_block_* (flash_block_*): dK/dV and dQ kernels on other blocks than the forward's 128 x 128.
     ("a2a", dict(q_dkv=256, kv_dkv=512, kv_dkv_compute=128, q_dq=512, kv_dq=256)),
@@ -71,15 +92,23 @@ def test_splash_at_recipe_blocks_matches_reference(strategy, ring, a2a, block, s
                             head_dim=head_dim)
 
 
+def packed_rows(S, rows):  # noqa: N803 (the legend's names)
+    """(segment ids, positions) [2, S]: a one-document row and a packed one, or (rows=[lengths, lengths]) two packed
+    rows with documents of these lengths (a row's tables then narrow to its documents: document_blocks)."""
+    if rows is None:
+        rows = [[S], [S * 100 // 512, S * 250 // 512, S - S * 350 // 512]]
+    seg = np.stack([np.repeat(np.arange(1, len(n) + 1), n) for n in rows]).astype(np.int32)
+    pos = np.stack([np.concatenate([np.arange(m) for m in n]) for n in rows]).astype(np.int32)
+    return seg, pos
+
+
 def check_against_reference(strategy, ring, a2a, window, splash_blocks=None, ring_backward_overlap=False, block=128,
-                            seq=S, head_dim=D):
+                            seq=S, head_dim=D, rows=None):
     S, D = seq, head_dim  # noqa: N806 (the legend's names)
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, S, H, D)).astype(np.float32)
     k, v = (rng.normal(size=(2, S, K, D)).astype(np.float32) for _ in range(2))
-    lengths = [S * 100 // 512, S * 250 // 512, S - S * 350 // 512]
-    seg = np.stack([np.ones(S), np.repeat(np.arange(1, 4), lengths)]).astype(np.int32)
-    pos = np.stack([np.arange(S), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
+    seg, pos = packed_rows(S, rows)
     dout = rng.normal(size=q.shape).astype(np.float32)
 
     def run(fn, q, k, v, pos, seg, dout):

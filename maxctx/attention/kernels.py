@@ -58,9 +58,10 @@ class LocalKernel:
         which = jnp.asarray(self.splash_table, jnp.int32)[hop, jax.lax.axis_index(self.q_axes)]
         return jax.lax.switch(which, branches, *args)
 
-    def _splash(self, hop, save_residuals, q, k, v, q_seg, kv_seg):
-        branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals)
-                    for kern in self.splash_kernels]
+    def _splash(self, hop, save_residuals, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
+        # Each call's tables are narrowed to the documents of its rows (maxctx.attention.document_blocks).
+        branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals,
+                                      ids=(q_pos, kv_pos, self.window)) for kern in self.splash_kernels]
         return self._pick(hop, branches, q, k, v, q_seg, kv_seg)
 
     def attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
@@ -72,7 +73,7 @@ class LocalKernel:
         if self.name == "cudnn":
             return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, window=self.window,
                                          natural=self.natural)
-        return self._splash(hop, False, q, k, v, q_seg, kv_seg)
+        return self._splash(hop, False, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
 
     def block_forward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
@@ -85,7 +86,7 @@ class LocalKernel:
             out, lse = cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, return_lse=True,
                                              window=self.window, natural=self.natural)
         else:
-            out, lse = self._splash(hop, True, q, k, v, q_seg, kv_seg)
+            out, lse = self._splash(hop, True, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
         return out.astype(jnp.float32), lse
 
     def block_backward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
@@ -100,8 +101,8 @@ class LocalKernel:
             return blockwise()
         # splash's own dQ and dK/dV kernels for a hop that has their tables (in row chunks too), else the blockwise
         # backward (XLA fusions: fp32 score tiles through HBM).
-        branches = [functools.partial(splash_backward.hop_backward, kern) if splash_backward.has_backward(kern)
-                    else blockwise for kern in self.splash_kernels]
+        branches = [functools.partial(splash_backward.hop_backward, kern, ids=(q_pos, kv_pos, self.window))
+                    if splash_backward.has_backward(kern) else blockwise for kern in self.splash_kernels]
         return self._pick(hop, branches, q, k, v, q_seg, kv_seg, out, lse, dout)
 
 

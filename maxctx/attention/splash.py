@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxctx.attention import document_blocks
 from maxctx.attention.cost import PALLAS_MACS_SCOPE
 from maxctx.attention.flash import block_size
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
@@ -234,16 +235,24 @@ class RowLoop:
         return info._replace(**{name: jax.lax.dynamic_index_in_dim(getattr(info, name), which, keepdims=False)
                                 for name in (*_TABLES, "q_sequence") if getattr(info, name) is not None})
 
-    def __call__(self, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT):
+    def __call__(self, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, ids=None):
+        """`ids`: (query positions, key positions, window) to narrow each chunk's tables to the rows' documents
+        (document_blocks), or None."""
         b, s, h, d = q_BSHD.shape
         info = self.device_info("fwd_mask_info")
+        q_pos_BS = q_seg_BS if ids is None else ids[0]
 
         def chunk(xs):
-            q, seg, which = xs
-            step = type(self.kernel)(self.pick(info, which), None, None, **self.kernel.kwargs)
+            q, seg, pos, which = xs
+            picked = self.pick(info, which)
+            if ids is not None:
+                picked = document_blocks.narrow_infos(self.kernel, {"fwd_mask_info": picked}, pos, seg, ids[1],
+                                                      kv_seg_BT, ids[2])["fwd_mask_info"]
+            step = type(self.kernel)(picked, None, None, **self.kernel.kwargs)
             return _call_one(step, q, k_BTKD, v_BTKD, seg, kv_seg_BT, True, macs=self.macs(b * h, d))
 
-        split = [jnp.moveaxis(x.reshape(b, self.chunks, self.rows, *x.shape[2:]), 1, 0) for x in (q_BSHD, q_seg_BS)]
+        split = [jnp.moveaxis(x.reshape(b, self.chunks, self.rows, *x.shape[2:]), 1, 0)
+                 for x in (q_BSHD, q_seg_BS, q_pos_BS)]
         out, lse = jax.lax.map(chunk, (*split, jnp.asarray(self.index)))
         return jnp.moveaxis(out, 0, 1).reshape(b, s, h, d), jnp.moveaxis(lse, 0, 2).reshape(b, h, s)
 
@@ -294,11 +303,12 @@ def _small(table: np.ndarray) -> np.ndarray:
     return table.astype(next(t for t in (np.int8, np.int16, np.int32) if table.max() <= np.iinfo(t).max))
 
 
-def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool):
+def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool, ids=None):
     """Runs the (local) splash kernels of `make_kernel` on their row chunks; returns (out[B, S, H, D], lse[B, H, S]
-    fp32 or None). Chunks share the keys, so autodiff sums their dK/dV."""
+    fp32 or None). Chunks share the keys, so autodiff sums their dK/dV. `ids`: (query positions [B, S], key
+    positions [B, T], window): every kernel's tables are narrowed to the rows' documents (document_blocks)."""
     if isinstance(kernels, RowLoop):
-        out, lse = kernels(q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT)
+        out, lse = kernels(q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, ids)
         return out, lse if save_residuals else None
     parts = []
     for start, stop, kernel in kernels:
@@ -307,7 +317,11 @@ def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_resid
             b, s, h, _ = q.shape
             parts.append((jnp.zeros_like(q), jnp.full((b, h, s), -jnp.inf, jnp.float32) if save_residuals else None))
         else:
-            parts.append(_call_one(kernel, q, k_BTKD, v_BTKD, seg, kv_seg_BT, save_residuals))
+            macs = visited_macs(kernel.fwd_mask_info.block_mask, stop - start, kernel, q.shape[3]) * q.shape[0] \
+                * q.shape[2]
+            if ids is not None:
+                kernel = document_blocks.narrow_kernel(kernel, ids[0][:, start:stop], seg, ids[1], kv_seg_BT, ids[2])
+            parts.append(_call_one(kernel, q, k_BTKD, v_BTKD, seg, kv_seg_BT, save_residuals, macs=macs))
     if len(parts) == 1:
         return parts[0]
     out = jnp.concatenate([o for o, _ in parts], axis=1)

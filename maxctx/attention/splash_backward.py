@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxctx.attention import splash
+from maxctx.attention import document_blocks, splash
 
 
 def has_backward(kernels) -> bool:
@@ -28,22 +28,26 @@ def has_backward(kernels) -> bool:
         len(kernels) == 1 and kernels[0][2].dkv_mask_info is not None)
 
 
-def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD):
+def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD, ids=None):
     """A ring hop's (dq, dk, dv) through splash's own dQ and dK/dV kernels, from the *merged* out and lse of all
     hops (the same residuals the blockwise backward takes): P = exp(s - lse) is then the hop's share of the row's
     softmax, so the hops' gradients add up to the whole attention's. Returned as fp32 for the ring's fp32
     accumulators, but computed in the inputs' dtype (splash's kernels output it: bf16 in training, each hop's
     (and row chunk's) gradient rounded to bf16 before the sum). For kernels with has_backward. A RowLoop runs its
     chunks in a scan: each chunk's dq comes out as its rows (in the kernel's dtype: no fp32 carry of every row,
-    a large array at long context, docs/long_context.md), its dk and dv add up in fp32 carries."""
+    a large array at long context, docs/long_context.md), its dk and dv add up in fp32 carries. `ids`: (query
+    positions, key positions, window) to narrow the dQ and dK/dV tables to the rows' documents (document_blocks)."""
     if not isinstance(kernels, splash.RowLoop):
         if kernels[0][2] is None:  # the hop sees no key
             return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))
         kernel = kernels[0][2]
         b, s, h, d = q_BSHD.shape
+        infos = {"dq_mask_info": kernel.dq_mask_info, "dkv_mask_info": kernel.dkv_mask_info}
+        if ids is not None:
+            infos = document_blocks.narrow_infos(kernel, infos, ids[0], q_seg_BS, ids[1], kv_seg_BT, ids[2])
         with splash.pallas_scope(splash.visited_macs(kernel.fwd_mask_info.block_mask, s, kernel, d) * b * h):
-            dq, dk, dv = _backward(kernel, kernel.dq_mask_info, kernel.dkv_mask_info, q_BSHD, k_BTKD, v_BTKD, q_seg_BS,
-                                   kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
+            dq, dk, dv = _backward(kernel, infos["dq_mask_info"], infos["dkv_mask_info"], q_BSHD, k_BTKD, v_BTKD,
+                                   q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
         return _scaled(dq), dk, dv
     loop = kernels
     infos = {name: loop.device_info(name) for name in ("dq_mask_info", "dkv_mask_info") if name in loop.infos}
@@ -52,8 +56,12 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
         i, which = xs
         q, seg, out, lse, dout = (jax.lax.dynamic_slice_in_dim(x, i * loop.rows, loop.rows, axis) for x, axis in
                                   ((q_BSHD, 1), (q_seg_BS, 1), (out_BSHD, 1), (lse_BHS, 2), (dout_BSHD, 1)))
-        dq_info, dkv_info = (None if name not in infos else loop.pick(infos[name], which)
-                             for name in ("dq_mask_info", "dkv_mask_info"))
+        picked = {name: None if name not in infos else loop.pick(infos[name], which)
+                  for name in ("dq_mask_info", "dkv_mask_info")}
+        if ids is not None:
+            pos = jax.lax.dynamic_slice_in_dim(ids[0], i * loop.rows, loop.rows, 1)
+            picked = document_blocks.narrow_infos(loop.kernel, picked, pos, seg, ids[1], kv_seg_BT, ids[2])
+        dq_info, dkv_info = picked["dq_mask_info"], picked["dkv_mask_info"]
         with splash.pallas_scope(loop.macs(q_BSHD.shape[0] * q_BSHD.shape[2], q_BSHD.shape[3])):
             dq, dk, dv = _backward(loop.kernel, dq_info, dkv_info, q, k_BTKD, v_BTKD, seg, kv_seg_BT, out, lse, dout)
         return (grads[0] + dk, grads[1] + dv), dq
