@@ -25,6 +25,9 @@ RematPlace = Literal["remat", "device", "offload"]
 DType = Literal["float32", "bfloat16", "float16"]
 DatasetType = Literal[tuple(DATASETS)]  # maxctx.data.registry: the one list of dataset types
 Packing = Literal["first_fit", "concat", "none"]
+# context_parallel_load_balance: true, the zig-zag; documents, documents placed on the context ranks per batch
+# (maxctx.attention.load_balance); false, the natural order.
+LoadBalance = Literal[True, False, "documents"]
 TokenizerType = Literal["sentencepiece", "tiktoken", "huggingface"]
 Hardware = Literal["", "tpu", "gpu", "gpu_multiprocess", "cpu"]
 # Hugging Face's rope_scaling types, with its rules (maxctx.model.rope).
@@ -109,7 +112,7 @@ class Config:
     attention: AttentionKernel = "auto"
     # One of maxctx.attention.strategies (or an alias), checked there: the registry is its one list of names.
     context_parallel_strategy: str = "all_gather"
-    context_parallel_load_balance: bool = True
+    context_parallel_load_balance: LoadBalance = True
     context_parallel_a2a_degree: int = 0
     flash_block_q: int = 512
     flash_block_kv: int = 512

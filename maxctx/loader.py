@@ -75,12 +75,15 @@ def _closest(key: str) -> str:
     return "; " + did_you_mean(key, FIELD_TYPES, cutoff=0.75, otherwise="see configs/base.yml for the valid keys")
 
 
-def _choose(key: str, value: Any, source: str) -> str:
+def _choose(key: str, value: Any, source: str) -> Any:
     options = choices(key)
     if isinstance(value, str) and value in options:
         return value
-    raise ConfigError(f"{key}='{value}' (from {source}) is not one of {', '.join(options)}; "
-                      f"{did_you_mean(str(value), options)}")
+    if True in options and (isinstance(value, bool) or str(value).lower() in ("true", "false")):
+        return value if isinstance(value, bool) else str(value).lower() == "true"  # a key taking true/false too
+    names = [str(o).lower() if isinstance(o, bool) else o for o in options]
+    raise ConfigError(f"{key}='{value}' (from {source}) is not one of {', '.join(names)}; "
+                      f"{did_you_mean(str(value), names)}")
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:

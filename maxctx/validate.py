@@ -58,7 +58,7 @@ def check_devices(config: Config, num_devices: int) -> None:
     if config.eval_interval > 0:
         _check_eval_batch(config, num_devices, batch_shards)
     cp = axis[RING_AXIS]
-    chunks = 2 * cp if config.context_parallel_load_balance and cp > 1 else cp
+    chunks = 2 * cp if config.context_parallel_load_balance is True and cp > 1 else cp
     if config.max_target_length % chunks:
         fix = " (2 x context parallelism, for context_parallel_load_balance=true)" if chunks != cp else ""
         raise ConfigError(f"max_target_length={config.max_target_length} is not divisible by {chunks}{fix}; "
@@ -188,7 +188,8 @@ def validate(config: Config) -> None:
     for field in dataclasses.fields(Config):  # Literal keys (a Config built in code skips parse_config's check)
         options = choices(field.name)
         if options and getattr(config, field.name) not in options:
-            raise ConfigError(f"{field.name}='{getattr(config, field.name)}' is not one of {', '.join(options)}")
+            raise ConfigError(f"{field.name}='{getattr(config, field.name)}' is not one of "
+                              f"{', '.join(map(str, options))}")
     strategies.resolve(config.context_parallel_strategy)
     _check_custom_remat(config)
     if config.run_name in ("", ".", "..") or "/" in config.run_name or os.sep in config.run_name:

@@ -324,3 +324,40 @@ def test_partial_blocks_are_computed_where_the_keys_form_few_runs():
             behind = order[1024:2048, None] - kv[None, :]
             np.testing.assert_array_equal(got, (behind >= 0) & ((behind < window) if window else True))
     assert splash_masks.computed_mask(order[1024:2048], order[::-1].copy()) is None
+
+
+@pytest.mark.parametrize("strategy,ring,a2a,window", [
+    ("p2p", 2, 1, 0), ("p2p", 4, 1, 0), ("usp", 2, 2, 0), ("all_gather", 4, 1, 0), ("a2a", 1, 2, 0),
+    ("all_gather", 2, 1, 100), ("a2a", 1, 2, 128)])
+def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, window, monkeypatch):
+    """context_parallel_load_balance=documents: each row stored in its own document placement, so each call derives
+    its q_sequence and tables from the ids (document_blocks); ring hops through splash's own backward."""
+    from maxctx.attention import flash
+    from maxctx.attention.load_balance import document_permutation
+
+    monkeypatch.setattr(flash, "flash_backward", None)
+    cp = ring * a2a
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(2, S, H, D)).astype(np.float32)
+    k, v = (rng.normal(size=(2, S, K, D)).astype(np.float32) for _ in range(2))
+    dout = rng.normal(size=q.shape).astype(np.float32)
+    seg, pos = packed_rows(S, DOCUMENTS)
+
+    def run(fn, q, k, v, pos, seg, dout):
+        out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, pos, seg), q, k, v)
+        return [out, *pullback(dout)]
+
+    want = run(lambda *a: dot_product_attention(*a, a[3], a[4], window)[0], q, k, v, pos, seg, dout)
+    perms = np.stack([document_permutation(p, s, cp) for p, s in zip(pos, seg)])
+    assert not all(np.array_equal(p, np.arange(S)) for p in perms)
+    mesh = make_mesh(ring, a2a)
+    spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance="documents", block_q=128, block_kv=128,
+                         window=window)
+    sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    args = [jax.device_put(np.take_along_axis(x, perms.reshape(2, S, *[1] * (x.ndim - 2)), 1), sharding)
+            for x in (q, k, v, pos, seg, dout)]
+    got = jax.jit(lambda *a: run(lambda *b: attend(*b, spec, mesh), *a))(*args)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        g = np.stack([np.asarray(g)[b][np.argsort(perms[b])] for b in range(2)])
+        err = np.abs(g - w).max() / np.abs(w).max()
+        assert err < 1e-5, f"splash {strategy} documents window={window} {name}: relative error {err:.2e}"

@@ -30,6 +30,7 @@ CASES = [(s, CP.get(s, 8)) for s in strategy_names()]
 
 def start_run(strategy: str, cp: int, out_dir: str, *extra: str) -> tuple[subprocess.Popen, list[str], str]:
     name = f"{strategy}_c{cp}" + "".join(f"_{x.split('=')[1]}" for x in extra if x.startswith("attention_layer"))
+    name = next((x.split("=")[1] for x in extra if x.startswith("run_name=")), name)
     cmd = train_command(*COMMON, f"ici_context_parallelism={cp}", f"context_parallel_strategy={strategy}",
                         f"base_output_directory={out_dir}", f"run_name={name}", *extra)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -83,6 +84,23 @@ def test_cp_run_with_local_layers_has_the_losses_of_the_run_without_cp(local_los
     want = local_losses["all_gather", 1, pattern]
     np.testing.assert_allclose(local_losses[strategy, cp, pattern], want, rtol=1e-5,
                                err_msg=f"{strategy} C={cp} pattern {pattern} vs C=1")
+
+
+# context_parallel_load_balance=documents: each batch's documents placed on the context ranks (the synthetic rows
+# are packed documents), local and global layers alternating, against the C = 1 run of the same pattern.
+@pytest.fixture(scope="module")
+def document_losses(tmp_path_factory) -> dict:
+    out = str(tmp_path_factory.mktemp("cp_document_runs"))
+    keys = ("sliding_window_size=16", "attention_layer_pattern=LG", "context_parallel_load_balance=documents")
+    runs = {case: start_run(*case, out, *keys, f"run_name={case[0]}_c{case[1]}_documents") for case in CASES}
+    return {case: finish_run(run) for case, run in runs.items()}
+
+
+@pytest.mark.parametrize("strategy,cp", CASES)
+def test_cp_run_with_documents_placed_has_the_losses_of_the_run_without_cp(local_losses, document_losses,
+                                                                            strategy, cp):
+    np.testing.assert_allclose(document_losses[strategy, cp], local_losses["all_gather", 1, "LG"], rtol=1e-5,
+                               err_msg=f"{strategy} C={cp} documents placed vs C=1")
 
 
 def test_local_layers_change_the_run(losses, local_losses):

@@ -111,13 +111,6 @@ def narrow_infos(kernel, infos: dict, q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, 
     return out
 
 
-def narrow_kernel(kernel, q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, window: int):
-    """A splash kernel like `kernel` whose forward, dQ and dK/dV tables are narrowed to the rows' documents."""
-    infos = {name: getattr(kernel, name) for name in PASS_AXIS}
-    infos = narrow_infos(kernel, infos, q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, window)
-    return type(kernel)(infos["fwd_mask_info"], infos["dq_mask_info"], infos["dkv_mask_info"], **kernel.kwargs)
-
-
 def _np_cummax(x, axis, reverse=False):
     if reverse:
         return np.flip(np.maximum.accumulate(np.flip(x, axis), axis=axis), axis)
@@ -140,3 +133,73 @@ def host_tables(info, name: str, bq: int, bkv: int, q_pos_BS, q_seg_BS, kv_pos_B
 def computed_blocks(info) -> int:
     """Block pairs a pass's table runs (nonzero block_mask entries)."""
     return int(np.count_nonzero(np.asarray(info.block_mask)))
+
+
+# --- context_parallel_load_balance=documents: splash calls whose token order changes with every batch ---------------
+#
+# Under the documents placement (maxctx.attention.load_balance) the stored order is the batch's, so no static mask
+# over token order exists. A call's kernel then has a static all-visible table and the in-kernel mask
+# `key place <= q_sequence[i]` (splash_masks.KeyRuns over one run: a key's value is its place), and each call
+# derives from its ids: q_sequence[i] = the place of the last key of query i's document at or before its
+# position, and the tables narrowed as above, per row. That is exact when each document's keys in the call are
+# contiguous and in position order: a rank's tokens are stored in their original order (a ring hop's keys), and
+# gathered keys are put back in that order (`sort_keys`). With a sliding window a document's keys must also have
+# consecutive positions (the window compares places), which gathered keys do and a ring hop's head and tail
+# pieces do not (maxctx.validate refuses that combination).
+
+_LAST = 2 ** 31 - 1
+
+
+def ordered_segments(segment_ids_BS):
+    """Segment ids made non-decreasing along a row in original order: padding (0, last in a row) sorts last."""
+    import jax.numpy as jnp
+
+    return jnp.where(segment_ids_BS > 0, segment_ids_BS, _LAST)
+
+
+def sort_keys(kv_pos_BT, kv_seg_BT, *arrays_BT):
+    """Gathered keys back in original order (by document, then position; the row's own order among equals):
+    (positions, segment ids, *arrays) each taken along axis 1 in that order."""
+    import jax
+    import jax.numpy as jnp
+
+    b, t = kv_pos_BT.shape
+    iota = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    order = jax.lax.sort((ordered_segments(kv_seg_BT), kv_pos_BT, iota), dimension=1, num_keys=2)[2]
+
+    def take(x):
+        return jnp.take_along_axis(x, order.reshape(b, t, *([1] * (x.ndim - 2))), axis=1)
+
+    return take(kv_pos_BT), take(kv_seg_BT), *(take(x) for x in arrays_BT)
+
+
+def query_values(q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT):
+    """q_sequence [B, S] int32 for keys in document order (module note): the place of the last key of the
+    query's document whose position is at or before the query's, or -1 (no such key: nothing visible)."""
+    import jax
+    import jax.numpy as jnp
+
+    t = kv_pos_BT.shape[1]
+    kseg, qseg = ordered_segments(kv_seg_BT), ordered_segments(q_seg_BS)
+    lo = jax.vmap(lambda keys, q: jnp.searchsorted(keys, q, side="left"))(kseg, qseg).astype(jnp.int32)
+    hi = jax.vmap(lambda keys, q: jnp.searchsorted(keys, q, side="right"))(kseg, qseg).astype(jnp.int32)
+
+    def step(_, bounds):  # lower bound of position > q_pos inside [lo, hi): positions ascend within a document
+        low, high = bounds
+        mid = (low + high) // 2
+        after = jnp.take_along_axis(kv_pos_BT, jnp.minimum(mid, t - 1), axis=1) > q_pos_BS
+        active = low < high
+        return jnp.where(active & ~after, mid + 1, low), jnp.where(active & after, mid, high)
+
+    first_after, _ = jax.lax.fori_loop(0, max(1, t).bit_length(), step, (lo, hi))
+    return first_after - 1
+
+
+def call_infos(kernel, infos: dict, q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, window: int, q_values_BS=None) -> dict:
+    """A call's MaskInfos narrowed to its rows' documents; with `q_values_BS` (a documents call, one row), each
+    with that row's q_sequence as well."""
+    narrowed = narrow_infos(kernel, infos, q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, window)
+    if q_values_BS is None:
+        return narrowed
+    return {name: None if info is None else info._replace(q_sequence=q_values_BS[0])
+            for name, info in narrowed.items()}

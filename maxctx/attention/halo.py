@@ -70,8 +70,8 @@ class HaloPlan:
         return [i for i, r in enumerate(self.rounds) if r.distance == distance]
 
 
-def chunk_length(seq: int, devices: int, load_balance: bool) -> int:
-    return seq // (2 * devices) if load_balance and devices > 1 else seq // devices
+def chunk_length(seq: int, devices: int, load_balance) -> int:
+    return seq // (2 * devices) if load_balance is True and devices > 1 else seq // devices
 
 
 def plan(order: np.ndarray, devices: int, window: int, chunk: int) -> HaloPlan:
@@ -130,8 +130,8 @@ def layout_plan(seq: int, devices: int, load_balance: bool, window: int) -> Halo
 
     from maxctx.attention.load_balance import zigzag_permutation
 
-    if window <= 0 or window >= seq or devices <= 1:
-        return None
+    if window <= 0 or window >= seq or devices <= 1 or load_balance == "documents":
+        return None  # documents: the stored order changes with every batch (the strategy's path masks from ids)
     order = zigzag_permutation(seq, devices) if load_balance else np.arange(seq)
     p = plan(order, devices, window, chunk_length(seq, devices, load_balance))
     return p if p.moved_rows < seq - seq // devices else None

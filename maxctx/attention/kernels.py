@@ -26,15 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import cudnn, flash, splash, splash_backward
+from maxctx.attention import cudnn, document_blocks, flash, splash, splash_backward
 from maxctx.attention.dot_product import dot_product_attention, dot_product_block_backward
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
 from maxctx.attention.load_balance import zigzag_permutation
 
 
-def stored_order(seq_len: int, cp: int, load_balance: bool) -> np.ndarray:
-    """Original index of every stored token (the zig-zag permutation, or the identity)."""
-    return zigzag_permutation(seq_len, cp) if load_balance and cp > 1 else np.arange(seq_len)
+def stored_order(seq_len: int, cp: int, load_balance) -> np.ndarray:
+    """Original index of every stored token (the zig-zag permutation, or the identity; with documents, which
+    changes per batch, the identity: only its length is read, make_local's `documents`)."""
+    return zigzag_permutation(seq_len, cp) if load_balance is True and cp > 1 else np.arange(seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,11 @@ class LocalKernel:
     splash_table: tuple = ()
     # cudnn only: queries and keys are the whole sequence in natural order (cudnn.py's fast calls may apply)
     natural: bool = False
+    # splash only: the stored order is the batch's (context_parallel_load_balance=documents; document_blocks):
+    # each call derives its q_sequence and tables from its ids, one row at a time; `sort_keys`: the call's keys
+    # are gathered from every rank and are put back in document order first.
+    documents: bool = False
+    sort_keys: bool = False
 
     def _pick(self, hop, branches, *args):
         """Runs this device's branch of `branches` (one per splash kernel) at `hop`."""
@@ -60,9 +66,23 @@ class LocalKernel:
 
     def _splash(self, hop, save_residuals, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         # Each call's tables are narrowed to the documents of its rows (maxctx.attention.document_blocks).
-        branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals,
-                                      ids=(q_pos, kv_pos, self.window)) for kern in self.splash_kernels]
-        return self._pick(hop, branches, q, k, v, q_seg, kv_seg)
+        if not self.documents:
+            branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals,
+                                          ids=(q_pos, kv_pos, self.window, None)) for kern in self.splash_kernels]
+            return self._pick(hop, branches, q, k, v, q_seg, kv_seg)
+        values = document_blocks.query_values(q_pos, q_seg, kv_pos, kv_seg)
+        rows = [splash.splash_call(self.splash_kernels[0], *_row(b, q, k, v, q_seg, kv_seg),
+                                   save_residuals=save_residuals,
+                                   ids=(*_row(b, q_pos, kv_pos), self.window, values[b:b + 1]))
+                for b in range(q.shape[0])]
+        out = jnp.concatenate([o for o, _ in rows])
+        return out, (jnp.concatenate([lse for _, lse in rows]) if save_residuals else None)
+
+    def _gathered(self, k, v, kv_pos, kv_seg):
+        """A documents call's gathered keys, put back in document order (sort_keys); others as they are."""
+        if self.name == "splash" and self.documents and self.sort_keys:
+            kv_pos, kv_seg, k, v = document_blocks.sort_keys(kv_pos, kv_seg, k, v)
+        return k, v, kv_pos, kv_seg
 
     def attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
@@ -73,6 +93,7 @@ class LocalKernel:
         if self.name == "cudnn":
             return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, window=self.window,
                                          natural=self.natural)
+        k, v, kv_pos, kv_seg = self._gathered(k, v, kv_pos, kv_seg)
         return self._splash(hop, False, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
 
     def block_forward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
@@ -101,14 +122,28 @@ class LocalKernel:
             return blockwise()
         # splash's own dQ and dK/dV kernels for a hop that has their tables (in row chunks too), else the blockwise
         # backward (XLA fusions: fp32 score tiles through HBM).
-        branches = [functools.partial(splash_backward.hop_backward, kern, ids=(q_pos, kv_pos, self.window))
+        if self.documents:  # one row at a time (_splash); a ring hop's keys are one rank's, in document order
+            kern = self.splash_kernels[0]
+            if not splash_backward.has_backward(kern):
+                return blockwise()
+            values = document_blocks.query_values(q_pos, q_seg, kv_pos, kv_seg)
+            rows = [splash_backward.hop_backward(kern, *_row(b, q, k, v, q_seg, kv_seg, out, lse, dout),
+                                                 ids=(*_row(b, q_pos, kv_pos), self.window, values[b:b + 1]))
+                    for b in range(q.shape[0])]
+            return tuple(jnp.concatenate(parts) for parts in zip(*rows))
+        branches = [functools.partial(splash_backward.hop_backward, kern, ids=(q_pos, kv_pos, self.window, None))
                     if splash_backward.has_backward(kern) else blockwise for kern in self.splash_kernels]
         return self._pick(hop, branches, q, k, v, q_seg, kv_seg, out, lse, dout)
 
 
+def _row(b: int, *arrays):
+    return tuple(x[b:b + 1] for x in arrays)
+
+
 def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,
                q_shards: int = 1, kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False,
-               window: int = 0, splash_blocks: splash.Blocks | None = None) -> LocalKernel:
+               window: int = 0, splash_blocks: splash.Blocks | None = None, documents: bool = False,
+               sort_keys: bool = False) -> LocalKernel:
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
     `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
     sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
@@ -120,12 +155,21 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     (masks then compare by offset, not rank). `splash_blocks`: splash's other block sizes (splash.Blocks; None:
     all derived from block_q / block_kv). cuDNN: a call whose queries and keys are the whole sequence in natural
     order (one query shard, one key block, `order` the identity: no CP split, no zig-zag) may take cuDNN's own
-    mask types (maxctx.attention.cudnn)."""
+    mask types (maxctx.attention.cudnn). `documents`: the stored order is the batch's (`order` then only gives the
+    length): splash gets one kernel for every call (splash.documents_kernel) and derives its masks per call from
+    the ids; `sort_keys`: the calls' keys are gathered from all ranks (all_gather, a2a) and are sorted first."""
     if name != "splash":
-        natural = (order is not None and q_shards == 1 and kv_blocks == 1
+        natural = (not documents and order is not None and q_shards == 1 and kv_blocks == 1
                    and np.array_equal(order, np.arange(len(order))))
         return LocalKernel(name, block_q, block_kv, window=window, natural=natural)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if documents:
+        kernel = splash.documents_kernel(len(order) // q_shards, len(order) // kv_blocks, group, block_q, block_kv,
+                                         ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
+                                         splash_blocks or splash.Blocks())
+        table = ((0,) * q_shards,) * (kv_blocks if ring else 1)
+        return LocalKernel(name, block_q, block_kv, q_axes, window, (kernel,), table, documents=True,
+                           sort_keys=sort_keys)
     kernels, table = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
                                      block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
                                      splash_blocks or splash.Blocks())

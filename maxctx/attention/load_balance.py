@@ -1,8 +1,23 @@
-"""Zig-zag load balancing for causal context parallelism.
+"""Load balancing for causal context parallelism: the order tokens are stored in, so that each of the C context
+ranks (which hold S / C consecutive stored tokens) gets the same attention work.
 
-The sequence is cut into 2C chunks; CP rank i holds chunks i and 2C-1-i, so every rank gets the same causal work.
-The reorder is applied where the batch is built (host numpy), to every [B, S] array alike (inputs, targets,
-positions, segment ids, weights), after targets are shifted on whole sequences.
+context_parallel_load_balance=true, the zig-zag: the sequence is cut into 2C chunks; rank i holds chunks i and
+2C-1-i, so every rank gets the same causal work when the row is one document. The order is static.
+
+context_parallel_load_balance=documents: documents, not fixed chunks, are placed on the ranks, per row of each
+batch (`document_permutation`). Work is counted per query token: a query at position p of its document sees p + 1
+keys, so a rank's work is the sum of p + 1 over its tokens, wherever the keys live. Documents longer than half a
+rank's share are cut head-tail (rank i gets the i-th piece from the document's start and the i-th from its end, as
+the zig-zag does for the whole row, the pair sizes rounded so that no rank gets more than one token over an even
+split); the rest are placed whole, longest-work first, on the rank with the least work that has room (LPT), and a
+document that fits no rank whole fills the ranks with the most room, in contiguous pieces. Every rank then holds
+exactly S / C tokens, stored in their original order. Whole short documents keep their attention inside one rank
+and one block run (few partial blocks); the head-tail cut balances the long ones, whose work grows with the square
+of their length. Sliding windows are not weighed (a windowed layer's work is nearly even already).
+
+Either reorder is applied where the batch is built (host numpy), to every [B, S] array alike (inputs, targets,
+positions, segment ids, weights), after targets are shifted on whole sequences; positions and segment ids travel
+with the tokens, so the loss does not change.
 """
 
 from __future__ import annotations
@@ -21,10 +36,13 @@ def zigzag_permutation(seq_len: int, cp: int) -> np.ndarray:
     return chunks[order].reshape(-1)
 
 
-def reorder_batch(batch: dict[str, np.ndarray], cp: int) -> dict[str, np.ndarray]:
-    """Applies the zig-zag order to every [B, S] array of a batch."""
-    if cp <= 1:
+def reorder_batch(batch: dict[str, np.ndarray], cp: int, mode=True) -> dict[str, np.ndarray]:
+    """Applies the zig-zag order (`mode` true) or the documents' placement (`mode` 'documents') to every [B, S]
+    array of a batch."""
+    if cp <= 1 or mode is False:
         return batch
+    if mode == "documents":
+        return document_batch(batch, cp)
     perm = zigzag_permutation(next(iter(batch.values())).shape[1], cp)
     return {name: value[:, perm] for name, value in batch.items()}
 
@@ -33,3 +51,77 @@ def restore_order(x: np.ndarray, cp: int, axis: int = 1) -> np.ndarray:
     """Inverse of the zig-zag order along `axis` (for tests and for reading per-token outputs)."""
     perm = zigzag_permutation(x.shape[axis], cp)
     return np.take(x, np.argsort(perm), axis=axis)
+
+
+def document_runs(segment_ids_S: np.ndarray) -> list[tuple[int, int]]:
+    """(start, length) of each run of equal segment ids: the row's documents (padding, id 0, is one too)."""
+    cuts = np.flatnonzero(np.diff(segment_ids_S) != 0) + 1
+    starts = np.concatenate([[0], cuts]).astype(np.int64)
+    return list(zip(starts.tolist(), np.diff(np.concatenate([starts, [len(segment_ids_S)]])).tolist()))
+
+
+def token_work(positions_S: np.ndarray) -> np.ndarray:
+    """Visible keys of each query token under causal document masking: its position + 1."""
+    return positions_S.astype(np.int64) + 1
+
+
+def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp: int) -> np.ndarray:
+    """Indices `perm` of one row such that `row[perm]` stores documents placed on `cp` ranks (module doc): rank r
+    holds perm[r S/C : (r + 1) S/C], each rank's tokens in their original order."""
+    seq = len(segment_ids_S)
+    if cp <= 1:
+        return np.arange(seq)
+    if seq % cp:
+        raise ValueError(f"sequence length {seq} is not divisible by context parallelism = {cp}")
+    share = seq // cp
+    work_of = np.concatenate([[0], np.cumsum(token_work(positions_S))])
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(cp)]  # per rank: (start, length) of original tokens
+    room = np.full(cp, share, np.int64)
+    work = np.zeros(cp, np.int64)
+
+    def place(rank: int, start: int, length: int) -> None:
+        if length:
+            pieces[rank].append((start, length))
+            room[rank] -= length
+            work[rank] += work_of[start + length] - work_of[start]
+
+    runs = document_runs(segment_ids_S)
+    long = [run for run in runs if run[1] > share // 2]
+    short = [run for run in runs if run[1] <= share // 2]
+    for start, length in long:
+        # Pair sizes: length // cp each, one more for the (length % cp) ranks with the most room left.
+        pair = np.full(cp, length // cp, np.int64)
+        pair[np.argsort(-room, kind="stable")[:length % cp]] += 1
+        head = pair // 2
+        head_at = start + np.concatenate([[0], np.cumsum(head)[:-1]])
+        tail_end = start + length - np.concatenate([[0], np.cumsum(pair - head)[:-1]])
+        for rank in range(cp):
+            place(rank, int(head_at[rank]), int(head[rank]))
+            place(rank, int(tail_end[rank] - (pair[rank] - head[rank])), int(pair[rank] - head[rank]))
+    short.sort(key=lambda run: -(work_of[run[0] + run[1]] - work_of[run[0]]))
+    for start, length in short:
+        fits = np.flatnonzero(room >= length)
+        if len(fits):
+            place(int(fits[np.argmin(work[fits])]), start, length)
+            continue
+        for rank in np.argsort(-room, kind="stable"):  # cut across the ranks with the most room
+            take = int(min(room[rank], length))
+            place(int(rank), start, take)
+            start, length = start + take, length - take
+            if not length:
+                break
+    assert not room.any(), room
+    return np.concatenate([np.concatenate([np.arange(a, a + n) for a, n in sorted(p)]) for p in pieces])
+
+
+def rank_work(positions_S: np.ndarray, cp: int) -> np.ndarray:
+    """Attention work (visible query-key pairs) of each of `cp` ranks for a row in stored order."""
+    return token_work(positions_S).reshape(cp, -1).sum(1)
+
+
+def document_batch(batch: dict[str, np.ndarray], cp: int) -> dict[str, np.ndarray]:
+    """`document_permutation` of each row, applied to every [B, S] array of a batch."""
+    if cp <= 1:
+        return batch
+    perms = np.stack([document_permutation(p, s, cp) for p, s in zip(batch["positions"], batch["segment_ids"])])
+    return {name: np.take_along_axis(value, perms, axis=1) for name, value in batch.items()}

@@ -16,6 +16,7 @@ import dataclasses
 
 from maxctx.attention.base import CommVolume, Strategy
 from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
+from maxctx.config import ConfigError
 from maxctx.parallelism import mesh_context_degree
 
 
@@ -71,7 +72,15 @@ class P2P(Strategy):
         local = make_local(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh,
                            order=stored_order(seq, cp, spec.load_balance), q_shards=cp, kv_blocks=cp,
                            q_axes=CONTEXT, group=h // kv_heads, ring=True, window=spec.window,
-                           splash_blocks=spec.splash_blocks)
+                           splash_blocks=spec.splash_blocks,
+                           documents=spec.load_balance == "documents" and cp > 1)
+
+        if local.documents and spec.window:
+            raise ConfigError(f"a sliding window (layer window {spec.window}) with context_parallel_load_balance="
+                              f"documents and splash cannot run on {self.name}'s ring: a hop holds a document's head "
+                              f"and tail pieces, which splash's window mask cannot tell apart; use "
+                              f"context_parallel_strategy=all_gather or a2a, attention=blockwise, or "
+                              f"context_parallel_load_balance=true")
 
         def body(q, k, v, pos, seg):
             return ring_attention(local, CONTEXT, cp, spec.ring_backward_overlap, q, k, v, pos, seg, pos, seg)

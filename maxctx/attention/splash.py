@@ -47,7 +47,7 @@ from maxctx.attention import document_blocks
 from maxctx.attention.cost import PALLAS_MACS_SCOPE
 from maxctx.attention.flash import block_size
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
-from maxctx.attention.splash_masks import ordered_causal_mask, sees_a_key
+from maxctx.attention.splash_masks import KeyRuns, ordered_causal_mask, sees_a_key
 
 COMPUTE_BLOCK = 512
 # Block-table entries (query blocks x key blocks) one kernel call may have: the largest size that compiled within
@@ -161,6 +161,27 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     return tuple(out)
 
 
+def documents_kernel(rows: int, keys: int, group: int, block_q: int, block_kv: int, save_residuals: bool,
+                     interpret: bool = False, max_table_entries: int | None = None, window: int = 0,
+                     blocks: Blocks = Blocks()):
+    """make_kernel's result for a call of `rows` queries and `keys` keys whose order changes with the batch
+    (context_parallel_load_balance=documents, document_blocks): every block listed, the mask computed in the
+    kernel as `key place <= q_sequence` (and within `window`), q_sequence and the tables given per call."""
+    built = make_kernel(np.arange(keys, keys + rows), np.arange(keys), group, block_q, block_kv, save_residuals,
+                        interpret, max_table_entries, 0, dataclasses.replace(blocks, stored_masks=False))
+    function = KeyRuns(((0, keys),), window)
+
+    def patched(kernel):
+        return None if kernel is None else type(kernel)(kernel.fwd_mask_info, kernel.dq_mask_info,
+                                                        kernel.dkv_mask_info,
+                                                        **{**kernel.kwargs, "mask_function": function})
+
+    if isinstance(built, RowLoop):
+        built.kernel = patched(built.kernel)
+        return built
+    return tuple((start, stop, patched(kernel)) for start, stop, kernel in built)
+
+
 # The arguments splash_backward.hop_backward passes to splash's dQ and dK/dV kernels (private functions of
 # jax.experimental.pallas.ops.tpu.splash_attention, so checked against this JAX's signatures).
 _BACKWARD_ARGS = ("q", "k", "v", "segment_ids", "logsumexp", "do", "di", "bq", "bkv", "is_mqa", "mask_info",
@@ -241,18 +262,20 @@ class RowLoop:
         b, s, h, d = q_BSHD.shape
         info = self.device_info("fwd_mask_info")
         q_pos_BS = q_seg_BS if ids is None else ids[0]
+        q_values_BS = q_seg_BS if ids is None or ids[3] is None else ids[3]
 
         def chunk(xs):
-            q, seg, pos, which = xs
+            q, seg, pos, values, which = xs
+            values = None if ids is None or ids[3] is None else values
             picked = self.pick(info, which)
             if ids is not None:
-                picked = document_blocks.narrow_infos(self.kernel, {"fwd_mask_info": picked}, pos, seg, ids[1],
-                                                      kv_seg_BT, ids[2])["fwd_mask_info"]
+                picked = document_blocks.call_infos(self.kernel, {"fwd_mask_info": picked}, pos, seg, ids[1],
+                                                    kv_seg_BT, ids[2], values)["fwd_mask_info"]
             step = type(self.kernel)(picked, None, None, **self.kernel.kwargs)
             return _call_one(step, q, k_BTKD, v_BTKD, seg, kv_seg_BT, True, macs=self.macs(b * h, d))
 
         split = [jnp.moveaxis(x.reshape(b, self.chunks, self.rows, *x.shape[2:]), 1, 0)
-                 for x in (q_BSHD, q_seg_BS, q_pos_BS)]
+                 for x in (q_BSHD, q_seg_BS, q_pos_BS, q_values_BS)]
         out, lse = jax.lax.map(chunk, (*split, jnp.asarray(self.index)))
         return jnp.moveaxis(out, 0, 1).reshape(b, s, h, d), jnp.moveaxis(lse, 0, 2).reshape(b, h, s)
 
@@ -306,7 +329,9 @@ def _small(table: np.ndarray) -> np.ndarray:
 def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_residuals: bool, ids=None):
     """Runs the (local) splash kernels of `make_kernel` on their row chunks; returns (out[B, S, H, D], lse[B, H, S]
     fp32 or None). Chunks share the keys, so autodiff sums their dK/dV. `ids`: (query positions [B, S], key
-    positions [B, T], window): every kernel's tables are narrowed to the rows' documents (document_blocks)."""
+    positions [B, T], window, query values [B, S] or None): every kernel's tables are narrowed to the rows'
+    documents, and given the query values as q_sequence when there are (a documents call of one row:
+    document_blocks)."""
     if isinstance(kernels, RowLoop):
         out, lse = kernels(q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, ids)
         return out, lse if save_residuals else None
@@ -320,7 +345,11 @@ def splash_call(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, save_resid
             macs = visited_macs(kernel.fwd_mask_info.block_mask, stop - start, kernel, q.shape[3]) * q.shape[0] \
                 * q.shape[2]
             if ids is not None:
-                kernel = document_blocks.narrow_kernel(kernel, ids[0][:, start:stop], seg, ids[1], kv_seg_BT, ids[2])
+                infos = document_blocks.call_infos(
+                    kernel, {name: getattr(kernel, name) for name in document_blocks.PASS_AXIS},
+                    ids[0][:, start:stop], seg, ids[1], kv_seg_BT, ids[2],
+                    None if ids[3] is None else ids[3][:, start:stop])
+                kernel = type(kernel)(*(infos[name] for name in document_blocks.PASS_AXIS), **kernel.kwargs)
             parts.append(_call_one(kernel, q, k_BTKD, v_BTKD, seg, kv_seg_BT, save_residuals, macs=macs))
     if len(parts) == 1:
         return parts[0]

@@ -36,7 +36,8 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
     (and row chunk's) gradient rounded to bf16 before the sum). For kernels with has_backward. A RowLoop runs its
     chunks in a scan: each chunk's dq comes out as its rows (in the kernel's dtype: no fp32 carry of every row,
     a large array at long context, docs/long_context.md), its dk and dv add up in fp32 carries. `ids`: (query
-    positions, key positions, window) to narrow the dQ and dK/dV tables to the rows' documents (document_blocks)."""
+    positions, key positions, window, query values or None: splash.splash_call) to narrow the dQ and dK/dV tables
+    to the rows' documents (document_blocks)."""
     if not isinstance(kernels, splash.RowLoop):
         if kernels[0][2] is None:  # the hop sees no key
             return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD))
@@ -44,7 +45,7 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
         b, s, h, d = q_BSHD.shape
         infos = {"dq_mask_info": kernel.dq_mask_info, "dkv_mask_info": kernel.dkv_mask_info}
         if ids is not None:
-            infos = document_blocks.narrow_infos(kernel, infos, ids[0], q_seg_BS, ids[1], kv_seg_BT, ids[2])
+            infos = document_blocks.call_infos(kernel, infos, ids[0], q_seg_BS, ids[1], kv_seg_BT, ids[2], ids[3])
         with splash.pallas_scope(splash.visited_macs(kernel.fwd_mask_info.block_mask, s, kernel, d) * b * h):
             dq, dk, dv = _backward(kernel, infos["dq_mask_info"], infos["dkv_mask_info"], q_BSHD, k_BTKD, v_BTKD,
                                    q_seg_BS, kv_seg_BT, out_BSHD, lse_BHS, dout_BSHD)
@@ -59,8 +60,9 @@ def hop_backward(kernels, q_BSHD, k_BTKD, v_BTKD, q_seg_BS, kv_seg_BT, out_BSHD,
         picked = {name: None if name not in infos else loop.pick(infos[name], which)
                   for name in ("dq_mask_info", "dkv_mask_info")}
         if ids is not None:
-            pos = jax.lax.dynamic_slice_in_dim(ids[0], i * loop.rows, loop.rows, 1)
-            picked = document_blocks.narrow_infos(loop.kernel, picked, pos, seg, ids[1], kv_seg_BT, ids[2])
+            pos, values = (None if x is None else jax.lax.dynamic_slice_in_dim(x, i * loop.rows, loop.rows, 1)
+                           for x in (ids[0], ids[3]))
+            picked = document_blocks.call_infos(loop.kernel, picked, pos, seg, ids[1], kv_seg_BT, ids[2], values)
         dq_info, dkv_info = picked["dq_mask_info"], picked["dkv_mask_info"]
         with splash.pallas_scope(loop.macs(q_BSHD.shape[0] * q_BSHD.shape[2], q_BSHD.shape[3])):
             dq, dk, dv = _backward(loop.kernel, dq_info, dkv_info, q, k_BTKD, v_BTKD, seg, kv_seg_BT, out, lse, dout)

@@ -75,6 +75,7 @@ class USP(Strategy):
         return dataclasses.replace(config, context_parallel_strategy=self.name, context_parallel_a2a_degree=a2a)
 
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+        from maxctx.attention.document_blocks import sort_keys
         from maxctx.attention.kernels import make_local, stored_order
         from maxctx.attention.ring import ring_attention
         from maxctx.attention.seq_to_heads import a2a_attention
@@ -85,10 +86,21 @@ class USP(Strategy):
         local = make_local(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh,
                            order=stored_order(seq, u * r, spec.load_balance), q_shards=r, kv_blocks=r,
                            q_axes=RING_AXIS, group=h // replicated_kv_heads(kv_heads, u), ring=True,
-                           window=spec.window, splash_blocks=spec.splash_blocks)
+                           window=spec.window, splash_blocks=spec.splash_blocks,
+                           documents=spec.load_balance == "documents" and u * r > 1)
+
+        if local.documents and spec.window:
+            raise ConfigError(f"a sliding window (layer window {spec.window}) with context_parallel_load_balance="
+                              f"documents and splash cannot run on {self.name}'s ring: a hop holds a document's head "
+                              f"and tail pieces, which splash's window mask cannot tell apart; use "
+                              f"context_parallel_strategy=all_gather or a2a, attention=blockwise, or "
+                              f"context_parallel_load_balance=true")
 
         def inner(q, k, v, pos, seg):
-            return ring_attention(local, RING_AXIS, r, spec.ring_backward_overlap, q, k, v, pos, seg, pos, seg)
+            kp, ks = pos, seg
+            if local.documents:  # the a2a group's ranks, one after another: back in document order for the ring
+                kp, ks, k, v = sort_keys(pos, seg, k, v)
+            return ring_attention(local, RING_AXIS, r, spec.ring_backward_overlap, q, k, v, pos, seg, kp, ks)
 
         def body(q, k, v, pos, seg):
             return a2a_attention(q, k, v, pos, seg, u, inner)

@@ -47,13 +47,14 @@ MIN_PACKING_BINS = 16
 
 
 class CPReorder:
-    """Zig-zag order for CP degree `cp` on a [rows, S] batch (a grain map, so workers do it)."""
+    """The load-balanced order for CP degree `cp` on a [rows, S] batch (a grain map, so workers do it): the zig-zag,
+    or with `mode` 'documents' each row's documents placed on the ranks (maxctx.attention.load_balance)."""
 
-    def __init__(self, cp: int):
-        self.cp = cp
+    def __init__(self, cp: int, mode=True):
+        self.cp, self.mode = cp, mode
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return reorder_batch(batch, self.cp)
+        return reorder_batch(batch, self.cp, self.mode)
 
 
 class DataIterator:
@@ -102,6 +103,7 @@ class SyntheticIterator:
     def __init__(self, config: Config, mesh: Mesh, layout: HostLayout, stream: int = 0):
         self.mesh, self.layout = mesh, layout
         self.cp = mesh_context_degree(mesh.shape) if config.context_parallel_load_balance else 1
+        self.mode = config.context_parallel_load_balance
         self.source = SyntheticSource(config.vocab_size, config.max_target_length, layout.global_shape[0],
                                       config.seed, stream, config.synthetic_passkey_fraction)
         self.step = 0
@@ -113,7 +115,7 @@ class SyntheticIterator:
         parts = [self.source.batch(self.step, slice(start, stop)) for start, stop in self.layout.row_blocks]
         local = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
         self.step += 1
-        return to_global_arrays(reorder_batch(local, self.cp), self.mesh, self.layout)
+        return to_global_arrays(reorder_batch(local, self.cp, self.mode), self.mesh, self.layout)
 
     def get_state(self) -> dict[str, Any]:
         return {"process_index": jax.process_index(), "process_count": jax.process_count(), "step": self.step}
@@ -179,6 +181,7 @@ def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int,
     `once` this process's part of the split read once, the last batch padded."""
     source = make_source(config, split)
     tokenizer = load_tokenizer(config)
+    mode = config.context_parallel_load_balance
     if len(source) < layout.shard_count:
         raise DataError(f"{source.name} has {len(source)} documents, fewer than the "
                         f"{layout.shard_count} data-loading process groups that each need a disjoint part")
@@ -194,8 +197,8 @@ def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int,
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=read_ahead))
     ds = pack(ds, config.packing, seq_len, num_bins=max(MIN_PACKING_BINS, rows))
     if once:
-        return ds.batch(rows, drop_remainder=False).map(PadBatch(rows)).map(CPReorder(cp))
-    return ds.batch(rows, drop_remainder=True).map(CPReorder(cp))
+        return ds.batch(rows, drop_remainder=False).map(PadBatch(rows)).map(CPReorder(cp, mode))
+    return ds.batch(rows, drop_remainder=True).map(CPReorder(cp, mode))
 
 
 def _is_document(pair: dict | None) -> bool:

@@ -110,7 +110,8 @@ class PasskeyEval:
         for start in range(0, padded, per_batch):
             local = {key: np.concatenate([value[start + a:start + b] for a, b in layout.row_blocks])
                      for key, value in rows.items()}
-            batch = to_global_arrays(reorder_batch(local, self.cp), self.setup.mesh, layout)
+            batch = to_global_arrays(reorder_batch(local, self.cp, self.config.context_parallel_load_balance),
+                                     self.setup.mesh, layout)
             out.append(np.asarray(jax.device_get(self.eval_step(params, batch)["row_correct"])))
         return np.concatenate(out)[:total]
 
