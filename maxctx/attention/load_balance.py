@@ -53,6 +53,10 @@ def restore_order(x: np.ndarray, cp: int, axis: int = 1) -> np.ndarray:
     return np.take(x, np.argsort(perm), axis=axis)
 
 
+# Splash's and the blockwise kernel's default block (flash_block_q / flash_block_kv).
+GRANULE = 512
+
+
 def document_runs(segment_ids_S: np.ndarray) -> list[tuple[int, int]]:
     """(start, length) of each run of equal segment ids: the row's documents (padding, id 0, is one too)."""
     cuts = np.flatnonzero(np.diff(segment_ids_S) != 0) + 1
@@ -65,9 +69,11 @@ def token_work(positions_S: np.ndarray) -> np.ndarray:
     return positions_S.astype(np.int64) + 1
 
 
-def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp: int) -> np.ndarray:
+def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp: int,
+                         granule: int = GRANULE) -> np.ndarray:
     """Indices `perm` of one row such that `row[perm]` stores documents placed on `cp` ranks (module doc): rank r
-    holds perm[r S/C : (r + 1) S/C], each rank's tokens in their original order."""
+    holds perm[r S/C : (r + 1) S/C], each rank's tokens in their original order. `granule`: the smallest piece a
+    cut document is cut into where it is long enough (a smaller piece still costs its kernel whole blocks)."""
     seq = len(segment_ids_S)
     if cp <= 1:
         return np.arange(seq)
@@ -85,19 +91,31 @@ def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp:
             room[rank] -= length
             work[rank] += work_of[start + length] - work_of[start]
 
-    runs = document_runs(segment_ids_S)
+    runs = sorted(document_runs(segment_ids_S), key=lambda run: -run[1])
     long = [run for run in runs if run[1] > share // 2]
     short = [run for run in runs if run[1] <= share // 2]
     for start, length in long:
-        # Pair sizes: length // cp each, one more for the (length % cp) ranks with the most room left.
-        pair = np.full(cp, length // cp, np.int64)
-        pair[np.argsort(-room, kind="stable")[:length % cp]] += 1
+        # Over every rank where its 2C pieces are at least `granule` tokens; else over as many as pieces of
+        # `granule` allow (and at least as many as hold it): the m ranks with the least work that have room.
+        m = min(cp, max(-(-length // share), length // (2 * granule)))
+        while True:
+            fit = [r for r in np.argsort(work, kind="stable") if room[r] >= -(-length // m)]
+            if len(fit) >= m or m == cp:
+                break
+            m += 1
+        if len(fit) < m:  # no m ranks with room: cut it across the ranks with room, as a short one
+            short.append((start, length))
+            continue
+        ranks = np.asarray(fit[:m])
+        # Pair sizes: length // m each, one more for the (length % m) of them with the most room left.
+        pair = np.full(m, length // m, np.int64)
+        pair[np.argsort(-room[ranks], kind="stable")[:length % m]] += 1
         head = pair // 2
         head_at = start + np.concatenate([[0], np.cumsum(head)[:-1]])
         tail_end = start + length - np.concatenate([[0], np.cumsum(pair - head)[:-1]])
-        for rank in range(cp):
-            place(rank, int(head_at[rank]), int(head[rank]))
-            place(rank, int(tail_end[rank] - (pair[rank] - head[rank])), int(pair[rank] - head[rank]))
+        for i, rank in enumerate(ranks):
+            place(int(rank), int(head_at[i]), int(head[i]))
+            place(int(rank), int(tail_end[i] - (pair[i] - head[i])), int(pair[i] - head[i]))
     short.sort(key=lambda run: -(work_of[run[0] + run[1]] - work_of[run[0]]))
     for start, length in short:
         fits = np.flatnonzero(room >= length)
@@ -110,7 +128,8 @@ def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp:
             start, length = start + take, length - take
             if not length:
                 break
-    assert not room.any(), room
+    if room.any():  # a long document's pieces overfilled a rank: cannot happen with the rounding above
+        raise AssertionError(f"document placement left ranks with {room.tolist()} tokens of room")
     return np.concatenate([np.concatenate([np.arange(a, a + n) for a, n in sorted(p)]) for p in pieces])
 
 
