@@ -85,10 +85,10 @@ def block_counts(pos: np.ndarray, seg: np.ndarray) -> tuple[int, int, int]:
 def layout_blocks(pos: np.ndarray, seg: np.ndarray, perm: np.ndarray, static_causal: bool,
                   cp: int) -> tuple[int, int, float]:
     """(blocks splash runs, blocks holding a visible pair, the busiest rank's runs over the mean) over all
-    (query block, key block) pairs of a stored order `perm` (every rank's queries against every rank's keys: all hops of the ring): the static table
-    (causal on original index for the zig-zag; every pair for the documents placement, whose order is the batch's)
-    narrowed by document_blocks.pair_visible; needed counted per document exactly (a pair needs a document with a
-    key at or before one of its queries' positions)."""
+    (query block, key block) pairs of a stored order `perm` (every rank's queries against every rank's keys: all
+    hops of the ring): the static table (causal on original index for the zig-zag; every pair for the documents
+    placement, whose order is the batch's) narrowed by document_blocks.pair_visible; needed counted per document
+    exactly (a pair needs a document with a key at or before one of its queries' positions)."""
     p, s = pos[perm], seg[perm]
     nb = len(p) // BLOCK
     sums = [x[0] for x in summaries(p[None], s[None], BLOCK, np)]
