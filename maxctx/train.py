@@ -156,10 +156,13 @@ def _step_logger(config: Config, setup: TrainSetup, writer: MetricsWriter, flops
     """The loop's StepLogger; made just before the loop, which has no earlier fetch to time its first step
     against."""
     from maxctx.metrics import StepLogger
+    from maxctx.metrics.flops import needed_flops
 
+    tokens = setup.global_batch * config.max_target_length
     return StepLogger(writer, total_steps=config.steps, log_period=config.log_period, peak_flops_per_device=peak,
-                      tokens_per_step=setup.global_batch * config.max_target_length, flops_per_step=flops_per_step,
-                      num_devices=setup.mesh.devices.size, on_step=checkpointer.divergence.observe)
+                      tokens_per_step=tokens, flops_per_step=flops_per_step, num_devices=setup.mesh.devices.size,
+                      on_step=checkpointer.divergence.observe,
+                      needed_flops=lambda pairs: needed_flops(config, tokens, pairs))
 
 
 def _diverged(error: Exception, checkpointer: Any) -> Exception:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from maxctx.config import Config, ConfigError
 from maxctx.data import BATCH_KEYS
 from maxctx.mesh import batch_sharding, logical_to_spec
+from maxctx.metrics.flops import document_pairs
 from maxctx.model.decoder import Decoder, param_axes
 from maxctx.model.layers import ModelConfig
 from maxctx.optimizer import learning_rate_schedule, make_optimizer
@@ -139,7 +140,8 @@ def train_step_fn(setup: TrainSetup):
                                                  (new_params, opt_state), (params, state["opt_state"]))
             finite, metrics["skipped"] = all_finite((new_params, opt_state)), keep.astype(jnp.float32)
         metrics.update(loss=loss, grad_norm=grad_norm, param_norm=optax.tree.norm(new_params),
-                       learning_rate=schedule(state["step"]), tokens=weight_sum, finite=finite.astype(jnp.float32))
+                       learning_rate=schedule(state["step"]), tokens=weight_sum, finite=finite.astype(jnp.float32),
+                       attention_pairs=document_pairs(batch["positions"], batch["segment_ids"], setup.config, jnp))
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return step

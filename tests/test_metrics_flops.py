@@ -3,6 +3,7 @@ step written here (unrolled layers, no remat; independent of maxctx.model, whose
 test_metrics_xla.py), and the measured CPU peak (the best of several timings)."""
 
 import dataclasses
+import os
 import types
 
 import jax
@@ -159,3 +160,28 @@ def test_measured_peak_is_the_best_of_several_timings(monkeypatch):
     monkeypatch.setattr(peaks, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))  # peaks' clock only
     flops = measure_matmul_flops(jax.devices()[:1], size=8, chain=1, min_repeats=3, min_seconds=0.0)
     assert flops == 2 * 8**3 / 0.5
+
+
+def test_document_pairs_from_positions_equal_the_area_of_the_segment_ids():
+    """The train step's `attention_pairs` (from positions, on the device) is the documents' own area that
+    attention_pairs counts from segment ids: padding left out, each layer's window applied, any token order."""
+    from maxctx.attention.load_balance import document_permutation
+    from maxctx.loader import load_config
+    from maxctx.metrics.flops import document_pairs, needed_flops
+
+    base = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
+
+    lengths = [[300, 50, 7, 155], [512]]
+    seg = np.stack([np.repeat(np.arange(1, len(n) + 1), n) for n in lengths]).astype(np.int32)
+    pos = np.stack([np.concatenate([np.arange(m) for m in n]) for n in lengths]).astype(np.int32)
+    seg[0, -20:], pos[0, -20:] = 0, 0  # padding
+    config = load_config([base, "sliding_window_size=64", "attention_layer_pattern=LLG", "base_num_decoder_layers=6"])
+    want = 2 * sum(attention_pairs(2, 512, segment_ids=seg, window=w) for w in (64, 64, 0))
+    perm = document_permutation(pos[1], seg[1], 4)
+    assert document_pairs(pos, seg, config) == want
+    assert float(document_pairs(jnp.asarray(pos[:, perm]), jnp.asarray(seg[:, perm]), config, jnp)) == want
+    # One document per row without a window: the needed FLOPs are training_flops_per_step's (causal S^2/2 + S/2).
+    whole = load_config([base])
+    rows = np.broadcast_to(np.arange(512, dtype=np.int32), (2, 512))
+    pairs = document_pairs(rows, np.ones_like(rows), whole)
+    assert needed_flops(whole, 1024, pairs) == training_flops_per_step(whole, 2, 512, segment_ids=np.ones_like(rows))

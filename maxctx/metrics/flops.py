@@ -57,6 +57,27 @@ def attention_pairs(global_batch: int, seq_len: int, *, segment_ids: np.ndarray 
     return float(np.sum(counts * (counts + 1) / 2 if causal else counts * counts))
 
 
+def document_pairs(positions, segment_ids, config: Config, xp=np):
+    """(query, key) pairs the batch's documents need, summed over the layers: each non-padding query at position p
+    of its document sees p + 1 keys (min(p + 1, W) in a layer of window W). The same A as `attention_pairs` with
+    segment ids, from the positions, so the train step computes it on the device (`xp` jax.numpy) in any token
+    order; with the step's batch it is the `needed` work of `needed_flops`."""
+    windows = layer_windows(config)
+    seen = (xp.asarray(positions) + 1).astype(xp.float32)
+    real = xp.asarray(segment_ids) != 0
+    total = sum(xp.sum(xp.where(real, xp.minimum(seen, w) if w else seen, 0.0)) for w in windows)
+    return total * (config.base_num_decoder_layers / len(windows))
+
+
+def needed_flops(config: Config, tokens: float, pairs: float) -> float:
+    """Model FLOPs of a step of `tokens` tokens whose documents need `pairs` attention pairs over all layers
+    (`document_pairs`): the matmuls as in `training_flops_per_step`, attention by the documents' own area. The
+    MFU from it (the progress line's `needed`) says how busy the chips are with the work the data asks for; the
+    MFU from `training_flops_per_step` (causal S^2/2 per row, MaxText's convention) is the comparable one."""
+    shape = ModelShape.from_config(config)
+    return shape.matmul_flops(tokens) + shape.attention_flops(pairs)
+
+
 def training_flops_per_step(config: Config, global_batch: int, seq_len: int, *,
                             segment_ids: np.ndarray | None = None) -> float:
     """Model FLOPs of one optimiser step of the whole job (forward + backward), the `total` in the module doc.

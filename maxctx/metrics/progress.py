@@ -127,7 +127,11 @@ def format_progress(step: int, total_steps: int, metrics: dict[str, float], seco
     if "tokens_per_s" in metrics:
         parts.append(f"{_count(metrics['tokens_per_s'])} tok/s")
     if math.isfinite(metrics.get("mfu", math.nan)):
-        parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+        needed = metrics.get("mfu_needed", math.nan)
+        # The documents' own attention, where packing makes it differ from the causal rows MFU counts.
+        extra = f" (needed {100 * needed:.1f}%)" if math.isfinite(needed) and abs(needed - metrics["mfu"]) > \
+            0.005 * metrics["mfu"] else ""
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%{extra}")
     parts.append(f"{seconds_per_step:.3f} s/step")
     parts.append(f"ETA {_duration(max(total_steps - step, 0) * seconds_per_step)}")
     return " | ".join(parts)

@@ -43,11 +43,15 @@ class StepLogger:
 
     def __init__(self, writer: MetricsWriter, *, total_steps: int, log_period: int, tokens_per_step: int,
                  flops_per_step: float, num_devices: int, peak_flops_per_device: float,
-                 on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
+                 on_step: Callable[[int, dict[str, float]], None] | None = None,
+                 needed_flops: Callable[[float], float] | None = None) -> None:
         self.writer, self._on_step = writer, on_step  # on_step(steps completed, host metrics): every step, first
         self.total_steps, self.log_period = total_steps, log_period
         self._rates = {"tokens_per_step": tokens_per_step, "flops_per_step": flops_per_step,
                        "num_devices": num_devices, "peak_flops_per_device": peak_flops_per_device}
+        # needed_flops(attention pairs of the step's documents) -> the step's FLOPs by its documents' own attention
+        # (maxctx.metrics.flops.needed_flops): the `mfu_needed` beside MaxText's `mfu`.
+        self._needed = needed_flops
         self._pending = PendingMetrics()
         self._loop_start: float | None = time.perf_counter()  # None once the first step is timed
         self._window_seconds, self._window_steps = 0.0, 0  # step time summed since the last logged step
@@ -104,16 +108,23 @@ class StepLogger:
         if seconds is not None:
             self._window_seconds += seconds
             self._window_steps += 1
-        rates = throughput(seconds, **self._rates) if seconds is not None else {}
+        rates = self._throughput(seconds, done.metrics) if seconds is not None else {}
         self.writer.write_maxtext_step(done.step, {**done.metrics, **rates})
         if not (completed % self.log_period == 0 or force or first) or not self._window_steps:
             return
         seconds = self._window_seconds / self._window_steps
         self._window_seconds, self._window_steps = 0.0, 0
-        values = {**done.metrics, **throughput(seconds, **self._rates), **device_memory()}
+        values = {**done.metrics, **self._throughput(seconds, done.metrics), **device_memory()}
         self.writer.write_step(completed, values)
         if self.writer.is_primary:
             print(format_progress(completed, self.total_steps, values, seconds), flush=True)
+
+    def _throughput(self, seconds: float, metrics: dict[str, float]) -> dict[str, float]:
+        rates = throughput(seconds, **self._rates)
+        if self._needed is not None and "attention_pairs" in metrics:
+            needed = self._needed(metrics["attention_pairs"])
+            rates["mfu_needed"] = rates["mfu"] * needed / self._rates["flops_per_step"]
+        return rates
 
     def _step_seconds(self, done: StepMetrics) -> float | None:
         """The step's time since the previous step finished; the loop's first step, which has none, from the loop's
