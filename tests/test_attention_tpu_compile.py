@@ -1,7 +1,7 @@
 """TPU without a TPU: every strategy with attention=splash compiles (fwd + bwd) for an abstract v5p-8 topology, for
 global and for local (sliding-window) layers, and so does a call split into row chunks (splash.MAX_TABLE_ENTRIES
 lowered so 2K tokens need them; ring hops loop one kernel over them), and splash's backward on other blocks than
-the forward's (MaxText's sa_block_*), fused or not.
+the forward's (MaxText's sa_block_*), fused or not, and each strategy under the documents placement.
 
 Runs in a subprocess: the TPU plugin must load, which JAX_PLATFORMS=cpu (set by conftest) forbids. Needs libtpu
 (CI installs `jax[tpu]==<jax version>`); without it the test fails and says so, it does not skip.
@@ -52,7 +52,12 @@ for strategy, ring, a2a, balance, table, window, *blocks in [
         ("all_gather", 4, 1, True, None, 256), ("p2p", 4, 1, True, None, 256), ("p2p", 4, 1, False, None, 256),
         ("a2a", 1, 4, True, None, 256), ("usp", 2, 2, True, None, 256), ("p2p", 4, 1, True, None, 1024),
         # The ring backward software-pipelined (AttentionSpec.ring_backward_overlap).
-        ("p2p", 4, 1, True, None, 0, dict(overlap=True)), ("usp", 2, 2, True, None, 0, dict(overlap=True))]:
+        ("p2p", 4, 1, True, None, 0, dict(overlap=True)), ("usp", 2, 2, True, None, 0, dict(overlap=True)),
+        # context_parallel_load_balance=documents: q_sequence and tables derived per call from the ids (one row at
+        # a time), gathered keys sorted back into document order; ring hops in row chunks too.
+        ("p2p", 4, 1, "documents", None, 0), ("all_gather", 4, 1, "documents", None, 0),
+        ("a2a", 1, 4, "documents", None, 256), ("usp", 2, 2, "documents", None, 0),
+        ("p2p", 4, 1, "documents", 2, 0)]:
     splash.MAX_TABLE_ENTRIES = table or default_table
     mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), MESH_AXES)
     opts = dict(blocks[0]) if blocks else {}
@@ -72,7 +77,8 @@ for strategy, ring, a2a, balance, table, window, *blocks in [
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     hlo = compiled.as_text()
-    results[f"{strategy}/{'zigzag' if balance else 'natural'}" + ("/chunked" if table else "")
+    order = "documents" if balance == "documents" else "zigzag" if balance else "natural"
+    results[f"{strategy}/{order}" + ("/chunked" if table else "")
             + (f"/window{window}" if window else "") + ("/overlap" if overlap else "/blocks" if opts else "")] = {
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
         "pallas_calls": hlo.count("tpu_custom_call"), "fp32_permutes": permutes(hlo)}
@@ -90,7 +96,7 @@ def test_splash_compiles_for_v5p_under_every_strategy():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"compile for v5p failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads(lines[-1].removeprefix("RESULT "))
-    assert len(results) == 17
+    assert len(results) == 22
     # The ring backward's dK/dV sends: in the hop loop (p2p, R = 4) none overlaps a hop's kernel by default; when
     # software-pipelined every one does but the last, which brings the dK/dV home after the last hop (usp, R = 2,
     # has no loop: XLA overlaps even the plain backward's one send there).
