@@ -80,6 +80,13 @@ def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp:
     if seq % cp:
         raise ValueError(f"sequence length {seq} is not divisible by context parallelism = {cp}")
     share = seq // cp
+    runs = document_runs(segment_ids_S)
+    ids = [int(segment_ids_S[start]) for start, _ in runs]
+    real = [i for i in ids if i != 0]
+    if any(b <= a for a, b in zip(real, real[1:])) or 0 in ids[:len(real)]:
+        raise ValueError(f"context_parallel_load_balance=documents needs each row's documents numbered in order "
+                         f"(segment ids increasing along the row, padding 0 only at its end), as maxctx's packing "
+                         f"writes them; this row's documents have ids {ids[:12]}{' ...' if len(ids) > 12 else ''}")
     work_of = np.concatenate([[0], np.cumsum(token_work(positions_S))])
     pieces: list[list[tuple[int, int]]] = [[] for _ in range(cp)]  # per rank: (start, length) of original tokens
     room = np.full(cp, share, np.int64)
@@ -91,7 +98,7 @@ def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp:
             room[rank] -= length
             work[rank] += work_of[start + length] - work_of[start]
 
-    runs = sorted(document_runs(segment_ids_S), key=lambda run: -run[1])
+    runs = sorted(runs, key=lambda run: -run[1])
     long = [run for run in runs if run[1] > share // 2]
     short = [run for run in runs if run[1] <= share // 2]
     for start, length in long:
