@@ -50,10 +50,8 @@ DOCUMENTS = [[40, 130, 20, 200, 122], [256, 9, 119, 128]]
 
 
 @pytest.mark.parametrize("strategy,ring,a2a,max_table,window", [
-    ("p2p", 4, 1, None, 0), ("p2p", 8, 1, None, 0), ("usp", 2, 2, None, 0),
-    ("usp", 4, 2, None, 0),
-    ("all_gather", 4, 1, None, 0), ("a2a", 1, 2, 4, 0), ("p2p", 2, 1, 2, 0),
-    ("p2p", 2, 1, None, 128), ("a2a", 1, 2, None, 100), ("p2p", 4, 1, None, 200), ("usp", 2, 2, None, 256)])
+    ("p2p", 8, 1, None, 0), ("usp", 2, 2, None, 0), ("all_gather", 4, 1, None, 0), ("a2a", 1, 2, 4, 0),
+    ("p2p", 2, 1, 2, 0), ("a2a", 1, 2, None, 100), ("p2p", 4, 1, None, 200), ("usp", 2, 2, None, 256)])
 def test_splash_document_tables_match_reference(strategy, ring, a2a, max_table, window, monkeypatch):
     from maxctx.attention import flash, splash
 
@@ -327,8 +325,7 @@ def test_partial_blocks_are_computed_where_the_keys_form_few_runs():
 
 
 @pytest.mark.parametrize("strategy,ring,a2a,window", [
-    ("p2p", 2, 1, 0), ("p2p", 4, 1, 0), ("usp", 2, 2, 0), ("all_gather", 4, 1, 0), ("a2a", 1, 2, 0),
-    ("all_gather", 2, 1, 100), ("a2a", 1, 2, 128)])
+    ("p2p", 4, 1, 0), ("usp", 2, 2, 0), ("all_gather", 4, 1, 100), ("a2a", 1, 2, 128)])
 def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, window, monkeypatch):
     """context_parallel_load_balance=documents: each row stored in its own document placement, so each call derives
     its q_sequence and tables from the ids (document_blocks); ring hops through splash's own backward."""
