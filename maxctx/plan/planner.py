@@ -119,6 +119,7 @@ class Plan:
     hardware: Hardware
     cp: int
     ranked: tuple[Candidate, ...]  # the choice first, then the other fitting ones, then the dropped ones
+    keys: str = "context_parallel_strategy=auto"  # what the plan chooses
 
     @property
     def choice(self) -> Candidate:
@@ -233,8 +234,10 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
         mesh = {"data": data, "fsdp": fsdp, "context": cp // u, "context_a2a": u, "tensor": tp}
         costed = [_cost(remat.apply(cand, where), Candidate(name, u, cp, saved, attn), mesh, hw, fsdp * cp * tp,
                         host_budget, ring_overlap) for where in remat.placements(cand)]
-        out += _rank(costed)[:PLACEMENTS_SHOWN] if remat.is_auto(config) else costed
-    return Plan(hw, cp, tuple(_rank(out)))
+        out += _shown(costed) if remat.is_auto(config) else costed
+    keys = " ".join(k for k, chosen in (("context_parallel_strategy=auto", only is None),
+                                         ("remat_policy=auto", remat.is_auto(config))) if chosen)
+    return Plan(hw, cp, tuple(_rank(out)), keys)
 
 
 def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, shards: int, host_budget: float,
@@ -258,6 +261,18 @@ def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, s
                                exposed_s=est.exposed_collective_s + est.exposed_host_s, fits=not over,
                                dropped="; ".join(over), placement=tuple(step_time.placement(config).items()),
                                host_bytes=held, forwards_per_layer=est.forwards_per_layer, headroom=headroom)
+
+
+def _shown(costed: list[Candidate]) -> list[Candidate]:
+    """Of one strategy's placements: its PLACEMENTS_SHOWN best, and of the faster ones a budget drops, the one
+    nearest to fitting (what the budgets cost, and by how much it is over them)."""
+    ranked = _rank(costed)
+    if ranked[0].fits:
+        ranked = [c for c in ranked if c.fits]
+        faster = [c for c in costed if not c.fits and c.step_s < ranked[0].step_s * (1 - TIE)]
+        if faster:
+            return ranked[:PLACEMENTS_SHOWN - 1] + [min(faster, key=lambda c: (c.headroom, c.step_s))]
+    return ranked[:PLACEMENTS_SHOWN]
 
 
 def _rank(cands: list[Candidate]) -> list[Candidate]:
@@ -299,7 +314,7 @@ def format_plan(p: Plan) -> list[str]:
     memory held by offloaded tensors, the predicted step and its exposed communication, attention forwards per
     layer, and the remat placement with what the backward recomputes."""
     none = "" if p.choice.fits else "; none fits by the estimate, so the least memory is chosen"
-    lines = [f"auto over C={p.cp} on {p.hardware.name} (estimates, not measurements{none}; per device):",
+    lines = [f"{p.keys} over C={p.cp} on {p.hardware.name} (estimates, not measurements{none}; per device):",
              f"  {'':2}{'strategy':<12} {'attention':>10} {'HBM':>10} {'host':>10} {'step':>12} {'exposed comm':>13}"
              f" {'fwd/layer':>9}  placement (not listed: remat) -> recomputed"]
     for i, c in enumerate(p.ranked):
