@@ -1,5 +1,7 @@
 """`context_parallel_strategy=auto`: choose the CP strategy and its all-to-all degree from the model, the sequence
-length and the topology, before JAX starts (maxctx.loader.load calls `resolve_auto`).
+length and the topology, before JAX starts (maxctx.loader.load calls `resolve_auto`); with `remat_policy=auto`
+also (or, with the strategy given, only) the remat placement of each named tensor (maxctx.plan.remat), each
+strategy costed at every placement within the HBM and host budgets.
 
 Candidates: every registered strategy (maxctx.attention.strategies) at each A2A degree its `planner_degrees`
 gives (all_gather and p2p U = 1, a2a U = C, usp every divisor 1 < U < C of the CP degree C). Each is checked
@@ -10,7 +12,8 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       against the compiled program), plus the backward's transient buffers (its `transient_bytes`)
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
                       the saved layer inputs L t D b (none when offloaded) and every other tensor the remat policy
-                      keeps on the device (step_time.placement: L t x its bytes per token) + the layer's working set
+                      keeps on the device (step_time.placement: L t x its bytes per token x remat.KEPT_ON_DEVICE)
+                      + the layer's working set
                       LAYER_WORK_BYTES t D (calibrated; LAYER_WORK_BYTES_INPUTS_ON_DEVICE t D when the inputs stay
                       in HBM) + the larger of the attention memory and the loss / MLP
                       tiles; a candidate above FIT_FRACTION of HBM is ranked after the fitting ones (auto takes
@@ -36,8 +39,9 @@ spans (bytes x extent / 8 per link on a wraparound ring, / 4 on a line, the slow
 DCN_BYTES_PER_S. The all-to-all of a2a and usp must stay inside a slice (maxctx.parallelism.split_context), so
 across slices only ring-style traffic (p2p, usp's ring, all_gather's gather) crosses DCN.
 
-Ranking: fitting candidates by step time; among those within TIE of the fastest (the model cannot tell them
-apart) the one with the least estimated memory is chosen. Not modelled: load imbalance. docs/choosing_a_strategy.md has
+Ranking: fitting candidates (HBM, and host memory for offloaded tensors: maxctx.plan.remat) by step time; among
+those within TIE of the fastest (the model cannot tell them apart) the one with the most room in its tighter budget
+(the least memory, when nothing is offloaded) is chosen. Not modelled: load imbalance. docs/choosing_a_strategy.md has
 the model's assumptions and its choices against the fit table and MaxText's measurements. No JAX here, except
 the peak FLOP/s table (maxctx.metrics.peaks), imported only when a TPU's peak is needed.
 """
