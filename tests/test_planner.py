@@ -324,14 +324,13 @@ def test_remat_auto_chooses_every_tensor_and_offloads_only_to_a_known_host():
 
 
 def test_verify_prints_the_programs_counts_beside_the_estimate(capsys):
-    from maxctx.compile import main
+    from maxctx.compile import verify_plan
 
-    argv = SMALL + ["base_num_decoder_layers=1", "max_target_length=1024", "base_emb_dim=128", "vocab_size=128",
-                    "context_parallel_strategy=p2p", "remat_policy=auto"]
-    assert main(argv + ["--verify=1"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("remat_policy=auto over C=8")
-    row = json.loads(out[-1])["verify"][0]
+    config, plan = load(SMALL + ["base_num_decoder_layers=1", "max_target_length=1024", "base_emb_dim=128",
+                                 "vocab_size=128", "context_parallel_strategy=p2p", "remat_policy=auto"])
+    assert planner.format_plan(plan)[0].startswith("remat_policy=auto over C=8")
+    row = verify_plan(plan, config, 1)[0]
     assert row["attention_forwards_per_layer"] == row["estimate_forwards_per_layer"] == 1
     assert row["device_to_host_bytes"] == row["estimate_host_bytes"] == 0
     assert row["compiled_estimate_step_s"] is None  # local devices: no step-time estimate from the compile
+    assert "attention forwards per layer estimate 1, compiled 1" in capsys.readouterr().out
