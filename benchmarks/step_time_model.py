@@ -4,6 +4,7 @@ every row. No compile, no TPU: the model's arithmetic only.
     python3 benchmarks/step_time_model.py          # the table (docs/step_time_model.md)
     python3 benchmarks/step_time_model.py --fit    # the fitted constants from the FITTED rows
     python3 benchmarks/step_time_model.py --what-if    # MaxText's recomputing lengths with context offloaded
+    python3 benchmarks/step_time_model.py --rankings   # every published MaxText measurement beside the model
 
 The rows: tpu-recipes `training/v5p/Llama3.1-8B-LongContext-Maxtext/cluster_toolkit/README.md` (AI-Hypercomputer),
 llama3.1-8b with head_dim=256, 16 query heads, 4 KV heads (its variant), ring CP with causal load balance, tokamax
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from maxctx.loader import load_config  # noqa: E402
-from maxctx.plan import step_time  # noqa: E402
+from maxctx.plan import planner, step_time, topology  # noqa: E402
 
 VARIANT = ["model_name=llama3.1-8b", "head_dim=256", "base_num_query_heads=16", "base_num_kv_heads=4",
            "num_vocab_tiling=16", "attention=splash", "flash_block_q=1024", "flash_block_kv=1024",
@@ -115,7 +116,7 @@ def table() -> list[str]:
 WHAT_IF = [(10485760, 64, 1, 0.015625, "custom", "offload", "offload"),
            (14680064, 64, 1, 0.015625, "custom", "offload", "offload"),
            (16777216, 64, 1, 0.015625, "custom", "offload", "offload")]
-HOST_RAM_PER_VM = 448e9  # a v5p VM: 4 chips, 448 GB RAM (cloud.google.com/tpu/docs/v5p)
+HOST_RAM_PER_VM = 4 * topology.CHIPS["v5p"].host_bytes  # a v5p VM: 4 chips, 448 GB RAM (maxctx.plan.topology)
 
 
 def what_if() -> list[str]:
@@ -130,7 +131,102 @@ def what_if() -> list[str]:
     return lines
 
 
+# MaxText's strategy measurements on v5p-128, 2M tokens per step, splash, `remat_policy=custom context=device`
+# (PR #4687's setting): (name, model, length, C, fsdp, {maxctx label: measured step s}, or the label measured
+# fastest where only that is published (PRs #4836 / #4893 as issue 17 summarises them)).
+STRATEGY_ROWS = [
+    ("PR #4687", "llama2-7b", 32768, 16, 4, {"all_gather": 8.83, "a2a": 8.90, "p2p": 16.38}),
+    ("PRs #4836/#4893", "llama3-8b", 65536, 64, 1, "usp 16x4"),
+    ("PRs #4836/#4893", "llama3-8b", 262144, 64, 1, "usp 8x8"),
+]
+TERMS = ("matmul_s", "attention_s", "recompute_s", "memory_s", "exposed_collective_s", "exposed_host_s")
+
+
+def strategy_estimates(model: str, length: int, cp: int, fsdp: int) -> dict[str, tuple[planner.Candidate,
+                                                                                    step_time.StepTime]]:
+    """Every valid candidate MaxText can run too (its Ulysses needs U to divide the kv heads), with the step-time
+    model's terms, the rings' backward sends overlapped as MaxText's are."""
+    argv = ["configs/base.yml", "compile_topology=v5p-128", f"model_name={model}", f"max_target_length={length}",
+            f"ici_context_parallelism={cp}", f"ici_fsdp_parallelism={fsdp}",
+            f"per_device_batch_size={2 ** 21 / DEVICES / length}", "attention=splash", "flash_block_q=1024",
+            "flash_block_kv=1024", "remat_policy=custom", "context=device", "context_parallel_strategy=auto"]
+    from maxctx.loader import parse_config
+
+    config = parse_config(argv)
+    plan = planner.plan(config, ring_overlap=True)
+    out = {}
+    for c in plan.ranked:
+        if not c.valid or config.base_num_kv_heads % c.a2a:
+            continue
+        cand = planner.candidate_config(config, c.strategy, c.a2a)
+        mesh = {"data": 1, "fsdp": fsdp, "context": cp // c.a2a, "context_a2a": c.a2a, "tensor": 1}
+        hw = step_time.hardware(cand, DEVICES)
+        out[c.label] = (c, step_time.estimate(cand, mesh, 2 ** 21 / length, hw, ring_overlap=True))
+    return out
+
+
+def planner_layers(model: str) -> int:
+    from maxctx.loader import parse_config
+
+    return parse_config(["configs/base.yml", f"model_name={model}"]).base_num_decoder_layers
+
+
+def rankings() -> list[str]:
+    lines = ["| source | shape | measured | model's prediction (step s) | ranking agrees? | where it disagrees: the "
+             "term that would have to change |", "|---|---|---|---|---|---|"]
+    for source, model, length, cp, fsdp, measured in STRATEGY_ROWS:
+        est = strategy_estimates(model, length, cp, fsdp)
+        order = sorted(est, key=lambda k: est[k][1].step_s)
+        predicted = ", ".join(f"{k} {est[k][1].step_s:.2f}" for k in order)
+        shape = f"{model}, {length // 1024}K, C={cp}, fsdp {fsdp}"
+        layers = planner_layers(model)
+        if isinstance(measured, dict):
+            got = ", ".join(f"{k} {v:.2f} s (predicted {est[k][1].step_s:.2f}, {est[k][1].step_s / v - 1:+.0%})"
+                            for k, v in sorted(measured.items(), key=lambda kv: kv[1]))
+            first, second = sorted(measured, key=measured.get)[:2]
+            model_order = [k for k in order if k in measured]
+            agrees = model_order[-1] == max(measured, key=measured.get)
+            tie = measured[second] / measured[first] - 1
+            a, b = est[first][1], est[second][1]
+            gap = a.step_s - b.step_s * (1 + tie)
+            diff = {t: getattr(a, t) - getattr(b, t) for t in TERMS}
+            term = max(diff, key=diff.get)
+            note = (f"last place agrees ({model_order[-1]}); the measured tie of {first} and {second} "
+                    f"({tie:+.1%}) the model puts {a.step_s / b.step_s - 1:+.1%} apart: {first}'s "
+                    f"{term.removesuffix('_s').replace('_', ' ')} ({getattr(a, term):.2f} s against "
+                    f"{getattr(b, term):.2f} s) would have to fall by {gap:.2f} s per step "
+                    f"({gap / layers * 1e3:.0f} ms per layer, {gap / getattr(a, term):.0%} of it)")
+            lines.append(f"| {source} | {shape} | {got} | {predicted} | "
+                         f"{'order of the two ahead: no; ring last: yes' if agrees else 'no'} | {note} |")
+        else:
+            best = order[0]
+            ok = best == measured
+            a, b = est[measured][1], est[best][1]
+            diff = {t: getattr(a, t) - getattr(b, t) for t in TERMS}
+            term = max(diff, key=diff.get)
+            note = "-" if ok else (
+                f"{measured} is {a.step_s / b.step_s - 1:+.1%} behind {best}, almost all in "
+                f"{term.removesuffix('_s').replace('_', ' ')} ({getattr(a, term):.2f} s against {getattr(b, term):.2f}"
+                f" s): it would have to fall by {a.step_s - b.step_s:.2f} s per step "
+                f"({(a.step_s - b.step_s) / getattr(a, term):.0%} of it) for {measured} to lead")
+            lines.append(f"| {source} | {shape} | {measured} fastest | {predicted} | "
+                         f"{'yes' if ok else 'no'} | {note} |")
+    return lines
+
+
+def lc_rankings() -> list[str]:
+    """The long-context rows ordered by MFU, measured and predicted."""
+    measured = sorted(ROWS, key=lambda r: r[9])
+    mfu = {r[0]: predict(r).model_flops / predict(r).step_s / 459e12 for r in ROWS}
+    predicted = sorted(ROWS, key=lambda r: mfu[r[0]])
+    return [f"measured MFU order: {', '.join(f'{r[0]:,} ({r[9]:.1%})' for r in measured)}",
+            f"predicted MFU order: {', '.join(f'{r[0]:,} ({mfu[r[0]]:.2%})' for r in predicted)}"]
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--rankings"]:
+        print("\n".join(lc_rankings() + rankings()))
+        return
     if sys.argv[1:] == ["--what-if"]:
         print("\n".join(what_if()))
         return

@@ -21,8 +21,10 @@ machine with libtpu installed and no TPU. For a topology the report adds:
   measured v5p rows; docs/step_time_model.md), fed the program's attention forwards and host bytes.
 
 With `--plan`, nothing compiles: the ranked table of maxctx.plan.planner (what `context_parallel_strategy=auto`
-chooses from) is printed; `--verify` then compiles its three best fitting candidates for the topology and prints
-each one's compiled memory next to the planner's estimate (JSON on stdout's last line either way).
+chooses from; with `remat_policy=auto` also each candidate's remat placement, host memory and what it recomputes)
+is printed; `--verify[=N]` then compiles its N (3) best fitting candidates for the topology and prints each one's
+compiled memory, attention forwards per layer and host bytes next to the planner's estimates, and the step-time
+model fed the program's counts (JSON on stdout's last line either way).
 """
 
 from __future__ import annotations
@@ -181,8 +183,9 @@ def program_lines(report: dict) -> list[str]:
 USAGE = ("Compiles the train step without training and reports memory per device, FLOPs and (for a TPU\n"
          "compile_topology) whether it fits and a step-time estimate. Exit status: 0 fits, 2 bad config, 3 does not "
          "fit.\n--plan: print the context-parallel planner's ranked table instead (context_parallel_strategy=auto);"
-         "\n--verify: also compile its three best candidates and show their compiled memory next to the estimate.")
-FLAGS = ("--plan", "--verify")
+         "\n--verify[=N]: also compile its N (3) best candidates: compiled memory, attention forwards per layer and "
+         "host bytes next to the estimate.")
+FLAGS = ("--plan", "--verify")  # --verify=N: compile the N best (3 by default)
 
 
 def make_plan(config: Config) -> planner.Plan:
@@ -192,17 +195,33 @@ def make_plan(config: Config) -> planner.Plan:
 
 
 def verify_plan(plan: planner.Plan, config: Config, top: int = 3) -> list[dict]:
-    """Compiles the `top` best fitting candidates; their compiled memory per device next to the estimate."""
+    """Compiles the `top` best fitting candidates (strategy and remat placement); for each, the planner's
+    estimates beside what the compiled program says: memory per device, attention forwards per layer, host bytes,
+    and the step-time model fed the program's counts."""
     rows = []
     for cand in [c for c in plan.ranked if c.fits][:top]:
-        report = compile_report(planner.candidate_config(config, cand.strategy, cand.a2a))
+        report = compile_report(planner.candidate_config(config, cand.strategy, cand.a2a, dict(cand.placement)))
         compiled = report.get("total_size_in_bytes", report.get("xla_required_bytes"))
-        rows.append({"label": cand.label, "estimate_bytes": cand.memory_bytes, "compiled_bytes": compiled,
-                     "fits": report.get("fits"), "compile_time_s": report["compile_time_s"]})
+        held = report.get("device_to_host_bytes")
+        rows.append({"label": cand.label, "placement": dict(cand.placement), "estimate_bytes": cand.memory_bytes,
+                     "compiled_bytes": compiled, "fits": report.get("fits"), "estimate_step_s": cand.step_s,
+                     "compiled_estimate_step_s": report.get("estimate_step_time_s"),
+                     "estimate_forwards_per_layer": cand.forwards_per_layer,
+                     "attention_forwards_per_layer": report.get("attention_forwards_per_layer"),
+                     "estimate_host_bytes": cand.host_bytes, "device_to_host_bytes": held,
+                     "compile_time_s": report["compile_time_s"]})
         got = "?" if compiled is None else f"{compiled / GIB:.2f} GiB"
-        print(f"verify {cand.label}: estimate {cand.memory_bytes / GIB:.2f} GiB, compiled {got} per device"
+        step = report.get("estimate_step_time_s")
+        forwards = report.get("attention_forwards_per_layer")
+        print(f"verify {cand.label} ({cand.placed}): HBM estimate {cand.memory_bytes / GIB:.2f} GiB, compiled {got}"
               + ("" if report.get("fits") is None else f" ({'fits' if report['fits'] else 'does not fit'})")
-              + f", compiled in {report['compile_time_s']:.0f} s", flush=True)
+              + f"; attention forwards per layer estimate {cand.forwards_per_layer:g}, compiled "
+              + ("?" if forwards is None else f"{forwards:g}")
+              + f"; host bytes estimate {cand.host_bytes / GIB:.2f} GiB, compiled "
+              + ("?" if held is None else f"{held / GIB:.2f} GiB")
+              + f"; step estimate {_seconds(cand.step_s)}, with the program's counts "
+              + ("?" if step is None else _seconds(step))
+              + f"; compiled in {report['compile_time_s']:.0f} s", flush=True)
     return rows
 
 
@@ -210,8 +229,13 @@ def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(usage("python -m maxctx.compile", USAGE))
         return 0
-    flags = [a for a in argv if a in FLAGS]
-    argv = [a for a in argv if a not in FLAGS]
+    flags = [a.split("=")[0] for a in argv if a.split("=")[0] in FLAGS]
+    top = [a.split("=", 1)[1] for a in argv if a.startswith("--verify=")]
+    argv = [a for a in argv if a.split("=")[0] not in FLAGS]
+    if top and not top[-1].isdigit():
+        print(f"config error: --verify={top[-1]}: give the number of candidates to compile, e.g. --verify=1",
+              file=sys.stderr)
+        return 2
     try:
         config, auto_plan = load(argv)
         if flags:
@@ -222,7 +246,7 @@ def main(argv: list[str]) -> int:
                 from maxctx import runtime
 
                 runtime.initialize(config)
-                verified = verify_plan(plan, config)
+                verified = verify_plan(plan, config, int(top[-1]) if top else 3)
             print(json.dumps({"plan": plan.rows(), "verify": verified}))
             return 0
         from maxctx import runtime

@@ -17,10 +17,11 @@ from maxctx.errors import ConfigError  # noqa: F401 (re-exported: the error of a
 # flash (MaxText's meaning) and auto: the platform's fast kernel, splash on TPU, cuDNN on GPU (bf16/fp16), else the
 # blockwise JAX kernel, which `blockwise` names on every platform.
 AttentionKernel = Literal["auto", "flash", "dot_product", "blockwise", "splash", "cudnn"]
-# MaxText's policies (NAMED_POLICIES says what each keeps), plus none: no remat at all.
+# MaxText's policies (NAMED_POLICIES says what each keeps), plus none: no remat at all, and auto: custom with each
+# tensor placed by maxctx.plan.remat at load (maxctx.loader).
 RematPolicy = Literal["full", "minimal", "minimal_with_context", "minimal_flash", "save_dot_with_context_except_mlp",
                       "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "qkv_proj_offloaded",
-                      "minimal_offloaded", "save_out_proj", "custom", "none"]
+                      "minimal_offloaded", "save_out_proj", "custom", "none", "auto"]
 RematPlace = Literal["remat", "device", "offload"]
 DType = Literal["float32", "bfloat16", "float16"]
 DatasetType = Literal[tuple(DATASETS)]  # maxctx.data.registry: the one list of dataset types

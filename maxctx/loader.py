@@ -7,8 +7,9 @@ notice on stderr. MaxText's key names and values are read through maxctx.compat.
 schema's types (maxctx.config) or refused with the key, the value and the fix; unknown keys get the closest key.
 
 `load(argv)` then resolves the strategy (an alias such as ring or ulysses to its name; `auto` to the strategy and
-A2A degree maxctx.plan.planner chooses, the planner running once) and runs every check of maxctx.validate, all
-before JAX is imported. It returns the config and, for `auto`, the planner's table.
+A2A degree maxctx.plan.planner chooses, the planner running once; `remat_policy=auto` to `custom` with each tensor
+placed by it, maxctx.plan.remat) and runs every check of maxctx.validate, all before JAX is imported. It returns the
+config and, for `auto`, the planner's table.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def load(argv: list[str]) -> Loaded:
     """Builds and checks a Config from `[config.yml] key=value ...` (the command line of train.py,
     maxctx.compile and maxctx.evaluate)."""
     config, plan = parse_config(argv), None
-    if config.context_parallel_strategy == "auto":  # the planner's choice, checked by the same rules as any other
+    # the planner's choice (strategy, remat placement or both), checked by the same rules as any other
+    if config.context_parallel_strategy == "auto" or config.remat_policy == "auto":
         n = planner.num_devices(config)
         config, plan = planner.resolve_auto(config, None if n is None else lambda c: check_devices(c, n))
     config = dataclasses.replace(config,

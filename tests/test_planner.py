@@ -15,8 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from maxctx.attention import strategies
 from maxctx.attention.cost import AttentionShape, Collective
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.loader import load, load_config
-from maxctx.plan import planner, step_time
+from maxctx.config import ConfigError
+from maxctx.loader import load, load_config, parse_config
+from maxctx.plan import planner, remat, step_time
 from tests.support.meshes import FAST_COMPILE, make_mesh
 
 SMALL = ["configs/base.yml", "cpu_devices=8", "ici_context_parallelism=8", "ici_fsdp_parallelism=1",
@@ -270,3 +271,66 @@ def test_memory_estimate_against_the_fit_tables_compiles():
         assert abs(ratio - 1) <= tolerance, f"{model} {topo} {strategy} offload={offload} {seq}: {ratio:.3f}"
         checked[group] += 1
     assert checked == {"calibrated": 18, "held out": 14}
+
+
+RECIPE = ["configs/base.yml", "compile_topology=v5p-128", "model_name=llama3.1-8b", "head_dim=256",
+          "base_num_query_heads=16", "base_num_kv_heads=4", "ici_context_parallelism=64", "ici_fsdp_parallelism=1",
+          "per_device_batch_size=0.015625", "attention=splash", "flash_block_q=1024", "flash_block_kv=1024"]
+
+
+def test_remat_auto_keeps_attention_at_10m_within_hbm_and_host():
+    # MaxText's 10M row (v5p-128, remat_policy=full: 8,056 s measured) recomputes attention; auto keeps its output
+    # on the host with the layer input, within 90% of HBM and of the host DRAM per chip (448 GB per 4-chip VM).
+    argv = RECIPE + ["max_target_length=10485760", "num_vocab_tiling=40", "mlp_sequence_chunks=10"]
+    config, plan = load(argv + ["context_parallel_strategy=auto", "remat_policy=auto"])
+    best = plan.choice
+    assert best.fits and best.forwards_per_layer == 1 and best.recomputed == "qkv, out_proj, mlpwi, mlpwo"
+    assert (config.remat_policy, config.context, config.decoder_layer_input) == ("custom", "offload", "offload")
+    assert config.context_parallel_strategy == best.strategy in ("p2p", "usp")
+    assert best.host_bytes <= remat.HOST_FRACTION * 112e9 and best.memory_bytes <= 0.9 * 95 * planner.GIB
+    recipe = next(c for c in planner.plan(load_config(argv + ["context_parallel_strategy=p2p"])).ranked
+                  if c.label == "p2p")
+    assert recipe.forwards_per_layer == 2 and recipe.recomputed.startswith("attention")
+    assert recipe.step_s > 1.8 * best.step_s
+    # kept in HBM instead, the output does not fit (XLA needed 102.54 GiB: docs/long_context.md)
+    device = planner.plan(load_config(argv + ["context_parallel_strategy=p2p", "remat_policy=custom",
+                                              "context=device", "decoder_layer_input=offload"]))
+    assert not next(c for c in device.ranked if c.label == "p2p").fits
+
+
+def test_remat_auto_at_16m_recomputes_when_the_host_is_short():
+    # 2^24 tokens: the layer input and attention's output together need 128.5 GiB of host memory per chip, over
+    # the 104.3 GiB a chip has; the table shows that placement and why it is dropped.
+    argv = RECIPE + ["max_target_length=16777216", "num_vocab_tiling=64", "mlp_sequence_chunks=16",
+                     "context_parallel_strategy=p2p", "remat_policy=auto"]
+    config, plan = load(argv)
+    assert plan.keys == "remat_policy=auto" and {c.label for c in plan.ranked} == {"p2p"}
+    assert plan.choice.forwards_per_layer == 2 and config.decoder_layer_input == "offload"
+    kept = next(c for c in plan.ranked if c.forwards_per_layer == 1)
+    assert kept.host_bytes == 32 * 262144 * (4096 * 2 + 4128 * 2) and "of host memory per device" in kept.dropped
+    assert kept.step_s < 0.6 * plan.choice.step_s
+
+
+def test_remat_auto_chooses_every_tensor_and_offloads_only_to_a_known_host():
+    with pytest.raises(ConfigError, match="remat_policy=auto chooses each tensor's placement itself, but "
+                                          "context=device is given"):
+        load(SMALL + ["remat_policy=auto", "context=device"])
+    assert remat.host_budget_per_device(load_config(RECIPE + ["max_target_length=1048576"])) == 0.9 * 448e9 / 4
+    assert remat.host_budget_per_device(load_config(SMALL)) == 0  # local devices: no host figure, no offload
+    config, plan = load(SMALL + ["context_parallel_strategy=p2p", "remat_policy=auto"])
+    assert config.remat_policy == "custom" and config.context_parallel_strategy == "p2p"
+    assert all("offload" not in dict(c.placement).values() for c in plan.ranked)
+    assert len(remat.placements(parse_config(RECIPE + ["remat_policy=auto"]))) == 2 * 3 ** 5
+
+
+def test_verify_prints_the_programs_counts_beside_the_estimate(capsys):
+    from maxctx.compile import verify_plan
+
+    config, plan = load(SMALL + ["base_num_decoder_layers=1", "max_target_length=1024", "base_emb_dim=128",
+                                 "vocab_size=128", "context_parallel_strategy=p2p", "remat_policy=auto"])
+    assert planner.format_plan(plan)[0].startswith("remat_policy=auto over C=8")
+    row = verify_plan(plan, config, 1)[0]
+    assert row["attention_forwards_per_layer"] == row["estimate_forwards_per_layer"] == 1
+    assert row["device_to_host_bytes"] == row["estimate_host_bytes"] == 0
+    assert row["compiled_estimate_step_s"] is None  # local devices: no step-time estimate from the compile
+    assert "attention forwards per layer estimate 1, compiled 1" in capsys.readouterr().out

@@ -1,5 +1,7 @@
 """`context_parallel_strategy=auto`: choose the CP strategy and its all-to-all degree from the model, the sequence
-length and the topology, before JAX starts (maxctx.loader.load calls `resolve_auto`).
+length and the topology, before JAX starts (maxctx.loader.load calls `resolve_auto`); with `remat_policy=auto`
+also (or, with the strategy given, only) the remat placement of each named tensor (maxctx.plan.remat), each
+strategy costed at every placement within the HBM and host budgets.
 
 Candidates: every registered strategy (maxctx.attention.strategies) at each A2A degree its `planner_degrees`
 gives (all_gather and p2p U = 1, a2a U = C, usp every divisor 1 < U < C of the CP degree C). Each is checked
@@ -10,7 +12,8 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       against the compiled program), plus the backward's transient buffers (its `transient_bytes`)
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
                       the saved layer inputs L t D b (none when offloaded) and every other tensor the remat policy
-                      keeps on the device (step_time.placement: L t x its bytes per token) + the layer's working set
+                      keeps on the device (step_time.placement: L t x its bytes per token x remat.KEPT_ON_DEVICE)
+                      + the layer's working set
                       LAYER_WORK_BYTES t D (calibrated; LAYER_WORK_BYTES_INPUTS_ON_DEVICE t D when the inputs stay
                       in HBM) + the larger of the attention memory and the loss / MLP
                       tiles; a candidate above FIT_FRACTION of HBM is ranked after the fitting ones (auto takes
@@ -36,8 +39,9 @@ spans (bytes x extent / 8 per link on a wraparound ring, / 4 on a line, the slow
 DCN_BYTES_PER_S. The all-to-all of a2a and usp must stay inside a slice (maxctx.parallelism.split_context), so
 across slices only ring-style traffic (p2p, usp's ring, all_gather's gather) crosses DCN.
 
-Ranking: fitting candidates by step time; among those within TIE of the fastest (the model cannot tell them
-apart) the one with the least estimated memory is chosen. Not modelled: load imbalance. docs/choosing_a_strategy.md has
+Ranking: fitting candidates (HBM, and host memory for offloaded tensors: maxctx.plan.remat) by step time; among
+those within TIE of the fastest (the model cannot tell them apart) the one with the most room in its tighter budget
+(the least memory, when nothing is offloaded) is chosen. Not modelled: load imbalance. docs/choosing_a_strategy.md has
 the model's assumptions and its choices against the fit table and MaxText's measurements. No JAX here, except
 the peak FLOP/s table (maxctx.metrics.peaks), imported only when a TPU's peak is needed.
 """
@@ -52,7 +56,7 @@ from maxctx.attention.cost import AttentionShape
 from maxctx.config import Config, ConfigError
 from maxctx.model.shape import ModelShape, dtype_bytes
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
-from maxctx.plan import step_time, topology
+from maxctx.plan import remat, step_time, topology
 
 # The device and the collectives' timing live in the step-time model; named here for the planner's readers.
 from maxctx.plan.step_time import (  # noqa: F401
@@ -67,7 +71,8 @@ from maxctx.plan.step_time import (  # noqa: F401
 
 GIB = 1024 ** 3
 FIT_FRACTION = 0.9  # of HBM: room for what the memory model leaves out (XLA's own buffers, fragmentation)
-TIE = 0.01  # step times within 1% of the fastest count as equal; the least memory wins among them
+TIE = 0.01  # step times within 1% of the fastest count as equal; the most headroom wins among them
+PLACEMENTS_SHOWN = 3  # remat_policy=auto: each strategy's best placements kept in the table
 # The decoder layer's own working set in its backward (norms, projections, residuals and their fp32 gradients),
 # bytes per token and model dimension, calibrated on the fit table's llama3-8b p2p and usp rows on v5p-128
 # (compiled memory minus the rest of this model; docs/choosing_a_strategy.md): 38 with the layer inputs offloaded
@@ -90,6 +95,10 @@ class Candidate:
     fits: bool = False
     dropped: str = ""  # why it is not a choice: the config rule it breaks, or the memory it needs
     valid: bool = True  # False: a config rule drops it (no estimates)
+    placement: tuple[tuple[str, str], ...] = ()  # (name, remat | device | offload) for each of REMAT_NAMES
+    host_bytes: float = 0.0  # what the offloaded tensors hold in host memory per device (remat.held_host_bytes)
+    forwards_per_layer: float = 0.0  # attention forwards per layer the estimate assumes (2: recomputed)
+    headroom: float = 0.0  # the larger of HBM / its budget and host / its budget (remat's tie-break)
 
     @property
     def label(self) -> str:
@@ -99,12 +108,22 @@ class Candidate:
     def step_s(self) -> float:
         return self.compute_s + self.exposed_s
 
+    @property
+    def placed(self) -> str:
+        """Where the remat policy puts the tensors, in short (remat.describe)."""
+        return remat.describe(dict(self.placement), self.forwards_per_layer)[0] if self.placement else ""
+
+    @property
+    def recomputed(self) -> str:
+        return remat.describe(dict(self.placement), self.forwards_per_layer)[1] if self.placement else ""
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     hardware: Hardware
     cp: int
     ranked: tuple[Candidate, ...]  # the choice first, then the other fitting ones, then the dropped ones
+    keys: str = "context_parallel_strategy=auto"  # what the plan chooses
 
     @property
     def choice(self) -> Candidate:
@@ -116,7 +135,8 @@ class Plan:
                  "saved_gib": round(c.saved_bytes / GIB, 4),
                  "attention_gib": round(c.attention_bytes / GIB, 3), "memory_gib": round(c.memory_bytes / GIB, 3),
                  "step_s": c.step_s, "exposed_s": c.exposed_s, "fits": c.fits, "valid": c.valid,
-                 "dropped": c.dropped}
+                 "dropped": c.dropped, "placement": dict(c.placement), "host_gib": round(c.host_bytes / GIB, 3),
+                 "attention_forwards_per_layer": c.forwards_per_layer, "recomputed": c.recomputed}
                 for c in self.ranked]
 
 
@@ -138,8 +158,9 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
     work = (LAYER_WORK_BYTES if offloaded else LAYER_WORK_BYTES_INPUTS_ON_DEVICE) * tokens * config.base_emb_dim
     # What else the policy keeps in HBM for the backward (the attention output under context=device, ...)
     kept = step_time.per_token(config, tp)["bytes"]
-    saved_inputs += layers * tokens * sum(kept[name] for name, where in step_time.placement(config).items()
-                                          if where == "device" and name != "decoder_layer_input")
+    saved_inputs += remat.KEPT_ON_DEVICE * layers * tokens * sum(
+        kept[name] for name, where in step_time.placement(config).items()
+        if where == "device" and name != "decoder_layer_input")
     state = params * (wb + 12) / shards + params / layers * wb / max(1, tp)
     tiles = max(2 * tokens / config.num_vocab_tiling * config.vocab_size / tp * 4,
                 3 * tokens / config.mlp_sequence_chunks * config.base_mlp_dim / tp * b)
@@ -151,8 +172,13 @@ def candidates(cp: int) -> list[tuple[str, int]]:
     return [(name, u) for name, unit in strategies.STRATEGIES.items() for u in unit.planner_degrees(cp)]
 
 
-def candidate_config(config: Config, strategy: str, a2a: int) -> Config:
-    return strategies.get(strategy).candidate_config(config, a2a)
+def candidate_config(config: Config, strategy: str, a2a: int, placement: dict[str, str] | None = None) -> Config:
+    """The config running `strategy` at A2A degree `a2a` and, when given with a custom or auto policy, the remat
+    `placement` (remat_policy=custom with its keys)."""
+    out = strategies.get(strategy).candidate_config(config, a2a)
+    if placement and config.remat_policy in ("custom", "auto"):
+        out = dataclasses.replace(out, remat_policy="custom", **placement)
+    return out
 
 
 def num_devices(config: Config) -> int | None:
@@ -176,24 +202,28 @@ def _mesh(config: Config, n: int | None) -> tuple[dict[str, int], dict[str, int]
             {a: getattr(config, f"dcn_{a}_parallelism") for a in ("fsdp", "context", "tensor")})
 
 
-def plan(config: Config, check: Callable[[Config], None] | None = None, ring_overlap: bool = False) -> Plan:
+def plan(config: Config, check: Callable[[Config], None] | None = None, ring_overlap: bool = False,
+         only: tuple[str, int] | None = None) -> Plan:
     """Every candidate estimated and ranked (module doc). `check(candidate_config)` raises ConfigError for an
     invalid candidate (maxctx.validate passes its device checks); without it, the strategy's own rules and the
     in-slice all-to-all rule are applied. `ring_overlap`: cost the rings' software-pipelined backward (benchmarks
-    compare it; the program does not run it)."""
+    compare it; the program does not run it). `only`: (strategy, U), the config's own strategy (remat_policy=auto
+    with a strategy given). Under remat_policy=auto each strategy is costed at every placement of
+    maxctx.plan.remat and the table keeps its PLACEMENTS_SHOWN best."""
     n = num_devices(config)
     ici, dcn = _mesh(config, n)
     cp, tp = ici["context"] * dcn["context"], ici["tensor"] * dcn["tensor"]
     hw = hardware(config, n)
     fsdp = ici["fsdp"] * dcn["fsdp"] if ici["fsdp"] > 0 and dcn["fsdp"] > 0 else 1
-    base_bytes, tiles = _base(config, tp, fsdp * cp * tp)
     data = max(1, n // (fsdp * cp * tp)) if n else 1
+    host_budget = remat.host_budget_per_device(config)
+    pairs = [only] if only else candidates(cp) if cp > 1 else [("all_gather", 1)]
     out = []
-    for name, u in candidates(cp) if cp > 1 else [("all_gather", 1)]:
-        cand = candidate_config(config, name, u)
+    for name, u in pairs:
+        cand = config if only else candidate_config(config, name, u)
         try:
             if check is not None:
-                check(cand)
+                check(remat.apply(cand, {}))
             elif cp > 1:
                 strategies.get(name).check(cand, cp, tp)
                 if ici["context"] % u:
@@ -205,16 +235,48 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
         s = _shape(config, cp, tp, u)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
         attn = saved + strategies.get(name).transient_bytes(s, ring_overlap) if cp > 1 else 0.0
-        memory = base_bytes + max(attn, tiles)
         mesh = {"data": data, "fsdp": fsdp, "context": cp // u, "context_a2a": u, "tensor": tp}
-        est = step_time.estimate(cand, mesh, config.per_device_batch_size * data * fsdp * cp * tp, hw,
-                                 ring_overlap=ring_overlap)
-        fits = memory <= FIT_FRACTION * hw.hbm_bytes
-        dropped = "" if fits else (f"needs ~{memory / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of "
-                                   f"{hw.hbm_bytes / GIB:.0f} GiB HBM")
-        out.append(Candidate(name, u, cp, saved, attn, memory, est.compute_s,
-                             est.exposed_collective_s + est.exposed_host_s, fits, dropped))
-    return Plan(hw, cp, tuple(_rank(out)))
+        costed = [_cost(remat.apply(cand, where), Candidate(name, u, cp, saved, attn), mesh, hw, fsdp * cp * tp,
+                        host_budget, ring_overlap) for where in remat.placements(cand)]
+        out += _shown(costed) if remat.is_auto(config) else costed
+    keys = " ".join(k for k, chosen in (("context_parallel_strategy=auto", only is None),
+                                         ("remat_policy=auto", remat.is_auto(config))) if chosen)
+    return Plan(hw, cp, tuple(_rank(out)), keys)
+
+
+def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, shards: int, host_budget: float,
+          ring_overlap: bool) -> Candidate:
+    """`cand` (strategy and attention memory) with `config`'s remat placement estimated: memory, host bytes, step."""
+    tp = mesh["tensor"]
+    base_bytes, tiles = _base(config, tp, shards)
+    memory = base_bytes + max(cand.attention_bytes, tiles)
+    est = step_time.estimate(config, mesh, config.per_device_batch_size * shards * mesh["data"], hw,
+                             ring_overlap=ring_overlap)
+    held = remat.held_host_bytes(config, tp)
+    budget = FIT_FRACTION * hw.hbm_bytes
+    over = [f"needs ~{memory / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of {hw.hbm_bytes / GIB:.0f} GiB HBM"
+            ] if memory > budget else []
+    if held > host_budget and held:
+        over.append(f"holds ~{held / GIB:.1f} GiB of host memory per device, over {remat.HOST_FRACTION:.0%} of "
+                    f"its {host_budget / remat.HOST_FRACTION / GIB:.1f} GiB" if host_budget else
+                    "offloads to a host whose memory is not known (maxctx.plan.topology)")
+    headroom = max(memory / budget, held / host_budget if host_budget else 0.0)
+    return dataclasses.replace(cand, memory_bytes=memory, compute_s=est.compute_s,
+                               exposed_s=est.exposed_collective_s + est.exposed_host_s, fits=not over,
+                               dropped="; ".join(over), placement=tuple(step_time.placement(config).items()),
+                               host_bytes=held, forwards_per_layer=est.forwards_per_layer, headroom=headroom)
+
+
+def _shown(costed: list[Candidate]) -> list[Candidate]:
+    """Of one strategy's placements: its PLACEMENTS_SHOWN best, and of the faster ones a budget drops, the one
+    nearest to fitting (what the budgets cost, and by how much it is over them)."""
+    ranked = _rank(costed)
+    if ranked[0].fits:
+        ranked = [c for c in ranked if c.fits]
+        faster = [c for c in costed if not c.fits and c.step_s < ranked[0].step_s * (1 - TIE)]
+        if faster:
+            return ranked[:PLACEMENTS_SHOWN - 1] + [min(faster, key=lambda c: (c.headroom, c.step_s))]
+    return ranked[:PLACEMENTS_SHOWN]
 
 
 def _rank(cands: list[Candidate]) -> list[Candidate]:
@@ -225,28 +287,40 @@ def _rank(cands: list[Candidate]) -> list[Candidate]:
     too_big = sorted((c for c in cands if c.valid and not c.fits), key=lambda c: c.memory_bytes)
     if fitting:
         tied = [c for c in fitting if c.step_s <= fitting[0].step_s * (1 + TIE)]
-        best = min(tied, key=lambda c: (c.memory_bytes, c.attention_bytes))
+        best = min(tied, key=lambda c: (c.headroom, c.memory_bytes, c.attention_bytes))
         fitting.remove(best)
         fitting.insert(0, best)
     return fitting + too_big + invalid
 
 
 def resolve_auto(config: Config, check: Callable[[Config], None] | None = None) -> tuple[Config, Plan]:
-    """The config with the planner's choice in place of `auto`, and the plan."""
-    p = plan(config, check)
+    """The config with the planner's choice in place of `auto` (context_parallel_strategy, remat_policy or both),
+    and the plan."""
+    only = None
+    if config.context_parallel_strategy != "auto":
+        name = strategies.resolve(config.context_parallel_strategy)
+        ici, dcn = _mesh(config, num_devices(config))
+        only = (name, strategies.get(name).a2a_degree(config, ici["context"] * dcn["context"]))
+    if remat.is_auto(config):
+        remat.check_auto(config)
+    p = plan(config, check, only=only)
     best = p.choice
     if not best.valid:
-        raise ConfigError("context_parallel_strategy=auto: no strategy is valid for this config\n"
+        raise ConfigError(f"{'remat_policy' if only else 'context_parallel_strategy'}=auto: no "
+                          f"{'placement' if only else 'strategy'} is valid for this config\n"
                           + "\n".join(format_plan(p)))
-    return candidate_config(config, best.strategy, best.a2a), p
+    chosen = config if only else candidate_config(config, best.strategy, best.a2a)
+    return remat.apply(chosen, dict(best.placement)), p
 
 
 def format_plan(p: Plan) -> list[str]:
-    """The ranked table, one line per candidate, the choice first."""
+    """The ranked table, one line per candidate, the choice first: per device, the attention's memory, HBM, host
+    memory held by offloaded tensors, the predicted step and its exposed communication, attention forwards per
+    layer, and the remat placement with what the backward recomputes."""
     none = "" if p.choice.fits else "; none fits by the estimate, so the least memory is chosen"
-    lines = [f"context_parallel_strategy=auto over C={p.cp} on {p.hardware.name} (estimates, not measurements"
-             f"{none}):",
-             f"  {'':2}{'strategy':<12} {'attention':>10} {'memory':>10} {'step':>12} {'exposed comm':>13}"]
+    lines = [f"{p.keys} over C={p.cp} on {p.hardware.name} (estimates, not measurements{none}; per device):",
+             f"  {'':2}{'strategy':<12} {'attention':>10} {'HBM':>10} {'host':>10} {'step':>12} {'exposed comm':>13}"
+             f" {'fwd/layer':>9}  placement (not listed: remat) -> recomputed"]
     for i, c in enumerate(p.ranked):
         mark = "->" if i == 0 else ""
         if not c.valid:
@@ -254,7 +328,8 @@ def format_plan(p: Plan) -> list[str]:
             continue
         note = f"  dropped: {c.dropped}" if c.dropped else ""
         lines.append(f"  {mark:2}{c.label:<12} {c.attention_bytes / GIB:>6.2f} GiB {c.memory_bytes / GIB:>6.1f} GiB "
-                     f"{_seconds(c.step_s):>12} {_seconds(c.exposed_s):>13}{note}")
+                     f"{c.host_bytes / GIB:>6.1f} GiB {_seconds(c.step_s):>12} {_seconds(c.exposed_s):>13} "
+                     f"{c.forwards_per_layer:>9g}  {c.placed} -> {c.recomputed}{note}")
     return lines
 
 

@@ -1,0 +1,106 @@
+"""`remat_policy=auto`: where each named tensor of `remat_policy=custom` goes (`remat`, `device` or `offload`),
+chosen by the planner (maxctx.plan.planner) to minimise the step-time model's predicted step within two budgets:
+
+    HBM   the planner's memory estimate per device (planner._base: kept tensors at KEPT_ON_DEVICE x their bytes)
+          within FIT_FRACTION of the device's HBM
+    host  what the offloaded tensors hold in pinned host memory per device while the step runs (every layer's,
+          L t x their bytes per token) within HOST_FRACTION of the host DRAM per device: the topology's VM
+          memory per chip (maxctx.plan.topology.Chip.host_bytes, from Google's machine-type pages) / devices per
+          chip; host DRAM per process is that x the chips it drives. A topology without a sourced figure (v4,
+          local devices) offloads nothing.
+
+The placements searched: the layer input on the device or offloaded (a scanned layer's input is the scan's
+residual, so `remat` would keep it on the device all the same); the query, key and value projections together;
+`context`, `out_proj`, `mlpwi`, `mlpwo` each: 2 x 3^5 = 486 per strategy, each estimated by
+maxctx.plan.step_time (about 50 us each). Among the fitting placements within planner.TIE of the fastest (the
+model cannot tell them apart), the one with the most headroom in the tighter budget wins: the larger of HBM used /
+HBM budget and host used / host budget is the smallest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from maxctx.config import REMAT_NAMES, Config, ConfigError
+from maxctx.plan import step_time, topology
+
+# Of the host DRAM per device: the rest for the OS, the training process, the input pipeline and checkpoint
+# staging (an assumption).
+HOST_FRACTION = 0.9
+# HBM that a tensor kept on the device for the backward takes, per byte of the tensor (the layer input has its own
+# calibration, planner.LAYER_WORK_BYTES_INPUTS_ON_DEVICE): fitted on the one compile that measured it, llama3.1-8b
+# (head_dim=256) at 10,485,760 tokens on v5p-128, p2p, context=device decoder_layer_input=offload: XLA needed
+# 102.54 GiB where the planner without this factor estimated 76.25 GiB for 40.31 GiB of kept `context`
+# (docs/long_context.md), 1 + 26.29 / 40.31 = 1.65.
+KEPT_ON_DEVICE = 1.65
+GROUPS: tuple[tuple[str, ...], ...] = (("decoder_layer_input",), ("query_proj", "key_proj", "value_proj"),
+                                        ("context",), ("out_proj",), ("mlpwi",), ("mlpwo",))
+SHORT = {"decoder_layer_input": "input", "query_proj": "qkv", "context": "context", "out_proj": "out_proj",
+         "mlpwi": "mlpwi", "mlpwo": "mlpwo"}
+PLACES = ("remat", "device", "offload")
+
+
+def is_auto(config: Config) -> bool:
+    return config.remat_policy == "auto"
+
+
+def check_auto(config: Config) -> None:
+    """remat_policy=auto chooses every per-tensor key itself: one given by hand is refused."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    given = [f"{name}={getattr(config, name)}" for name in REMAT_NAMES if getattr(config, name) != defaults[name]]
+    if given:
+        raise ConfigError(f"remat_policy=auto chooses each tensor's placement itself, but {', '.join(given)} "
+                          f"is given; drop it, or use remat_policy=custom to place the tensors by hand")
+
+
+def host_budget_per_device(config: Config) -> float:
+    """Bytes of host DRAM one device may fill with offloaded tensors (module doc); 0 when not known."""
+    try:
+        topo = topology.parse(config.compile_topology) if config.compile_topology else None
+    except ConfigError:
+        topo = None
+    if topo is None:
+        return 0.0
+    return HOST_FRACTION * topo.chip.host_bytes / topo.chip.devices_per_chip
+
+
+def placements(config: Config) -> list[dict[str, str]]:
+    """The placements to search: every one of the module doc's under remat_policy=auto (none offloading when the
+    host budget is unknown), else the config's own."""
+    if not is_auto(config):
+        return [step_time.placement(config)]
+    offload = host_budget_per_device(config) > 0
+    choices = [("device", "offload") if group[0] == "decoder_layer_input" else PLACES for group in GROUPS]
+    out = []
+    for combo in itertools.product(*choices):
+        if not offload and "offload" in combo:
+            continue
+        out.append({name: where for group, where in zip(GROUPS, combo) for name in group})
+    return out
+
+
+def apply(config: Config, where: dict[str, str]) -> Config:
+    """The config running placement `where`: remat_policy=custom with each tensor's key set (unchanged when the
+    config's policy is not auto)."""
+    if not is_auto(config):
+        return config
+    return dataclasses.replace(config, remat_policy="custom", **where)
+
+
+def held_host_bytes(config: Config, tp: int) -> float:
+    """Bytes per device the offloaded tensors hold in host memory: every layer's, L x tokens per device x bytes."""
+    per = step_time.per_token(config, tp)["bytes"]
+    tokens = config.per_device_batch_size * tp * config.max_target_length
+    where = step_time.placement(config)
+    return config.base_num_decoder_layers * tokens * sum(per[n] for n, w in where.items() if w == "offload")
+
+
+def describe(where: dict[str, str], forwards_per_layer: float) -> tuple[str, str]:
+    """(the placement in short, what the backward recomputes) for the planner's table."""
+    groups = {g[0]: where[g[0]] for g in GROUPS}
+    short = " ".join(f"{SHORT[n]}={w}" for n, w in groups.items() if w != "remat")
+    redone = [SHORT[n] for n, w in groups.items() if w == "remat" and n != "decoder_layer_input"]
+    if forwards_per_layer > 1:
+        redone.insert(0, "attention")
+    return short or "all remat", ", ".join(redone) or "nothing"
