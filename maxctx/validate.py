@@ -191,6 +191,10 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{field.name}='{getattr(config, field.name)}' is not one of "
                               f"{', '.join(map(str, options))}")
     strategies.resolve(config.context_parallel_strategy)
+    if config.planner_document_lengths:
+        from maxctx.plan.step_time import document_lengths
+
+        document_lengths(config.planner_document_lengths, max(config.max_target_length, 1))
     _check_custom_remat(config)
     if config.run_name in ("", ".", "..") or "/" in config.run_name or os.sep in config.run_name:
         raise ConfigError(f"run_name='{config.run_name}' must be a name (not empty, '.' or '..', no '/'): outputs go "

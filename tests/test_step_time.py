@@ -83,3 +83,33 @@ def test_planner_counts_what_the_policy_keeps_on_the_device():
     assert (device.host_bytes, offload.host_bytes) == (32 * 32768 * 4096 * 2, 32 * 32768 * 4096 * 2 + kept)
     assert device.step_s == pytest.approx(offload.step_s)  # both keep it: one attention forward
     assert p2p("remat").step_s > 1.5 * device.step_s
+
+
+def test_documents_per_row_count_their_own_attention_and_the_busiest_rank():
+    """planner_document_lengths: the attention term counts the documents' own pairs times the busiest rank's share
+    (zig-zag vs the documents placement); MFU's model FLOPs keep the causal count; bad specs are refused."""
+    from maxctx.config import ConfigError
+    from maxctx.loader import load_config
+    from maxctx.plan import step_time
+
+    keys = [str(ROOT / "configs" / "base.yml"), "model_name=llama3-8b", "compile_topology=v5p-128",
+            "max_target_length=1048576", "ici_context_parallelism=64", "ici_fsdp_parallelism=1",
+            "per_device_batch_size=0.015625", "attention=splash", "context_parallel_strategy=p2p"]
+    mesh = {"data": 1, "fsdp": 1, "context": 64, "context_a2a": 1, "tensor": 1}
+
+    def estimate(*extra):
+        config = load_config([*keys, *extra])
+        return step_time.estimate(config, mesh, 1, step_time.hardware(config, 64)), config
+
+    whole, _ = estimate()
+    eight, config = estimate("planner_document_lengths=8192")
+    assert eight.model_flops == whole.model_flops  # MFU keeps MaxText's causal count
+    assert eight.attention_s / whole.attention_s == pytest.approx(8193 / 1048576, rel=1e-3)
+    assert "documents 8192" in step_time.attention_counted(config, 64)
+    mixture = "planner_document_lengths=524288,262144,2048x128"
+    zigzag, _ = estimate(mixture)
+    placed, _ = estimate(mixture, "context_parallel_load_balance=documents")
+    assert placed.attention_s < zigzag.attention_s / 1.5 and placed.step_s < zigzag.step_s
+    for bad in ("8k", "2048x", "0"):
+        with pytest.raises(ConfigError, match="planner_document_lengths"):
+            load_config([*keys, f"planner_document_lengths={bad}"])

@@ -124,6 +124,7 @@ class Plan:
     cp: int
     ranked: tuple[Candidate, ...]  # the choice first, then the other fitting ones, then the dropped ones
     keys: str = "context_parallel_strategy=auto"  # what the plan chooses
+    attention: str = "causal S^2/2 per row"  # which attention pairs the step times count (step_time.attention_counted)
 
     @property
     def choice(self) -> Candidate:
@@ -241,7 +242,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
         out += _shown(costed) if remat.is_auto(config) else costed
     keys = " ".join(k for k, chosen in (("context_parallel_strategy=auto", only is None),
                                          ("remat_policy=auto", remat.is_auto(config))) if chosen)
-    return Plan(hw, cp, tuple(_rank(out)), keys)
+    return Plan(hw, cp, tuple(_rank(out)), keys, step_time.attention_counted(config, cp))
 
 
 def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, shards: int, host_budget: float,
@@ -318,7 +319,8 @@ def format_plan(p: Plan) -> list[str]:
     memory held by offloaded tensors, the predicted step and its exposed communication, attention forwards per
     layer, and the remat placement with what the backward recomputes."""
     none = "" if p.choice.fits else "; none fits by the estimate, so the least memory is chosen"
-    lines = [f"{p.keys} over C={p.cp} on {p.hardware.name} (estimates, not measurements{none}; per device):",
+    lines = [f"{p.keys} over C={p.cp} on {p.hardware.name} (estimates, not measurements{none}; per device; "
+             f"attention counted: {p.attention}):",
              f"  {'':2}{'strategy':<12} {'attention':>10} {'HBM':>10} {'host':>10} {'step':>12} {'exposed comm':>13}"
              f" {'fwd/layer':>9}  placement (not listed: remat) -> recomputed"]
     for i, c in enumerate(p.ranked):

@@ -6,9 +6,13 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
 
     matmul       the weight matmuls' model FLOPs (6 P_matmul t; maxctx.metrics' count, the same as MaxText's
                  calculate_tflops_training_per_device) at XLA_MATMUL_EFFICIENCY of the peak
-    attention    the attention's model FLOPs (12 H Dh per visible query-key pair per layer, causal: S / 2 keys per
-                 query; MaxText's count) at the kernel's efficiency: splash per block size (SPLASH_EFFICIENCY),
-                 the blockwise JAX kernel BLOCKWISE_EFFICIENCY
+    attention    the attention's FLOPs (12 H Dh per visible query-key pair per layer) at the kernel's efficiency:
+                 splash per block size (SPLASH_EFFICIENCY), the blockwise JAX kernel BLOCKWISE_EFFICIENCY. Which
+                 pairs: causal S / 2 keys per query (MaxText's count, and the MFU's) for one document per row; with
+                 planner_document_lengths, the rows' documents' own pairs (each query sees its position + 1 keys)
+                 times the busiest context rank's share of them over the mean under the configured
+                 context_parallel_load_balance (`document_work`: the kernels skip blocks with no shared document;
+                 the zig-zag does not balance documents of mixed lengths)
     recompute    what the backward runs again: the forward of each projection whose output is recomputed (every one
                  under remat_policy=full, the `remat` ones under custom; the output projection once more with
                  num_vocab_tiling > 1, and the MLP once more with mlp_sequence_chunks > 1 under remat) at the
@@ -32,12 +36,13 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
                  forward's compute (a third of the step's)
 
 Latency of collectives and ring hops (ICI_LATENCY_S, DCN_LATENCY_S) and DCN bandwidth where Google gives none are
-assumptions. Not modelled: load imbalance (zig-zag balances the ring), input pipeline, host overheads.
+assumptions. Not modelled: input pipeline, host overheads; load imbalance only from planner_document_lengths.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -109,6 +114,76 @@ def hardware(config: Config, num_devices: int | None) -> Hardware:
     return Hardware(f"{slices}{topo.name} ({chip.name})", peak, chip.hbm_bytes_per_device,
                     chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / links / per_chip, torus,
                     chip.dcn_bytes_per_s_or_default / per_chip)
+
+
+def document_lengths(spec: str, seq: int) -> list[int]:
+    """planner_document_lengths: comma-separated document lengths, `NxM` for M documents of N tokens, repeated
+    until the row of `seq` tokens is full (the last one cut); ConfigError naming the fix."""
+    lengths = []
+    for part in spec.replace(" ", "").split(","):
+        size, times, count = part.partition("x")
+        if not size.isdigit() or int(size) < 1 or (times and (not count.isdigit() or int(count) < 1)):
+            raise ConfigError(f"planner_document_lengths='{spec}': '{part}' is not a length or LENGTHxCOUNT; give "
+                              f"e.g. 8192 (8K-token documents) or 524288,262144,2048x128")
+        lengths += [int(size)] * int(count or 1)
+    row, filled = [], 0
+    while filled < seq:
+        for n in lengths:
+            row.append(min(n, seq - filled))
+            filled += row[-1]
+            if filled == seq:
+                break
+    return row
+
+
+@functools.lru_cache(maxsize=64)
+def document_work(spec: str, seq: int, cp: int, load_balance, window: int, groups: int = 0) -> tuple[float, float]:
+    """(mean keys a query sees, the busiest query partition's attention work over the mean) for rows of the
+    documents `spec` describes (document_lengths) in a layer of `window` (0: global), stored as
+    context_parallel_load_balance stores them over `cp` ranks, whose queries `groups` partitions of consecutive
+    ranks attend to (the ring degree: C for all_gather and p2p, C / U for usp, 1 for a2a, whose devices each
+    attend to every query for their heads; 0: cp)."""
+    import numpy as np
+
+    from maxctx.attention.load_balance import document_permutation, zigzag_permutation
+
+    lengths = document_lengths(spec, seq)
+    pos = np.concatenate([np.arange(n) for n in lengths])
+    seen = np.minimum(pos + 1, window) if window else pos + 1
+    if cp <= 1 or load_balance is False:
+        order = np.arange(seq)
+    elif load_balance == "documents":
+        seg = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+        order = document_permutation(pos, seg, cp)
+    else:
+        order = zigzag_permutation(seq, cp)
+    by_group = seen[order].reshape(max(groups or cp, 1), -1).sum(1)
+    return float(seen.mean()), float(by_group.max() / by_group.mean())
+
+
+def attention_pairs_per_token(config: Config, window: int, cp: int, groups: int) -> tuple[float, float]:
+    """(keys per query the model FLOPs count, keys per query the busiest rank's kernels run) in a layer of
+    `window`: both S / 2 (or about W) for one document per row; with planner_document_lengths, the documents'
+    own pairs times the busiest query partition's share (document_work; `groups`: the ring degree)."""
+    seq = config.max_target_length
+    causal = _pairs(seq, window)
+    if not config.planner_document_lengths:
+        return causal, causal
+    mean, busiest = document_work(config.planner_document_lengths, seq, cp, config.context_parallel_load_balance,
+                                  window, groups)
+    return causal, mean * busiest
+
+
+def attention_counted(config: Config, cp: int) -> str:
+    """Which attention pairs the estimate counts, in words (the planner's header, maxctx.compile's report)."""
+    if not config.planner_document_lengths:
+        return "causal S^2/2 per row"
+    works = [document_work(config.planner_document_lengths, config.max_target_length, cp,
+                           config.context_parallel_load_balance, w, cp) for w in layer_windows(config)]
+    share = sum(mean for mean, _ in works) / len(works) / _pairs(config.max_target_length, 0)
+    return (f"documents {config.planner_document_lengths} ({share:.3g} of causal S^2/2), busiest rank "
+            f"{max(b for _, b in works):.3f}x the mean (ranks of C={cp}) under context_parallel_load_balance="
+            f"{str(config.context_parallel_load_balance).lower()}")
 
 
 def _pairs(seq: int, window: int) -> float:
@@ -290,8 +365,11 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     shape = ModelShape.from_config(config)
     windows = layer_windows(config)
     matmul_flops = shape.matmul_flops(t)
-    attention_flops = shape.attention_flops(t * layers * sum(_pairs(seq, w) for w in windows) / len(windows))
-    model_flops = matmul_flops + attention_flops
+    cp = mesh["context"] * mesh["context_a2a"]
+    pairs = [attention_pairs_per_token(config, w, cp, mesh["context"]) for w in windows]
+    model_flops = matmul_flops + shape.attention_flops(t * layers * sum(c for c, _ in pairs) / len(windows))
+    # What the busiest rank's kernels run: the causal count, or the documents' own (planner_document_lengths).
+    attention_flops = shape.attention_flops(t * layers * sum(r for _, r in pairs) / len(windows))
     where = placement(config)
     if forwards_per_layer is None:
         forwards_per_layer = 1 if _keeps_attention(config, mesh, where) else 2
