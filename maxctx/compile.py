@@ -99,6 +99,7 @@ def _estimate(config: Config, mesh: dict[str, int], global_batch: int, report: d
     est = step_time.estimate(config, mesh, global_batch, hw, forwards_per_layer=report.get(
         "attention_forwards_per_layer"), host_bytes=host if "host_to_device_bytes" in report else None)
     out = step_time.report(est, hw, global_batch * config.max_target_length)
+    out["estimate_attention_counted"] = step_time.attention_counted(config, mesh["context"] * mesh["context_a2a"])
     if report.get("attention") == "splash":
         from maxctx.plan import topology as topo
 
@@ -157,7 +158,9 @@ def format_report(report: dict) -> list[str]:
                      f"{_seconds(report['estimate_step_time_s'])} ({terms}; collectives and host: the exposed "
                      f"part), MFU {report['estimate_mfu']:.1%}, {report['estimate_tokens_per_s']:,.0f} tokens/s"
                      + (f"; the model's splash block: {report['estimate_splash_block']}"
-                        if "estimate_splash_block" in report else ""))
+                        if "estimate_splash_block" in report else "")
+                     + (f"; attention counted: {report['estimate_attention_counted']}"
+                        if "estimate_attention_counted" in report else ""))
     lines.append(f"compiled in {report['compile_time_s']:.1f} s")
     return lines
 
