@@ -324,14 +324,17 @@ def test_partial_blocks_are_computed_where_the_keys_form_few_runs():
     assert splash_masks.computed_mask(order[1024:2048], order[::-1].copy()) is None
 
 
-@pytest.mark.parametrize("strategy,ring,a2a,window", [
-    ("p2p", 4, 1, 0), ("usp", 2, 2, 0), ("all_gather", 4, 1, 100), ("a2a", 1, 2, 128)])
-def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, window, monkeypatch):
+@pytest.mark.parametrize("strategy,ring,a2a,window,max_table", [
+    ("p2p", 4, 1, 0, None), ("usp", 2, 2, 0, None), ("all_gather", 4, 1, 100, None), ("a2a", 1, 2, 128, None),
+    ("p2p", 2, 1, 0, 2)])  # ring hops in row chunks (RowLoop): each chunk's q_sequence and tables from its ids
+def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, window, max_table, monkeypatch):
     """context_parallel_load_balance=documents: each row stored in its own document placement, so each call derives
     its q_sequence and tables from the ids (document_blocks); ring hops through splash's own backward."""
-    from maxctx.attention import flash
+    from maxctx.attention import flash, splash
     from maxctx.attention.load_balance import document_permutation
 
+    if max_table is not None:
+        monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
     monkeypatch.setattr(flash, "flash_backward", None)
     cp = ring * a2a
     rng = np.random.default_rng(1)
