@@ -114,7 +114,7 @@ class Config:
     # One of maxctx.attention.strategies (or an alias), checked there: the registry is its one list of names.
     context_parallel_strategy: str = "all_gather"
     context_parallel_load_balance: LoadBalance = True
-    # The planner's and step-time model's documents per row (maxctx.plan.step_time.document_lengths): "" one
+    # The planner's and step-time model's documents per row (maxctx.plan.documents.document_lengths): "" one
     # document per row (causal S^2/2); e.g. "8192" or "524288,262144,2048x128", repeated to fill the row.
     planner_document_lengths: str = ""
     context_parallel_a2a_degree: int = 0

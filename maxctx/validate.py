@@ -183,18 +183,27 @@ def _check_data(config: Config) -> None:
                           f"batches")
 
 
-def validate(config: Config) -> None:
-    """All config checks that do not need JAX; raises ConfigError."""
-    for field in dataclasses.fields(Config):  # Literal keys (a Config built in code skips parse_config's check)
+def _check_literals(config: Config) -> None:
+    """Literal keys (a Config built in code skips parse_config's check)."""
+    for field in dataclasses.fields(Config):
         options = choices(field.name)
         if options and getattr(config, field.name) not in options:
             raise ConfigError(f"{field.name}='{getattr(config, field.name)}' is not one of "
                               f"{', '.join(map(str, options))}")
-    strategies.resolve(config.context_parallel_strategy)
+
+
+def _check_document_lengths(config: Config) -> None:
     if config.planner_document_lengths:
-        from maxctx.plan.step_time import document_lengths
+        from maxctx.plan.documents import document_lengths
 
         document_lengths(config.planner_document_lengths, max(config.max_target_length, 1))
+
+
+def validate(config: Config) -> None:
+    """All config checks that do not need JAX; raises ConfigError."""
+    _check_literals(config)
+    strategies.resolve(config.context_parallel_strategy)
+    _check_document_lengths(config)
     _check_custom_remat(config)
     if config.run_name in ("", ".", "..") or "/" in config.run_name or os.sep in config.run_name:
         raise ConfigError(f"run_name='{config.run_name}' must be a name (not empty, '.' or '..', no '/'): outputs go "

@@ -90,7 +90,7 @@ def test_documents_per_row_count_their_own_attention_and_the_busiest_rank():
     (zig-zag vs the documents placement); MFU's model FLOPs keep the causal count; bad specs are refused."""
     from maxctx.config import ConfigError
     from maxctx.loader import load_config
-    from maxctx.plan import step_time
+    from maxctx.plan import documents, step_time
 
     keys = [str(ROOT / "configs" / "base.yml"), "model_name=llama3-8b", "compile_topology=v5p-128",
             "max_target_length=1048576", "ici_context_parallelism=64", "ici_fsdp_parallelism=1",
@@ -105,7 +105,7 @@ def test_documents_per_row_count_their_own_attention_and_the_busiest_rank():
     eight, config = estimate("planner_document_lengths=8192")
     assert eight.model_flops == whole.model_flops  # MFU keeps MaxText's causal count
     assert eight.attention_s / whole.attention_s == pytest.approx(8193 / 1048576, rel=1e-3)
-    assert "documents 8192" in step_time.attention_counted(config, 64)
+    assert "documents 8192" in documents.attention_counted(config, 64)
     mixture = "planner_document_lengths=524288,262144,2048x128"
     zigzag, _ = estimate(mixture)
     placed, _ = estimate(mixture, "context_parallel_load_balance=documents")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import cudnn, document_blocks, flash, splash, splash_backward
+from maxctx.attention import cudnn, document_blocks, flash, splash, splash_backward, splash_masks
 from maxctx.attention.dot_product import dot_product_attention, dot_product_block_backward
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
 from maxctx.attention.load_balance import zigzag_permutation
@@ -156,7 +156,7 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     all derived from block_q / block_kv). cuDNN: a call whose queries and keys are the whole sequence in natural
     order (one query shard, one key block, `order` the identity: no CP split, no zig-zag) may take cuDNN's own
     mask types (maxctx.attention.cudnn). `documents`: the stored order is the batch's (`order` then only gives the
-    length): splash gets one kernel for every call (splash.documents_kernel) and derives its masks per call from
+    length): splash gets one kernel for every call (_documents_kernel) and derives its masks per call from
     the ids; `sort_keys`: the calls' keys are gathered from all ranks (all_gather, a2a) and are sorted first."""
     if name != "splash":
         natural = (not documents and order is not None and q_shards == 1 and kv_blocks == 1
@@ -164,7 +164,7 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
         return LocalKernel(name, block_q, block_kv, window=window, natural=natural)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     if documents:
-        kernel = splash.documents_kernel(len(order) // q_shards, len(order) // kv_blocks, group, block_q, block_kv,
+        kernel = _documents_kernel(len(order) // q_shards, len(order) // kv_blocks, group, block_q, block_kv,
                                          ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
                                          splash_blocks or splash.Blocks())
         table = ((0,) * q_shards,) * (kv_blocks if ring else 1)
@@ -217,3 +217,24 @@ def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: in
             row.append(seen[key])
         table.append(tuple(row))
     return tuple(kernels), tuple(table)
+
+
+def _documents_kernel(rows: int, keys: int, group: int, block_q: int, block_kv: int, save_residuals: bool,
+                      interpret: bool, max_table_entries: int, window: int, blocks: splash.Blocks):
+    """splash.make_kernel's result for a call of `rows` queries and `keys` keys whose order changes with the batch
+    (context_parallel_load_balance=documents, document_blocks): every block listed, the mask computed in the
+    kernel as `key place <= q_sequence` (and within `window`), q_sequence and the tables given per call."""
+    built = splash.make_kernel(np.arange(keys, keys + rows), np.arange(keys), group, block_q, block_kv,
+                               save_residuals, interpret, max_table_entries, 0,
+                               dataclasses.replace(blocks, stored_masks=False))
+    function = splash_masks.KeyRuns(((0, keys),), window)
+
+    def patched(kernel):
+        return None if kernel is None else type(kernel)(kernel.fwd_mask_info, kernel.dq_mask_info,
+                                                        kernel.dkv_mask_info,
+                                                        **{**kernel.kwargs, "mask_function": function})
+
+    if isinstance(built, splash.RowLoop):
+        built.kernel = patched(built.kernel)
+        return built
+    return tuple((start, stop, patched(kernel)) for start, stop, kernel in built)

@@ -79,7 +79,23 @@ def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp:
         return np.arange(seq)
     if seq % cp:
         raise ValueError(f"sequence length {seq} is not divisible by context parallelism = {cp}")
-    share = seq // cp
+    runs = _ordered_documents(segment_ids_S)
+    ranks = _Ranks(cp, seq // cp, np.concatenate([[0], np.cumsum(token_work(positions_S))]))
+    long = [run for run in runs if run[1] > ranks.share // 2]
+    short = [run for run in runs if run[1] <= ranks.share // 2]
+    for start, length in sorted(long, key=lambda run: -run[1]):
+        if not ranks.head_tail(start, length, granule):
+            short.append((start, length))  # no ranks with room for its pieces: cut as a short one
+    short.sort(key=lambda run: -ranks.work_of(*run))
+    for start, length in short:
+        ranks.whole_or_cut(start, length)
+    if ranks.room.any():  # the rounding in head_tail never overfills a rank
+        raise AssertionError(f"document placement left ranks with {ranks.room.tolist()} tokens of room")
+    return np.concatenate([np.concatenate([np.arange(a, a + n) for a, n in sorted(p)]) for p in ranks.pieces])
+
+
+def _ordered_documents(segment_ids_S: np.ndarray) -> list[tuple[int, int]]:
+    """document_runs, checked to be numbered in order (what splash's per-call masks rely on: document_blocks)."""
     runs = document_runs(segment_ids_S)
     ids = [int(segment_ids_S[start]) for start, _ in runs]
     real = [i for i in ids if i != 0]
@@ -87,57 +103,64 @@ def document_permutation(positions_S: np.ndarray, segment_ids_S: np.ndarray, cp:
         raise ValueError(f"context_parallel_load_balance=documents needs each row's documents numbered in order "
                          f"(segment ids increasing along the row, padding 0 only at its end), as maxctx's packing "
                          f"writes them; this row's documents have ids {ids[:12]}{' ...' if len(ids) > 12 else ''}")
-    work_of = np.concatenate([[0], np.cumsum(token_work(positions_S))])
-    pieces: list[list[tuple[int, int]]] = [[] for _ in range(cp)]  # per rank: (start, length) of original tokens
-    room = np.full(cp, share, np.int64)
-    work = np.zeros(cp, np.int64)
+    return runs
 
-    def place(rank: int, start: int, length: int) -> None:
+
+class _Ranks:
+    """The C ranks being filled: each one's pieces (start, length) of original tokens, room and work."""
+
+    def __init__(self, cp: int, share: int, cumulative_work: np.ndarray):
+        self.cp, self.share, self.cumulative = cp, share, cumulative_work
+        self.pieces: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
+        self.room = np.full(cp, share, np.int64)
+        self.work = np.zeros(cp, np.int64)
+
+    def work_of(self, start: int, length: int) -> int:
+        return int(self.cumulative[start + length] - self.cumulative[start])
+
+    def place(self, rank: int, start: int, length: int) -> None:
         if length:
-            pieces[rank].append((start, length))
-            room[rank] -= length
-            work[rank] += work_of[start + length] - work_of[start]
+            self.pieces[rank].append((start, length))
+            self.room[rank] -= length
+            self.work[rank] += self.work_of(start, length)
 
-    runs = sorted(runs, key=lambda run: -run[1])
-    long = [run for run in runs if run[1] > share // 2]
-    short = [run for run in runs if run[1] <= share // 2]
-    for start, length in long:
-        # Over every rank where its 2C pieces are at least `granule` tokens; else over as many as pieces of
-        # `granule` allow (and at least as many as hold it): the m ranks with the least work that have room.
-        m = min(cp, max(-(-length // share), length // (2 * granule)))
+    def head_tail(self, start: int, length: int, granule: int) -> bool:
+        """Cuts a long document head-tail over every rank where its 2C pieces are at least `granule` tokens, else
+        over as many as pieces of `granule` allow (at least as many as hold it), the ranks with the least work
+        that have room; False where no such ranks have room."""
+        m = min(self.cp, max(-(-length // self.share), length // (2 * granule)))
         while True:
-            fit = [r for r in np.argsort(work, kind="stable") if room[r] >= -(-length // m)]
-            if len(fit) >= m or m == cp:
+            fit = [r for r in np.argsort(self.work, kind="stable") if self.room[r] >= -(-length // m)]
+            if len(fit) >= m or m == self.cp:
                 break
             m += 1
-        if len(fit) < m:  # no m ranks with room: cut it across the ranks with room, as a short one
-            short.append((start, length))
-            continue
+        if len(fit) < m:
+            return False
         ranks = np.asarray(fit[:m])
         # Pair sizes: length // m each, one more for the (length % m) of them with the most room left.
         pair = np.full(m, length // m, np.int64)
-        pair[np.argsort(-room[ranks], kind="stable")[:length % m]] += 1
+        pair[np.argsort(-self.room[ranks], kind="stable")[:length % m]] += 1
         head = pair // 2
         head_at = start + np.concatenate([[0], np.cumsum(head)[:-1]])
         tail_end = start + length - np.concatenate([[0], np.cumsum(pair - head)[:-1]])
         for i, rank in enumerate(ranks):
-            place(int(rank), int(head_at[i]), int(head[i]))
-            place(int(rank), int(tail_end[i] - (pair[i] - head[i])), int(pair[i] - head[i]))
-    short.sort(key=lambda run: -(work_of[run[0] + run[1]] - work_of[run[0]]))
-    for start, length in short:
-        fits = np.flatnonzero(room >= length)
+            self.place(int(rank), int(head_at[i]), int(head[i]))
+            self.place(int(rank), int(tail_end[i] - (pair[i] - head[i])), int(pair[i] - head[i]))
+        return True
+
+    def whole_or_cut(self, start: int, length: int) -> None:
+        """A short document whole on the rank with the least work that has room (LPT), else cut across the ranks
+        with the most room, in contiguous pieces."""
+        fits = np.flatnonzero(self.room >= length)
         if len(fits):
-            place(int(fits[np.argmin(work[fits])]), start, length)
-            continue
-        for rank in np.argsort(-room, kind="stable"):  # cut across the ranks with the most room
-            take = int(min(room[rank], length))
-            place(int(rank), start, take)
+            self.place(int(fits[np.argmin(self.work[fits])]), start, length)
+            return
+        for rank in np.argsort(-self.room, kind="stable"):
+            take = int(min(self.room[rank], length))
+            self.place(int(rank), start, take)
             start, length = start + take, length - take
             if not length:
-                break
-    if room.any():  # a long document's pieces overfilled a rank: cannot happen with the rounding above
-        raise AssertionError(f"document placement left ranks with {room.tolist()} tokens of room")
-    return np.concatenate([np.concatenate([np.arange(a, a + n) for a, n in sorted(p)]) for p in pieces])
+                return
 
 
 def rank_work(positions_S: np.ndarray, cp: int) -> np.ndarray:

@@ -47,7 +47,7 @@ from maxctx.attention import document_blocks
 from maxctx.attention.cost import PALLAS_MACS_SCOPE
 from maxctx.attention.flash import block_size
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
-from maxctx.attention.splash_masks import KeyRuns, ordered_causal_mask, sees_a_key
+from maxctx.attention.splash_masks import ordered_causal_mask, sees_a_key
 
 COMPUTE_BLOCK = 512
 # Block-table entries (query blocks x key blocks) one kernel call may have: the largest size that compiled within
@@ -159,27 +159,6 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
     if save_residuals and len(out) > 1 and built:
         return RowLoop(out)
     return tuple(out)
-
-
-def documents_kernel(rows: int, keys: int, group: int, block_q: int, block_kv: int, save_residuals: bool,
-                     interpret: bool = False, max_table_entries: int | None = None, window: int = 0,
-                     blocks: Blocks = Blocks()):
-    """make_kernel's result for a call of `rows` queries and `keys` keys whose order changes with the batch
-    (context_parallel_load_balance=documents, document_blocks): every block listed, the mask computed in the
-    kernel as `key place <= q_sequence` (and within `window`), q_sequence and the tables given per call."""
-    built = make_kernel(np.arange(keys, keys + rows), np.arange(keys), group, block_q, block_kv, save_residuals,
-                        interpret, max_table_entries, 0, dataclasses.replace(blocks, stored_masks=False))
-    function = KeyRuns(((0, keys),), window)
-
-    def patched(kernel):
-        return None if kernel is None else type(kernel)(kernel.fwd_mask_info, kernel.dq_mask_info,
-                                                        kernel.dkv_mask_info,
-                                                        **{**kernel.kwargs, "mask_function": function})
-
-    if isinstance(built, RowLoop):
-        built.kernel = patched(built.kernel)
-        return built
-    return tuple((start, stop, patched(kernel)) for start, stop, kernel in built)
 
 
 # The arguments splash_backward.hop_backward passes to splash's dQ and dK/dV kernels (private functions of

@@ -56,7 +56,7 @@ from maxctx.attention.cost import AttentionShape
 from maxctx.config import Config, ConfigError
 from maxctx.model.shape import ModelShape, dtype_bytes
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
-from maxctx.plan import remat, step_time, topology
+from maxctx.plan import documents, remat, step_time, topology
 
 # The device and the collectives' timing live in the step-time model; named here for the planner's readers.
 from maxctx.plan.step_time import (  # noqa: F401
@@ -124,7 +124,7 @@ class Plan:
     cp: int
     ranked: tuple[Candidate, ...]  # the choice first, then the other fitting ones, then the dropped ones
     keys: str = "context_parallel_strategy=auto"  # what the plan chooses
-    attention: str = "causal S^2/2 per row"  # which attention pairs the step times count (step_time.attention_counted)
+    attention: str = "causal S^2/2 per row"  # which attention pairs the step times count (documents.attention_counted)
 
     @property
     def choice(self) -> Candidate:
@@ -242,7 +242,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
         out += _shown(costed) if remat.is_auto(config) else costed
     keys = " ".join(k for k, chosen in (("context_parallel_strategy=auto", only is None),
                                          ("remat_policy=auto", remat.is_auto(config))) if chosen)
-    return Plan(hw, cp, tuple(_rank(out)), keys, step_time.attention_counted(config, cp))
+    return Plan(hw, cp, tuple(_rank(out)), keys, documents.attention_counted(config, cp))
 
 
 def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, shards: int, host_budget: float,
