@@ -324,18 +324,25 @@ def test_partial_blocks_are_computed_where_the_keys_form_few_runs():
     assert splash_masks.computed_mask(order[1024:2048], order[::-1].copy()) is None
 
 
-@pytest.mark.parametrize("strategy,ring,a2a,window,max_table", [
-    ("p2p", 4, 1, 0, None), ("usp", 2, 2, 0, None), ("all_gather", 4, 1, 100, None), ("a2a", 1, 2, 128, None),
-    ("p2p", 2, 1, 0, 2)])  # ring hops in row chunks (RowLoop): each chunk's q_sequence and tables from its ids
-def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, window, max_table, monkeypatch):
-    """context_parallel_load_balance=documents: each row stored in its own document placement, so each call derives
-    its q_sequence and tables from the ids (document_blocks); ring hops through splash's own backward."""
+@pytest.mark.parametrize("strategy,ring,a2a,window,max_table,kernel", [
+    ("p2p", 4, 1, 0, None, "splash"), ("usp", 2, 2, 0, None, "splash"), ("all_gather", 4, 1, 100, None, "splash"),
+    ("a2a", 1, 2, 128, None, "splash"),
+    ("p2p", 2, 1, 0, 2, "splash"),  # ring hops in row chunks (RowLoop): each chunk's q_sequence and tables
+    # The blockwise kernel masks from the ids in any order: windows on the rings too (p2p at C = 8 and every
+    # strategy in whole runs: tests/test_context_parallel_train.py).
+    ("usp", 4, 2, 100, None, "blockwise"), ("all_gather", 8, 1, 0, None, "blockwise")])
+def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, window, max_table, kernel,
+                                                           monkeypatch):
+    """context_parallel_load_balance=documents: each row stored in its own document placement, so each splash call
+    derives its q_sequence and tables from the ids (document_blocks); ring hops through splash's own backward.
+    The blockwise kernel under the same placement at C = 8."""
     from maxctx.attention import flash, splash
     from maxctx.attention.load_balance import document_permutation
 
     if max_table is not None:
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
-    monkeypatch.setattr(flash, "flash_backward", None)
+    if kernel == "splash":
+        monkeypatch.setattr(flash, "flash_backward", None)  # ring hops through splash's own backward
     cp = ring * a2a
     rng = np.random.default_rng(1)
     q = rng.normal(size=(2, S, H, D)).astype(np.float32)
@@ -351,7 +358,7 @@ def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, 
     perms = np.stack([document_permutation(p, s, cp) for p, s in zip(pos, seg)])
     assert not all(np.array_equal(p, np.arange(S)) for p in perms)
     mesh = make_mesh(ring, a2a)
-    spec = AttentionSpec(kernel="splash", strategy=strategy, load_balance="documents", block_q=128, block_kv=128,
+    spec = AttentionSpec(kernel=kernel, strategy=strategy, load_balance="documents", block_q=128, block_kv=128,
                          window=window)
     sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     args = [jax.device_put(np.take_along_axis(x, perms.reshape(2, S, *[1] * (x.ndim - 2)), 1), sharding)
@@ -360,4 +367,4 @@ def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, 
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         g = np.stack([np.asarray(g)[b][np.argsort(perms[b])] for b in range(2)])
         err = np.abs(g - w).max() / np.abs(w).max()
-        assert err < 1e-5, f"splash {strategy} documents window={window} {name}: relative error {err:.2e}"
+        assert err < 1e-5, f"{kernel} {strategy} documents window={window} {name}: relative error {err:.2e}"
