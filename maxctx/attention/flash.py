@@ -8,9 +8,11 @@ Memory: never S x T. The forward holds one [B, K, G, Q, C] fp32 score block per 
 dk/dv accumulators of one key block. Saved residuals: q, k, v, out and lse[B, H, S] fp32.
 
 Masks come from positions and segment ids (query i sees key j iff same segment and pos[j] <= pos[i]), so any
-token order works. A (query block, key block) pair with no visible entry is skipped by `lax.cond`: under zig-zag
-load balancing or a causal ring that is about half of all blocks; with a sliding window W (`window` > 0, query i
-sees key j iff 0 <= pos[i] - pos[j] < W) every pair outside the band, so the work is O(S W), not O(S T).
+token order works. A (query block, key block) pair that can hold no visible entry is skipped by `lax.cond` on the
+blocks' id ranges (`_may_see`: segment ranges that meet, causal by position, the window), before its mask is
+built: under zig-zag load balancing or a causal ring that is about half of all blocks, on packed rows every pair
+of blocks with no shared document; with a sliding window W (`window` > 0, query i sees key j iff
+0 <= pos[i] - pos[j] < W) every pair outside the band, so the work is O(S W), not O(S T).
 
 `flash_forward` / `flash_backward` are the raw halves; the ring strategy calls them with the *global* out and
 lse of its merged result, which is exactly the gradient of the whole row (FlashAttention-2, eq. for dS).
@@ -52,6 +54,25 @@ def _scores(q_BQKGD, k_BCKD, mask_BQC, scale):
     return jnp.where(mask_BQC[:, None, None], s, -jnp.inf)
 
 
+def _ranges(pos, seg):
+    """Per block (the last axis's tokens): (segment min, segment max, position min, position max), each over the
+    batch rows as the leading axes."""
+    return seg.min(-1), seg.max(-1), pos.min(-1), pos.max(-1)
+
+
+def _may_see(q_range, k_range, window: int):
+    """Whether any query of a block may see any key of another (any batch row): their segment ranges meet, the
+    first key is at or before the last query, and within the window; maxctx.attention.document_blocks's test,
+    a superset of the mask's, decided before the [B, Q, C] mask is built, so a pair of blocks with no shared
+    document costs O(B), not O(B Q C)."""
+    qs_lo, qs_hi, qp_lo, qp_hi = q_range
+    ks_lo, ks_hi, kp_lo, kp_hi = k_range
+    keep = (ks_lo <= qs_hi) & (ks_hi >= qs_lo) & (kp_lo <= qp_hi)
+    if window > 0:
+        keep = keep & (qp_lo - kp_hi < window)
+    return keep.any()
+
+
 def _tie(*arrays):
     """Ties positions and segment ids to q, k, v. When the kernel runs inside a differentiated lax.scan (the
     model's layers), partial evaluation otherwise hoists everything computable from the ids alone, i.e. every
@@ -79,17 +100,19 @@ def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, bloc
     scale = d ** -0.5
     q_blocks = _blocks(q_BSHD.reshape(b, s, k, g, d), nq)
     qp_blocks, qs_blocks = _blocks(q_pos, nq), _blocks(q_seg, nq)
-    kv_blocks = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), _blocks(kv_pos, nk), _blocks(kv_seg, nk))
+    kp_blocks, ks_blocks = _blocks(kv_pos, nk), _blocks(kv_seg, nk)
+    kv_blocks = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), kp_blocks, ks_blocks, _ranges(kp_blocks, ks_blocks))
 
     def one_q_block(args):
         q_BQKGD, qp, qs = args
         bq = q_BQKGD.shape[1]
+        q_range = _ranges(qp, qs)
 
         def step(carry, kv):
-            k_BCKD, v_BCKD, kp, ks = kv
-            mask = mask_from_positions(qp, qs, kp, ks, window)
+            k_BCKD, v_BCKD, kp, ks, k_range = kv
 
             def compute(carry):
+                mask = mask_from_positions(qp, qs, kp, ks, window)
                 m, l_sum, acc = carry
                 s_ = _scores(q_BQKGD, k_BCKD, mask, scale)
                 m_new = jnp.maximum(m, s_.max(-1))
@@ -101,7 +124,7 @@ def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, bloc
                                 preferred_element_type=jnp.float32)
                 return m_new, l_sum, acc * alpha[..., None] + pv
 
-            return jax.lax.cond(mask.any(), compute, lambda c: c, carry), None
+            return jax.lax.cond(_may_see(q_range, k_range, window), compute, lambda c: c, carry), None
 
         init = (jnp.full((b, k, g, bq), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, bq), jnp.float32),
                 jnp.zeros((b, k, g, bq, d), jnp.float32))
@@ -136,19 +159,21 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
     def by_q(x_BHS):  # [B, H, S] -> [nq, B, K, G, Q]
         return jnp.moveaxis(x_BHS.reshape(b, k, g, nq, s // nq), 3, 0)
 
+    qp_blocks, qs_blocks = _blocks(q_pos, nq), _blocks(q_seg, nq)
     q_side = (_blocks(q_BSHD.reshape(b, s, k, g, d), nq), _blocks(dout_BSHD.reshape(b, s, k, g, d), nq),
-              by_q(lse), by_q(delta), _blocks(q_pos, nq), _blocks(q_seg, nq), jnp.arange(nq))
-    kv_side = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), _blocks(kv_pos, nk), _blocks(kv_seg, nk))
+              by_q(lse), by_q(delta), qp_blocks, qs_blocks, _ranges(qp_blocks, qs_blocks), jnp.arange(nq))
+    kp_blocks, ks_blocks = _blocks(kv_pos, nk), _blocks(kv_seg, nk)
+    kv_side = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), kp_blocks, ks_blocks, _ranges(kp_blocks, ks_blocks))
 
     def kv_step(dq, kv):
-        k_BCKD, v_BCKD, kp, ks = kv
+        k_BCKD, v_BCKD, kp, ks, k_range = kv
 
         def q_step(carry, qb):
             dq, dk, dv = carry
-            q_BQKGD, do_BQKGD, lse_q, delta_q, qp, qs, i = qb
-            mask = mask_from_positions(qp, qs, kp, ks, window)
+            q_BQKGD, do_BQKGD, lse_q, delta_q, qp, qs, q_range, i = qb
 
             def compute(carry):
+                mask = mask_from_positions(qp, qs, kp, ks, window)
                 dq, dk, dv = carry
                 p = jnp.exp(_scores(q_BQKGD, k_BCKD, mask, scale) - lse_q[..., None])
                 dv = dv + jnp.einsum("BKGQC,BQKGD->BCKD", p, do_BQKGD, preferred_element_type=jnp.float32)
@@ -158,7 +183,7 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
                 dq_i = jnp.einsum("BKGQC,BCKD->BQKGD", ds, k_BCKD, preferred_element_type=jnp.float32)
                 return dq.at[i].add(dq_i), dk, dv
 
-            return jax.lax.cond(mask.any(), compute, lambda c: c, carry), None
+            return jax.lax.cond(_may_see(q_range, k_range, window), compute, lambda c: c, carry), None
 
         zeros = jnp.zeros(k_BCKD.shape, jnp.float32)
         (dq, dk, dv), _ = jax.lax.scan(q_step, (dq, zeros, zeros), q_side)
