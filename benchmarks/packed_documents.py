@@ -175,13 +175,16 @@ def layout_tables(size_names: list[str]) -> list[str]:
 
 
 def measure(seq: int = 2 ** 17, cp: int = 8, repeats: int = 2) -> list[str]:
-    """One attention layer's forward and backward on `cp` CPU devices, p2p, blockwise kernel, per mix, under the
-    zig-zag and the documents placement."""
+    """One attention layer's forward and backward at S = `seq`, blockwise kernel (blocks 512), per mix, under the
+    zig-zag and the documents placement: on `cp` CPU devices with p2p (the devices share this machine's cores, so
+    the wall time follows the total work, not the busiest rank's), and one rank at a time on one device (its
+    queries against every key, in stored order: the busiest rank's time is the step's on devices of their own)."""
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={cp}"
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from maxctx.attention.dispatch import AttentionSpec, attend
+    from maxctx.attention.flash import flash_attention
     from tests.support.meshes import make_mesh
 
     mesh = make_mesh(cp, 1)
@@ -189,12 +192,26 @@ def measure(seq: int = 2 ** 17, cp: int = 8, repeats: int = 2) -> list[str]:
     rng = np.random.default_rng(0)
     heads, head_dim = 1, 16
     q, k, v = (rng.normal(size=(1, seq, heads, head_dim)).astype(np.float32) for _ in range(3))
-    lines = [f"## Measured: one attention layer, forward and backward, S = {seq:,}, {cp} CPU devices, p2p, "
-             f"blockwise (blocks 512), {heads} head of dim {head_dim}", "",
-             "| mix | zig-zag s | documents s | zig-zag / documents |", "|---|---|---|---|"]
+
+    def timed(step, *args) -> float:
+        jax.block_until_ready(step(*args))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def rank_loss(q, k, v, qp, qs, kp, ks):
+        return flash_attention(q, k, v, qp, qs, kp, ks, 512, 512)[0].sum()
+
+    one_rank = jax.jit(jax.grad(rank_loss, argnums=(0, 1, 2)))  # numpy inputs: on the first device
+    lines = [f"## Measured: one attention layer, forward and backward, S = {seq:,}, blockwise (blocks 512), "
+             f"{heads} head of dim {head_dim}, C = {cp}", "",
+             "| mix | layout | p2p on 8 CPU devices, s | busiest rank alone, s | ranks alone, total s | "
+             "busiest / mean |", "|---|---|---|---|---|---|"]
     for mix, lengths in mixes(seq).items():
         pos, seg = row(lengths)
-        seconds = {}
         for mode in (True, "documents"):
             perm = zigzag_permutation(seq, cp) if mode is True else document_permutation(pos, seg, cp)
             spec = AttentionSpec(kernel="blockwise", strategy="p2p", load_balance=mode, block_q=512, block_kv=512)
@@ -203,16 +220,15 @@ def measure(seq: int = 2 ** 17, cp: int = 8, repeats: int = 2) -> list[str]:
             def loss(q, k, v, pos, seg, spec=spec):
                 return attend(q, k, v, pos, seg, spec, mesh).sum()
 
-            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-            jax.block_until_ready(step(*args))
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(step(*args))
-                times.append(time.perf_counter() - start)
-            seconds[mode] = min(times)
-        lines.append(f"| {mix} | {seconds[True]:.2f} | {seconds['documents']:.2f} | "
-                     f"{seconds[True] / seconds['documents']:.2f} |")
+            together = timed(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), *args)
+            stored = [x[:, perm] for x in (q, k, v, pos[None], seg[None])]
+            share = seq // cp
+            alone = [timed(one_rank, stored[0][:, r * share:(r + 1) * share], stored[1], stored[2],
+                           stored[3][:, r * share:(r + 1) * share], stored[4][:, r * share:(r + 1) * share],
+                           stored[3], stored[4]) for r in range(cp)]
+            name = "zig-zag" if mode is True else "documents"
+            lines.append(f"| {mix} | {name} | {together:.2f} | {max(alone):.2f} | {sum(alone):.2f} | "
+                         f"{max(alone) / np.mean(alone):.2f} |")
     return lines
 
 
