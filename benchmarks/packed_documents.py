@@ -4,7 +4,8 @@ and under the documents placement (context_parallel_load_balance=documents), the
 and measured attention steps on 8 CPU devices.
 
     python3 benchmarks/packed_documents.py               # the tables (benchmarks/packed_documents.md)
-    python3 benchmarks/packed_documents.py --no-measure  # without the CPU timing (seconds instead of minutes)
+    python3 benchmarks/packed_documents.py --no-measure  # the tables only (minutes instead of half an hour)
+    python3 benchmarks/packed_documents.py --only-measure  # the CPU timing only
 
 Rows of S = 128K, 1M and 16M tokens; mixes:
 - one document per row;
@@ -235,11 +236,13 @@ def measure(seq: int = 2 ** 17, cp: int = 8, repeats: int = 2) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-measure", action="store_true", help="skip the CPU timing")
+    parser.add_argument("--only-measure", action="store_true", help="only the CPU timing")
     parser.add_argument("--sizes", default="128K,1M,16M")
     args = parser.parse_args()
-    print("\n".join(layout_tables(args.sizes.split(","))))
-    if not args.no_measure:
+    if not args.only_measure:
+        print("\n".join(layout_tables(args.sizes.split(","))))
         print()
+    if not args.no_measure:
         print("\n".join(measure()))
 
 
