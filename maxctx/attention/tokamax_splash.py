@@ -69,7 +69,7 @@ def _fallback_notice() -> None:  # once per process: attention is traced once pe
                  "kernel); pip install maxctx[tokamax] for tokamax's")
 
 
-def config(rows: int, keys: int, bq: int, bkv: int, blocks: splash.Blocks, interpret: bool):
+def splash_config(rows: int, keys: int, bq: int, bkv: int, blocks: splash.Blocks, interpret: bool):
     """tokamax's SplashConfig for a call of `rows` queries and `keys` keys: the forward's and dK/dV's blocks as
     splash.Blocks.sizes cuts them for JAX's kernel, under the fused backward (tokamax's only one)."""
     sizes = dataclasses.replace(blocks, fused_backward=True).sizes(rows, keys, bq, bkv, backward=True)
@@ -91,7 +91,7 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
         return ((0, len(q_orig), None),)
     bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
     mask = ordered_causal_mask(np.asarray(q_orig), np.asarray(kv_orig), window)
-    settings = config(len(q_orig), len(kv_orig), bq, bkv, blocks or splash.Blocks(), interpret)
+    settings = splash_config(len(q_orig), len(kv_orig), bq, bkv, blocks or splash.Blocks(), interpret)
     # Concrete tables even when built under a trace, as splash._make_one does.
     with jax.ensure_compile_time_eval():
         kernel = _lib().make_splash_mqa_single_device(mask, config=settings, save_residuals=save_residuals)
