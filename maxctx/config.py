@@ -128,6 +128,8 @@ class Config:
     flash_block_q_dq: int = 0
     flash_block_kv_dq: int = 0
     splash_fused_backward: bool = False
+    # splash runs as tokamax's kernel (pip install maxctx[tokamax]; without it maxctx's splash, and one logged line)
+    use_tokamax_splash: bool = False
     # libtpu's scoped VMEM limit for kernels (--xla_tpu_scoped_vmem_limit_kib), given to the TPU compile of every
     # step: -1 the generation's default (maxctx.plan.topology), 0 libtpu's own, > 0 this many KiB.
     tpu_scoped_vmem_limit_kib: int = -1

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import halo, splash, strategies
+from maxctx.attention import halo, splash, strategies, tokamax_splash
 from maxctx.attention.kernels import make_local
 from maxctx.config import AttentionKernel, Config, ConfigError
 from maxctx.parallelism import mesh_context_degree
@@ -34,6 +34,7 @@ class AttentionSpec:
     block_kv: int = Config.flash_block_kv
     window: int = 0  # this layer's sliding window (0: global); the model sets it per layer from the pattern
     splash_blocks: splash.Blocks = splash.Blocks()  # splash's other block sizes (flash_block_*_dkv, ...)
+    tokamax: bool = Config.use_tokamax_splash  # splash runs as tokamax's kernel (tokamax_splash.resolve)
     # Rings (p2p, usp): the software-pipelined backward (maxctx.attention.ring). No config key: it costs memory and no
     # measurement shows it faster (docs/long_context.md); benchmarks and tests set it here.
     ring_backward_overlap: bool = False
@@ -42,7 +43,8 @@ class AttentionSpec:
     def from_config(cls, config: Config) -> AttentionSpec:
         return cls(kernel=config.attention, strategy=config.context_parallel_strategy,
                    load_balance=config.context_parallel_load_balance, block_q=config.flash_block_q,
-                   block_kv=config.flash_block_kv, splash_blocks=splash.Blocks.from_config(config))
+                   block_kv=config.flash_block_kv, splash_blocks=splash.Blocks.from_config(config),
+                   tokamax=config.use_tokamax_splash)
 
 
 def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
@@ -63,7 +65,7 @@ def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh=None):
     """Causal, document-masked attention; returns out[B, S, H, D]."""
     platform = mesh.devices.flat[0].platform if mesh is not None else None  # abstract TPU devices say "tpu"
-    kernel = resolve_kernel(spec.kernel, platform=platform, dtype=q_BSHD.dtype)
+    kernel = tokamax_splash.resolve(resolve_kernel(spec.kernel, platform=platform, dtype=q_BSHD.dtype), spec.tokamax)
     if mesh is None:
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),

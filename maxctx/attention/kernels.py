@@ -7,13 +7,14 @@ A `LocalKernel` is built outside shard_map for one strategy's token layout and u
   block_forward(hop, ...)                                      -> (out fp32, lse fp32), for ring hops
   block_backward(hop, ..., out, lse, dout)                     -> (dq, dk, dv) fp32 given the merged out/lse
 Kernels: dot_product (reference, O(S T) memory), blockwise (flash.py: the flash-attention algorithm in plain
-JAX, every platform), splash (TPU Pallas), cudnn (GPU: cuDNN's causal or packed mask types where the call's
+JAX, every platform), splash (TPU Pallas), tokamax_splash (tokamax's copy of splash on the same masks:
+use_tokamax_splash, tokamax_splash.py), cudnn (GPU: cuDNN's causal or packed mask types where the call's
 tokens allow, chosen on the device, else a boolean mask; see cudnn.py). `hop` (a Python int, or the ring loop's
-traced index) picks the ring hop's splash kernel; only splash needs it (its masks are index-based, see
-splash.py), the others mask from positions. Splash rings run their backward hops through splash's own dQ and
-dK/dV kernels given the ring's merged out and lse (splash_backward); cuDNN rings, and splash's where this JAX
+traced index) picks the ring hop's splash kernel; only splash (and tokamax_splash) needs it (its masks are
+index-based, see splash.py), the others mask from positions. Splash rings run their backward hops through splash's
+own dQ and dK/dV kernels given the ring's merged out and lse (splash_backward); cuDNN rings, and splash's where this JAX
 lacks those kernels or with Blocks.ring_backward=False, with the blockwise backward (exact, pure JAX): cuDNN
-exposes no backward that takes the merged lse.
+exposes no backward that takes the merged lse. tokamax rings run tokamax's fused backward kernel the same way.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import cudnn, document_blocks, flash, splash, splash_backward, splash_masks
+from maxctx.attention import cudnn, document_blocks, flash, splash, splash_backward, splash_masks, tokamax_splash
 from maxctx.attention.dot_product import dot_product_attention, dot_product_block_backward
 from maxctx.attention.index_runs import expand, ranked, runs, shifted
 from maxctx.attention.load_balance import zigzag_permutation
+from maxctx.config import ConfigError
 
 
 def stored_order(seq_len: int, cp: int, load_balance) -> np.ndarray:
@@ -65,6 +67,10 @@ class LocalKernel:
         return jax.lax.switch(which, branches, *args)
 
     def _splash(self, hop, save_residuals, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
+        if self.name == tokamax_splash.NAME:  # tokamax's own tables (not narrowed to documents)
+            branches = [functools.partial(tokamax_splash.call, kern, save_residuals=save_residuals)
+                        for kern in self.splash_kernels]
+            return self._pick(hop, branches, q, k, v, q_seg, kv_seg)
         # Each call's tables are narrowed to the documents of its rows (maxctx.attention.document_blocks).
         if not self.documents:
             branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals,
@@ -118,6 +124,9 @@ class LocalKernel:
             return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
                                         self.block_q, self.block_kv, self.window)
 
+        if self.name == tokamax_splash.NAME:  # its fused backward kernel given the merged out and lse
+            branches = [functools.partial(tokamax_splash.hop_backward, kern) for kern in self.splash_kernels]
+            return self._pick(hop, branches, q, k, v, q_seg, kv_seg, out, lse, dout)
         if self.name != "splash" or not any(splash_backward.has_backward(kern) for kern in self.splash_kernels):
             return blockwise()
         # splash's own dQ and dK/dV kernels for a hop that has their tables (in row chunks too), else the blockwise
@@ -157,12 +166,17 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     order (one query shard, one key block, `order` the identity: no CP split, no zig-zag) may take cuDNN's own
     mask types (maxctx.attention.cudnn). `documents`: the stored order is the batch's (`order` then only gives the
     length): splash gets one kernel for every call (_documents_kernel) and derives its masks per call from
-    the ids; `sort_keys`: the calls' keys are gathered from all ranks (all_gather, a2a) and are sorted first."""
-    if name != "splash":
+    the ids; `sort_keys`: the calls' keys are gathered from all ranks (all_gather, a2a) and are sorted first.
+    `name` tokamax_splash: the same kernels and tables from tokamax (tokamax_splash.make_kernel)."""
+    if name not in ("splash", tokamax_splash.NAME):
         natural = (not documents and order is not None and q_shards == 1 and kv_blocks == 1
                    and np.array_equal(order, np.arange(len(order))))
         return LocalKernel(name, block_q, block_kv, window=window, natural=natural)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if documents and name == tokamax_splash.NAME:
+        raise ConfigError("use_tokamax_splash=true with context_parallel_load_balance=documents: tokamax's tables "
+                          "cannot follow a per-batch token order; use maxctx's splash (use_tokamax_splash=false) "
+                          "or context_parallel_load_balance=true")
     if documents:
         kernel = _documents_kernel(len(order) // q_shards, len(order) // kv_blocks, group, block_q, block_kv,
                                          ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
@@ -172,7 +186,7 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
                            sort_keys=sort_keys)
     kernels, table = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
                                      block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
-                                     splash_blocks or splash.Blocks())
+                                     splash_blocks or splash.Blocks(), name == tokamax_splash.NAME)
     return LocalKernel(name, block_q, block_kv, q_axes, window, kernels, table)
 
 
@@ -180,28 +194,31 @@ def make_band(name: str, block_q: int, block_kv: int, *, mesh=None, chunk: int, 
               group: int = 1, splash_blocks: splash.Blocks | None = None) -> LocalKernel:
     """The kernel of a local layer's chunk (maxctx.attention.halo): `chunk` queries against the `halo` keys before
     them and themselves, all in original order; splash gets the one static sliding-window mask they share."""
-    if name != "splash":
+    if name not in ("splash", tokamax_splash.NAME):
         return LocalKernel(name, block_q, block_kv, window=window)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    kernel = splash.make_kernel(np.arange(halo, halo + chunk), np.arange(halo + chunk), group, block_q, block_kv,
-                                save_residuals=False, interpret=platform != "tpu", window=window,
-                                blocks=splash_blocks or splash.Blocks())
+    build = tokamax_splash.make_kernel if name == tokamax_splash.NAME else splash.make_kernel
+    kernel = build(np.arange(halo, halo + chunk), np.arange(halo + chunk), group, block_q, block_kv,
+                   save_residuals=False, interpret=platform != "tpu", window=window,
+                   blocks=splash_blocks or splash.Blocks())
     return LocalKernel(name, block_q, block_kv, None, window, (kernel,), ((0,),))
 
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: int, block_q: int, block_kv: int,
                     ring: bool, interpret: bool, max_table_entries: int, window: int,
-                    blocks: splash.Blocks) -> tuple[tuple, tuple]:
+                    blocks: splash.Blocks, tokamax: bool = False) -> tuple[tuple, tuple]:
     """The distinct kernels over all hops and each [hop][query shard]'s index into them. Cached: building the
     mask info walks every block on the host, and the train step, the eval step and rematerialisation trace
     attention again. Kernels are built on the ranks, not the original indices: equal masks then compare equal
     in splash's own mask-info cache, which serves equal row chunks of one kernel (make_kernel) once. A sliding
-    window depends on index distances, which ranks do not keep: its masks are compared shifted to start at 0."""
+    window depends on index distances, which ranks do not keep: its masks are compared shifted to start at 0.
+    `tokamax`: tokamax's kernels (tokamax_splash.make_kernel) instead of JAX's."""
     order = np.frombuffer(order_bytes, np.int64)
     n, rows = len(order) // kv_blocks, len(order) // q_shards
     q_runs = [runs(order[r * rows:(r + 1) * rows]) for r in range(q_shards)]
     kv_runs = [runs(order[b * n:(b + 1) * n]) for b in range(kv_blocks)]
+    build = tokamax_splash.make_kernel if tokamax else splash.make_kernel
     kernels, table, seen = [], [], {}
     for hop in range(kv_blocks if ring else 1):
         row = []
@@ -210,10 +227,9 @@ def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: in
             key = shifted(*pair) if window else ranked(*pair)
             if key not in seen:  # a hop that sees no key gets make_kernel's empty chunk (splash refuses its mask)
                 seen[key] = len(kernels)
-                kernels.append(splash.make_kernel(expand(key[0]), expand(key[1]), group, block_q, block_kv,
-                                                  save_residuals=ring, interpret=interpret,
-                                                  max_table_entries=max_table_entries, window=window,
-                                                  blocks=blocks))
+                kernels.append(build(expand(key[0]), expand(key[1]), group, block_q, block_kv,
+                                     save_residuals=ring, interpret=interpret,
+                                     max_table_entries=max_table_entries, window=window, blocks=blocks))
             row.append(seen[key])
         table.append(tuple(row))
     return tuple(kernels), tuple(table)
