@@ -288,6 +288,14 @@ def test_remat_auto_keeps_attention_at_10m_within_hbm_and_host():
     assert (config.remat_policy, config.context, config.decoder_layer_input) == ("custom", "offload", "offload")
     assert config.context_parallel_strategy == best.strategy in ("p2p", "usp")
     assert best.host_bytes <= remat.HOST_FRACTION * 112e9 and best.memory_bytes <= 0.9 * 95 * planner.GIB
+    # usp keeps two attention outputs (its ring's and the layer's): 120.31 GiB per chip in the compiled program
+    # with both offloaded, over the host budget, so usp keeps attention only past a budget
+    tokens = 32 * 163840
+    for c in (c for c in plan.ranked if c.strategy == "usp" and c.forwards_per_layer == 1):
+        assert c.dropped
+        if c.placed == "input=offload context=offload":
+            assert c.host_bytes == tokens * (2 * 4096 * 2 + 16 * 4 + 4096 * 2) and "of host memory" in c.dropped
+    assert best.host_bytes == tokens * (4096 * 2 + 16 * 4 + 4096 * 2)
     recipe = next(c for c in planner.plan(load_config(argv + ["context_parallel_strategy=p2p"])).ranked
                   if c.label == "p2p")
     assert recipe.forwards_per_layer == 2 and recipe.recomputed.startswith("attention")

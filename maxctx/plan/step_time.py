@@ -204,9 +204,14 @@ def per_token(config: Config, tp: int) -> dict[str, float]:
     d, h, k, hd, f = (config.base_emb_dim, config.base_num_query_heads // tp, max(1, config.base_num_kv_heads // tp),
                       config.head_dim, config.base_mlp_dim // tp)
     b = ModelShape.from_config(config).itemsize
-    # the ring's log-sum-exp (fp32) goes with the attention output: maxctx.attention.ring names both `context`
+    # The ring's log-sum-exp (fp32) goes with the attention output: maxctx.attention.ring names both `context`.
+    # Under usp the ring's output (heads split over the all-to-all) and the layer's output after the all-to-all
+    # back are two arrays, both named `context`, so a policy that keeps it keeps both: the program compiled for
+    # v5p-128 at 10,485,760 tokens moves 120.31 GiB per chip to the host with context and the layer input
+    # offloaded, 2 x 40.0 + 0.31 + 40.0 (docs/long_context.md); p2p's ring output is the layer's (80.31 GiB).
+    outputs = 2 if strategies.resolve(config.context_parallel_strategy) == "usp" else 1
     widths = {"decoder_layer_input": d, "query_proj": h * hd, "key_proj": k * hd, "value_proj": k * hd,
-              "context": h * hd + 2 * h, "out_proj": d, "mlpwi": 2 * f, "mlpwo": d}
+              "context": outputs * h * hd + 2 * h, "out_proj": d, "mlpwi": 2 * f, "mlpwo": d}
     flops = {"query_proj": 2 * d * h * hd, "key_proj": 2 * d * k * hd, "value_proj": 2 * d * k * hd,
              "out_proj": 2 * h * hd * d, "mlpwi": 4 * d * f, "mlpwo": 2 * f * d}
     return {"bytes": {name: w * b for name, w in widths.items()}, "flops": flops}
