@@ -126,9 +126,11 @@ class _Ranks:
 
     def head_tail(self, start: int, length: int, granule: int) -> bool:
         """Cuts a long document head-tail over every rank where its 2C pieces are at least `granule` tokens, else
-        over as many as pieces of `granule` allow (at least as many as hold it), the ranks with the least work
-        that have room; False where no such ranks have room."""
-        m = min(self.cp, max(-(-length // self.share), length // (2 * granule)))
+        over as many as pieces of `granule` allow, and at least as many as hold it and as keep each one's part of
+        its work within the mean per rank: the ranks with the least work that have room; False where no such
+        ranks have room."""
+        m = min(self.cp, max(-(-length // self.share), length // (2 * granule),
+                             -(-self.work_of(start, length) * self.cp // max(int(self.cumulative[-1]), 1))))
         while True:
             fit = [r for r in np.argsort(self.work, kind="stable") if self.room[r] >= -(-length // m)]
             if len(fit) >= m or m == self.cp:
