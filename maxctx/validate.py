@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import os
 
+from maxctx import storage
 from maxctx.attention import strategies
 from maxctx.config import REMAT_NAMES, Config, ConfigError, choices
 from maxctx.data.registry import DATASETS
@@ -299,19 +300,29 @@ def _check_files(config: Config) -> None:
     if config.tokenizer_path:
         check_tokenizer_path(config.tokenizer_path, config.tokenizer_type)
     folder, fix = dataset.folder
-    if folder and getattr(config, folder) and not os.path.isdir(getattr(config, folder)):
+    if folder and storage.is_remote(getattr(config, folder)):
+        storage.check_input(getattr(config, folder), folder)
+    elif folder and getattr(config, folder) and not os.path.isdir(getattr(config, folder)):
         raise ConfigError(f"{folder}='{getattr(config, folder)}' does not exist (or is not a directory); {fix}")
 
 
 def _check_paths(config: Config) -> None:
-    for key in ("base_output_directory", "load_parameters_path", "load_full_state_path"):
+    """gs:// paths: gcsfs installed, then one probe of each (maxctx.storage): one line for a bucket that is missing,
+    forbidden or unreachable, absent credentials, or an input that does not exist. Other URL schemes are refused."""
+    for key in ("base_output_directory", "load_parameters_path", "load_full_state_path", "grain_train_files",
+                "grain_eval_files", "tokenizer_path", "tfds_data_dir"):
         value = getattr(config, key)
-        if value.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+        if "://" in value and not storage.is_remote(value):
+            raise ConfigError(f"{key}={value}: only local paths and gs:// are read; mount the store (e.g. "
+                              f"s3fs) and point {key} at the mount")
+        if not storage.is_remote(value):
+            continue
+        if not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
             raise ConfigError(f"{key}={value}: gs:// paths need gcsfs (etils.epath's Google Cloud Storage backend), "
                               f"which is not installed; pip install -e '.[gcs]' (scripts/tpu/setup.sh and the "
                               f"Docker images install it)")
-    for key in ("grain_train_files", "grain_eval_files", "tokenizer_path", "tfds_data_dir"):
-        if "://" in getattr(config, key):
-            raise ConfigError(f"{key}={getattr(config, key)}: data and tokenizer files are read from local paths; "
-                              f"mount the bucket (e.g. gcsfuse, docs/tpu.md) and point {key} at the mount")
+        if key == "base_output_directory":
+            storage.check_output(value, key)
+        elif key in ("load_parameters_path", "load_full_state_path"):
+            storage.check_input(value, key)
 
