@@ -84,3 +84,31 @@ def test_bad_input_exits_2_with_one_line(args, message, capsys):
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("launch error: "), err
     assert message in err, err
+
+
+def test_sbatch_script_runs_train_py_in_every_task_through_srun(tmp_path):
+    """scripts/slurm/train.sh with a stand-in srun on PATH that records its arguments: the venv, the image and
+    the plain forms; no arguments: usage and exit 2."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    fake.write_text('#!/usr/bin/env bash\necho "srun $*"\n')
+    fake.chmod(0o755)
+    script = str(Path(__file__).parents[1] / "scripts" / "slurm" / "train.sh")
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path)}
+
+    def srun(**extra: str) -> str:
+        proc = subprocess.run(["bash", script, "configs/base.yml", "steps=3"], env={**env, **extra},
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert srun() == "srun --kill-on-bad-exit=1 python3 train.py configs/base.yml steps=3"
+    assert srun(MAXCTX_VENV="/shared/venv") == \
+        "srun --kill-on-bad-exit=1 /shared/venv/bin/python train.py configs/base.yml steps=3"
+    assert srun(MAXCTX_IMAGE="reg/maxctx:gpu") == ("srun --kill-on-bad-exit=1 --container-image=reg/maxctx:gpu "
+                                                   "--container-workdir=/app python train.py configs/base.yml steps=3")
+    usage = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 2 and usage.stderr.startswith("Usage: sbatch")
