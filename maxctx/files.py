@@ -8,7 +8,12 @@ import glob
 import os
 
 from maxctx import storage
-from maxctx.config import ConfigError
+from maxctx.config import Config, ConfigError
+from maxctx.data.registry import DATASETS
+
+# keys that may name gs:// paths
+REMOTE_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path", "grain_train_files",
+               "grain_eval_files", "tokenizer_path", "tfds_data_dir")
 
 
 def expand_files(pattern: str, key: str) -> list[str]:
@@ -64,3 +69,25 @@ def tfds_local_dir(data_dir: str, dataset_name: str) -> str:
     name = dataset_name.split(":")[0].strip("/")
     local = storage.local_copy(f"{data_dir.rstrip('/')}/{name}")
     return local[: -len(name)].rstrip("/")
+
+
+def check_remote_paths(config: Config) -> None:
+    """Where a run starts, before JAX: every gs:// path of the config probed once (maxctx.storage), so a missing,
+    forbidden or unreachable bucket, absent credentials or a missing input is one line, not a client traceback
+    minutes later. Only the keys this run reads: eval files only with evals, folders only for their dataset."""
+    if storage.is_remote(config.base_output_directory):
+        storage.check_output(config.base_output_directory, "base_output_directory")
+    for key in ("load_parameters_path", "load_full_state_path"):
+        if storage.is_remote(getattr(config, key)):
+            storage.check_input(getattr(config, key), key)
+    dataset = DATASETS[config.dataset_type]
+    if dataset.files:
+        train, evaluate = dataset.split_keys
+        for key in (train, evaluate) if config.eval_interval > 0 else (train,):
+            if storage.is_remote(getattr(config, key)):
+                expand_files(getattr(config, key), key)
+    if storage.is_remote(config.tokenizer_path):
+        check_tokenizer_path(config.tokenizer_path, config.tokenizer_type)
+    folder, _ = dataset.folder
+    if folder and storage.is_remote(getattr(config, folder)):
+        storage.check_input(getattr(config, folder), folder)

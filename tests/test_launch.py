@@ -19,7 +19,7 @@ SCHEMA = json.loads((Path(__file__).parent / "fixtures" / "jobset" / "jobset.x-k
                     .read_text())
 K8S = "1.33.0"
 CONFIG = ["configs/base.yml", "model_name=llama3-8b", "max_target_length=131072", "ici_fsdp_parallelism=8",
-          "ici_context_parallelism=-1", "context_parallel_strategy=p2p", "base_output_directory=outputs"]
+          "ici_context_parallelism=-1", "context_parallel_strategy=p2p", "base_output_directory=gs://bucket/runs"]
 
 
 def validate(manifest: dict) -> None:
