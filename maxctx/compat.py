@@ -50,6 +50,7 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "enable_dropout": ((False, True), ""),  # dropout_rate is 0: no dropout either way
     "opt_type": (("adamw",), "the optimizer is AdamW"),
     "quantization": (("",), "matmuls run in dtype, without quantization"),
+    "use_qwix_quantization": ((False,), "matmuls run in dtype, without quantization"),
     "decoder_block": (("llama2", "mistral"), "the decoder is the Llama/Mistral block"),
     "override_model_config": ((False, True), ""),  # command-line keys always override the preset
     "enable_single_controller": ((False,), "Pathways single-controller mode is not supported"),

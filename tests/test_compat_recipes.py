@@ -22,7 +22,8 @@ RECIPES = {
                                  "profile_periodically_period=-1 compile_topology=v5p-64",
     "dense_with_moe_defaults": "model_name=llama3-8b dataset_type=synthetic sparse_matmul=True megablox=True "
                                "use_custom_sort_vjp=True mu_dtype=float32 allow_split_physical_axes=False "
-                               "use_vertex_tensorboard=false vertex_tensorboard_project= cpu_devices=8",
+                               "use_vertex_tensorboard=false vertex_tensorboard_project= use_qwix_quantization=false "
+                               "cpu_devices=8",
 }
 
 
@@ -39,6 +40,7 @@ def test_recipe_command_lines_load(name):
     ("mu_dtype=bfloat16", "first moment is kept in float32"),
     ("sa_q_layout=SEQ_MAJOR", "HEAD_DIM_MINOR or SEQ_MINOR"),
     ("profile_periodically_period=100", "one profile per run"),
+    ("use_qwix_quantization=true", "without quantization"),
 ])
 def test_recipe_values_maxctx_lacks_are_refused_in_one_line(override, why):
     with pytest.raises(ConfigError) as error:
