@@ -19,6 +19,7 @@ from maxctx.plan.topology import Topology
 ACCELERATORS = {"v4": "tpu-v4-podslice", "v5e": "tpu-v5-lite-podslice", "v5p": "tpu-v5p-slice",
                 "v6e": "tpu-v6e-slice", "tpu7x": "tpu7x"}
 COORDINATOR_PORT = 8080  # the MEGASCALE coordinator's port (XPK's)
+JAX_COORDINATOR_PORT = 8482  # jax.distributed's on TPU pods (jax._src.clusters.cloud_tpu_cluster.coordinator_port)
 
 
 def hosts(topology: Topology) -> tuple[int, int]:
@@ -55,7 +56,8 @@ def jobset(workload: str, topology: Topology, num_slices: int, image: str, confi
            {"name": "JAX_PLATFORMS", "value": "tpu"}]
     container = {"name": "maxctx", "image": image, "imagePullPolicy": "Always", "command": train_args(config_args),
                  "env": env if num_slices > 1 else env[-1:],
-                 "ports": [{"containerPort": 8471}, {"containerPort": COORDINATOR_PORT}, {"containerPort": 8476}],
+                 "ports": [{"containerPort": 8471}, {"containerPort": COORDINATOR_PORT},
+                           {"containerPort": JAX_COORDINATOR_PORT}],
                  "securityContext": {"privileged": True},
                  "resources": {"limits": {"google.com/tpu": chips}}}
     pod = {"metadata": {"labels": {"app": workload}},
