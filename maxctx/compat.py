@@ -50,6 +50,7 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "enable_dropout": ((False, True), ""),  # dropout_rate is 0: no dropout either way
     "opt_type": (("adamw",), "the optimizer is AdamW"),
     "quantization": (("",), "matmuls run in dtype, without quantization"),
+    "use_qwix_quantization": ((False,), "matmuls run in dtype, without quantization"),
     "decoder_block": (("llama2", "mistral"), "the decoder is the Llama/Mistral block"),
     "override_model_config": ((False, True), ""),  # command-line keys always override the preset
     "enable_single_controller": ((False,), "Pathways single-controller mode is not supported"),
@@ -71,6 +72,25 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
         "pipeline", "sequence", "context_autoregressive", "tensor_transpose", "tensor_sequence",
         "expert", "autoregressive", "diloco")},
     "dcn_context_usp_ulysses_parallelism": ((1,), "the all-to-all part of usp stays inside a slice"),
+    # Keys of MaxText's recipes (tpu-recipes, MaxText's benchmarks/): storage, logging, kernels.
+    "checkpoint_storage_use_ocdbt": ((True,), "checkpoints are always stored in Orbax's OCDBT format"),
+    "checkpoint_storage_use_zarr3": ((True, False), ""),  # the arrays' chunk format: either restores the same state
+    "enable_checkpoint_cloud_logger": ((False,), "checkpoint events are not sent to Cloud Logging; they are in the "
+                                                 "run's log and metrics.jsonl"),
+    "use_vertex_tensorboard": ((False,), "events are written to <run_dir>/tensorboard (gs:// too); upload them with "
+                                         "`tb-gcp-uploader --logdir=...` for Vertex AI TensorBoard"),
+    "vertex_tensorboard_project": (("",), "Vertex AI TensorBoard upload is not supported"),
+    "vertex_tensorboard_region": (("",), "Vertex AI TensorBoard upload is not supported"),
+    "allow_split_physical_axes": ((False,), "mesh axes are laid over whole physical axes of the slice"),
+    # splash's operand layouts: where the kernel reads from, not what it computes
+    **{f"sa_{t}_layout": (("HEAD_DIM_MINOR", "SEQ_MINOR"), "the layouts are HEAD_DIM_MINOR or SEQ_MINOR")
+       for t in "qkv"},
+    "profile_periodically_period": ((-1, 0), "one profile per run (profile_start_step, profile_steps)"),
+    "mu_dtype": (("", "float32"), "AdamW's first moment is kept in float32"),
+    "use_max_logit_estimate": ((-1,), "splash's max-logit estimate is not implemented"),
+    # mixture-of-experts kernels: maxctx's models are dense (MaxText's MoE model names are refused), so no effect
+    **{key: ((True, False), "") for key in ("sparse_matmul", "megablox", "use_custom_sort_vjp", "use_tokamax_gmm",
+                                           "use_random_routing")},
 }
 # dataset_type values MaxText has and maxctx does not
 _DATASETS = {"hf": "the HuggingFace datasets pipeline is not supported; convert to ArrayRecord with "

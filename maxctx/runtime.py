@@ -67,6 +67,13 @@ def distributed_settings(config: Config) -> dict | None:
     workers = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     if config.cpu_devices == 0 and not address and "," in workers and not any(c.isspace() for c in workers):
         return {}  # a multi-host TPU slice: JAX finds the coordinator and ids by itself
+    cluster = None if address or num > 1 else detect_cluster()
+    if cluster is not None:
+        if config.cpu_devices == 0:
+            return {}  # a GKE TPU pod or SLURM GPU job: JAX's own detection, as below, at initialize
+        address, num, pid = cluster["coordinator_address"], cluster["num_processes"], cluster["process_id"]
+        print(f"cluster: {cluster['name']}: process {pid} of {num}, slice {cluster['slice_id']} of "
+              f"{cluster['num_slices']}, coordinator {address}", flush=True)
     if not address and num <= 1:
         return None
     if not address or num <= 1 or pid < 0:
@@ -83,6 +90,33 @@ def distributed_settings(config: Config) -> dict | None:
     if config.cpu_devices > 0:
         kwargs["local_device_ids"] = list(range(config.cpu_devices))
     return kwargs
+
+
+def detect_cluster() -> dict | None:
+    """The job's processes as JAX's own cluster detection reads them (jax._src.clusters), for the environments
+    maxctx launches on: a GKE TPU pod (TPU_WORKER_ID and TPU_WORKER_HOSTNAMES or TPU_PROCESS_ADDRESSES set by GKE's
+    TPU webhook; MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID and MEGASCALE_COORDINATOR_ADDRESS set by the JobSet for
+    multi-slice) or a SLURM step (SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_STEP_NODELIST). None elsewhere,
+    or for one process. On TPUs and GPUs JAX itself then initialises from the same variables; with simulated CPU
+    devices (JAX detects no cluster there) maxctx passes these values, so a CPU job sees what a pod would.
+    A port in MEGASCALE_COORDINATOR_ADDRESS (host:port) is kept; otherwise JAX's default port is used."""
+    from jax._src.clusters.cloud_tpu_cluster import GkeTpuCluster
+    from jax._src.clusters.slurm_cluster import SlurmCluster
+
+    if os.environ.get("TPU_WORKER_ID") is not None and GkeTpuCluster._get_worker_host_names_env_var() is not None:
+        name, cls = "GKE TPU pod", GkeTpuCluster
+        given = os.environ.get("MEGASCALE_COORDINATOR_ADDRESS", "")
+        port = given.rpartition(":")[2] if ":" in given else None
+        slices, slice_id = GkeTpuCluster._get_num_slices(), GkeTpuCluster._get_slice_id()
+    elif SlurmCluster.is_env_present():
+        name, cls, port, slices, slice_id = "SLURM", SlurmCluster, None, 1, 0
+    else:
+        return None
+    count = cls.get_process_count()
+    if count <= 1:
+        return None
+    return {"name": name, "coordinator_address": cls.get_coordinator_address(60, port), "num_processes": count,
+            "process_id": cls.get_process_id(), "num_slices": slices, "slice_id": slice_id}
 
 
 def initialize(config: Config) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from maxctx.checkpoint.run_dir import check_writable
 from maxctx.config import Config, ConfigError
+from maxctx.files import check_remote_paths
 from maxctx.loader import load, save_config, usage
 from maxctx.plan.out_of_memory import is_out_of_memory, out_of_memory_advice
 
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
     try:
         config, plan = load(argv)
         check_writable(config)  # the output directory, before JAX starts
+        check_remote_paths(config)  # gs:// buckets and inputs: one line for what is missing or forbidden
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG

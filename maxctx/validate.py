@@ -12,10 +12,11 @@ import dataclasses
 import importlib.util
 import os
 
+from maxctx import storage
 from maxctx.attention import strategies
 from maxctx.config import REMAT_NAMES, Config, ConfigError, choices
 from maxctx.data.registry import DATASETS
-from maxctx.files import check_tokenizer_path, expand_files
+from maxctx.files import REMOTE_KEYS, check_tokenizer_path, expand_files
 from maxctx.parallelism import RING_AXIS, configured_sizes, split_context
 from maxctx.plan import planner
 
@@ -307,25 +308,29 @@ def _check_files(config: Config) -> None:
     dataset = DATASETS[config.dataset_type]
     if dataset.files:
         train, evaluate = dataset.split_keys
-        expand_files(getattr(config, train), train)
-        if config.eval_interval > 0:
-            expand_files(getattr(config, evaluate), evaluate)
-    if config.tokenizer_path:
+        for key in (train, evaluate) if config.eval_interval > 0 else (train,):
+            if not storage.is_remote(getattr(config, key)):
+                expand_files(getattr(config, key), key)
+    if config.tokenizer_path and not storage.is_remote(config.tokenizer_path):
         check_tokenizer_path(config.tokenizer_path, config.tokenizer_type)
     folder, fix = dataset.folder
-    if folder and getattr(config, folder) and not os.path.isdir(getattr(config, folder)):
+    if folder and getattr(config, folder) and not storage.is_remote(getattr(config, folder)) and \
+            not os.path.isdir(getattr(config, folder)):
         raise ConfigError(f"{folder}='{getattr(config, folder)}' does not exist (or is not a directory); {fix}")
 
 
 def _check_paths(config: Config) -> None:
-    for key in ("base_output_directory", "load_parameters_path", "load_full_state_path"):
+    """gs:// paths need gcsfs; other URL schemes are refused. The buckets themselves are probed where a run starts
+    (maxctx.files.check_remote_paths), not here: loading a config needs no network."""
+    for key in REMOTE_KEYS:
         value = getattr(config, key)
-        if value.startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+        if "://" in value and not storage.is_remote(value):
+            raise ConfigError(f"{key}={value}: only local paths and gs:// are read; mount the store (e.g. "
+                              f"s3fs) and point {key} at the mount")
+        if not storage.is_remote(value):
+            continue
+        if not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
             raise ConfigError(f"{key}={value}: gs:// paths need gcsfs (etils.epath's Google Cloud Storage backend), "
                               f"which is not installed; pip install -e '.[gcs]' (scripts/tpu/setup.sh and the "
                               f"Docker images install it)")
-    for key in ("grain_train_files", "grain_eval_files", "tokenizer_path", "tfds_data_dir"):
-        if "://" in getattr(config, key):
-            raise ConfigError(f"{key}={getattr(config, key)}: data and tokenizer files are read from local paths; "
-                              f"mount the bucket (e.g. gcsfuse, docs/tpu.md) and point {key} at the mount")
 

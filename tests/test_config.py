@@ -108,7 +108,7 @@ BAD_CONFIGS = [
     (["load_parameters_path=/a", "load_full_state_path=/b"], "set only one"),
     (["run_name=a/b"], "run_name='a/b'"),
     (["dataset_type=text"], "needs grain_train_files"),
-    (["dataset_type=text", "grain_train_files=gs://b/*.txt"], "point grain_train_files at the mount"),
+    (["dataset_type=text", "grain_train_files=s3://b/*.txt"], "point grain_train_files at the mount"),
     (["steps"], "is not key=value"),
     (["cpu_devices=8", "ici_context_parallelism=8", "context_parallel_strategy=a2a", "base_num_query_heads=6",
       "base_num_kv_heads=2"], "not divisible by the A2A degree 8"),

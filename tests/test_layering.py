@@ -14,14 +14,15 @@ LAYERS = [
     ["maxctx", "maxctx.errors", "maxctx.data.registry", "maxctx.compat", "maxctx.config"],
     # maxctx.model.shape: the model's sizes, parameter counts, FLOPs and bytes per dtype, without JAX, for the
     # FLOPs, the planner and the roofline below the rest of maxctx.model.
-    ["maxctx.parallelism", "maxctx.files", "maxctx.optimizer", "maxctx.metrics", "maxctx.model.shape"],
+    ["maxctx.parallelism", "maxctx.storage", "maxctx.files", "maxctx.optimizer", "maxctx.metrics",
+     "maxctx.model.shape"],
     ["maxctx.attention"],
     ["maxctx.plan", "maxctx.validate", "maxctx.loader"],
     ["maxctx.mesh", "maxctx.runtime"],
     ["maxctx.model", "maxctx.data"],
     ["maxctx.train_step"],
     ["maxctx.checkpoint", "maxctx.evaluate"],
-    ["maxctx.compile", "maxctx.train", "maxctx.convert"],
+    ["maxctx.compile", "maxctx.train", "maxctx.convert", "maxctx.launch"],
 ]
 
 

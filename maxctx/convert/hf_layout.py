@@ -91,26 +91,49 @@ def architecture(hf_config: dict, where: str) -> str:
 
 
 def _rope_keys(hf: dict, where: str) -> dict[str, Any]:
+    """RoPE keys as transformers reads the config (modeling_rope_utils): a missing original_max_position_embeddings
+    falls back to max_position_embeddings (llama3 and yarn alike), and YaRN's attention factor, when not given, is
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are set (DeepSeek's form), otherwise
+    0.1 ln(factor) + 1. The resolved factor is what maxctx keeps (rope_attention_factor) and exports."""
     scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     keys: dict[str, Any] = {"rope_max_timescale": float(theta), "rope_type": kind}
+    original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    if kind in ("llama3", "yarn") and not original:
+        raise ConfigError(f"{where}: rope_scaling type '{kind}' needs original_max_position_embeddings (in "
+                          f"rope_scaling) or max_position_embeddings; add the context length the model was "
+                          f"pretrained at")
     if kind == "llama3":
         keys.update(rope_factor=scaling["factor"], rope_low_freq_factor=scaling["low_freq_factor"],
-                    rope_high_freq_factor=scaling["high_freq_factor"],
-                    original_max_position_embeddings=scaling["original_max_position_embeddings"])
+                    rope_high_freq_factor=scaling["high_freq_factor"], original_max_position_embeddings=original)
     elif kind == "linear":
         keys.update(rope_linear_scaling_factor=scaling["factor"])
     elif kind == "yarn":
-        original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
         keys.update(rope_factor=scaling["factor"], original_max_position_embeddings=original,
                     beta_fast=scaling.get("beta_fast") or 32.0, beta_slow=scaling.get("beta_slow") or 1.0,
                     rope_truncate=scaling.get("truncate", True),
-                    rope_attention_factor=scaling.get("attention_factor") or 0.0)
+                    rope_attention_factor=_yarn_attention_factor(scaling))
     elif kind != "default":
         raise ConfigError(f"{where}: rope_scaling type '{kind}' is not one maxctx has; maxctx has default, linear, "
                           f"llama3 and yarn (maxctx.model.rope)")
     return keys
+
+
+def _yarn_attention_factor(scaling: dict) -> float:
+    """attention_factor as given, or DeepSeek's mscale ratio; 0.0 (maxctx's 'the default 0.1 ln(factor) + 1')
+    otherwise."""
+    if scaling.get("attention_factor"):
+        return float(scaling["attention_factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        return 0.0
+    factor = float(scaling["factor"])
+
+    def get_mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    return get_mscale(float(mscale)) / get_mscale(float(mscale_all_dim))
 
 
 def model_keys(hf: dict, where: str) -> dict[str, Any]:

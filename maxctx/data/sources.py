@@ -22,7 +22,7 @@ import numpy as np
 from maxctx.config import Config, ConfigError
 from maxctx.data import DataError
 from maxctx.data.registry import DATASETS
-from maxctx.files import expand_files
+from maxctx.files import expand_files, local_copies, tfds_local_dir
 
 TOKENS_MAGIC = b"MXTK"
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -90,7 +90,7 @@ class ArrayRecordSource:
 
     @classmethod
     def open(cls, config: Config, key: str) -> ArrayRecordSource:
-        return cls(expand_files(getattr(config, key), key), key)
+        return cls(local_copies(expand_files(getattr(config, key), key)), key)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_source": None}
@@ -132,7 +132,7 @@ class TextSource:
 
     @classmethod
     def open(cls, config: Config, key: str) -> TextSource:
-        return cls(expand_files(getattr(config, key), key), key, config.text_field)
+        return cls(local_copies(expand_files(getattr(config, key), key)), key, config.text_field)
 
     def __len__(self) -> int:
         return len(self.file_ids)
@@ -210,7 +210,8 @@ class TfdsSource:
         if not getattr(config, key):
             raise ConfigError(f"{key} is empty; name a split of dataset_name='{config.dataset_name}'"
                               + (", or set eval_interval=0" if key == "eval_split" else ""))
-        return cls(config.dataset_name, getattr(config, key), config.tfds_data_dir, config.text_field, key)
+        return cls(config.dataset_name, getattr(config, key), tfds_local_dir(config.tfds_data_dir, config.dataset_name),
+                   config.text_field, key)
 
     def __len__(self) -> int:
         return len(self._source)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from maxctx import storage
 from maxctx.config import Config, ConfigError
 from maxctx.data import DataError
 from maxctx.data.synthetic import BOS, EOS
@@ -22,7 +23,7 @@ class Tokenizer:
 
     def __init__(self, path: str, vocab_size: int, tokenizer_type: str = "sentencepiece"):
         check_tokenizer_path(path, tokenizer_type)
-        self.reader = READERS[tokenizer_type](path)
+        self.reader = READERS[tokenizer_type](storage.local_copy(path))
         self.path, self.vocab_size = path, self.reader.vocab_size
         if self.vocab_size > vocab_size:
             raise ConfigError(f"tokenizer_path='{path}' has {self.vocab_size} tokens, more than the model's "

@@ -17,6 +17,7 @@ import json
 import sys
 
 from maxctx.config import ConfigError
+from maxctx.files import check_remote_paths
 from maxctx.loader import load, usage
 
 USAGE = ("Evaluates a checkpoint (load_parameters_path=) without training: loss by position on the eval split and "
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> int:
         if not config.load_parameters_path:
             raise ConfigError("load_parameters_path is empty; give the checkpoint to evaluate (a step directory, a "
                               "run's checkpoints directory, or a converted model's output_path)")
+        check_remote_paths(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,3 @@
+from maxctx.launch.cli import cli
+
+cli()
