@@ -73,8 +73,6 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
         "expert", "autoregressive", "diloco")},
     "dcn_context_usp_ulysses_parallelism": ((1,), "the all-to-all part of usp stays inside a slice"),
     # Keys of MaxText's recipes (tpu-recipes, MaxText's benchmarks/): storage, logging, kernels.
-    "checkpoint_storage_use_ocdbt": ((True,), "checkpoints are always stored in Orbax's OCDBT format"),
-    "checkpoint_storage_use_zarr3": ((True, False), ""),  # the arrays' chunk format: either restores the same state
     "enable_checkpoint_cloud_logger": ((False,), "checkpoint events are not sent to Cloud Logging; they are in the "
                                                  "run's log and metrics.jsonl"),
     "use_vertex_tensorboard": ((False,), "events are written to <run_dir>/tensorboard (gs:// too); upload them with "

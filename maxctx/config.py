@@ -190,6 +190,10 @@ class Config:
     checkpoint_period: int = 100
     max_num_checkpoints_to_keep: int = 3
     checkpoint_failure_policy: CheckpointFailurePolicy = "exit"
+    # Orbax's storage of the state's arrays (MaxText's keys): TensorStore's OCDBT key-value store (one database per
+    # item instead of a directory per array), and the zarr v3 chunk format instead of zarr v2.
+    checkpoint_storage_use_ocdbt: bool = True
+    checkpoint_storage_use_zarr3: bool = False
     load_parameters_path: str = ""
     load_full_state_path: str = ""
     # Metrics, logging and profiling.

@@ -69,6 +69,20 @@ def test_exact_resume_with_context_parallelism(env, reference, tmp_path):
     assert_continues(ref, losses(tmp_path / "split"), first=11)
 
 
+def test_orbax_storage_keys_write_their_format_and_resume_exactly(env, reference, tmp_path):
+    """MaxText's checkpoint_storage_use_zarr3 / _use_ocdbt reach Orbax: zarr v3 arrays, no OCDBT database, and a
+    resume from them continues the straight run bit for bit."""
+    keys = ("checkpoint_storage_use_zarr3=true", "checkpoint_storage_use_ocdbt=false")
+    train(env, tmp_path, "zarr3", "steps=10", *keys)
+    state = tmp_path / "zarr3/checkpoints/10/state"
+    names = {p.name for p in state.rglob("*")}
+    assert "zarr.json" in names and ".zarray" not in names and not any("ocdbt" in n for n in names), sorted(names)
+    assert "manifest.ocdbt" in {p.name for p in (reference / "straight/checkpoints/20/state").rglob("*")}
+    proc = train(env, tmp_path, "zarr3", "steps=20", *keys)
+    assert "resuming from checkpoint step 10" in proc.stdout
+    assert_continues(losses(reference / "straight"), losses(tmp_path / "zarr3"), first=11)
+
+
 def test_kill_during_async_save_resumes_from_last_complete(env, reference, tmp_path):
     proc = subprocess.Popen(command(tmp_path, "killed", "steps=20", script=HOOKED_TRAIN),
                             env={**env, "SLOW_STEP": "15"}, cwd=ROOT, stdout=subprocess.PIPE,

@@ -34,7 +34,6 @@ def test_recipe_command_lines_load(name):
 
 @pytest.mark.parametrize("override,why", [
     ("use_vertex_tensorboard=true", "tb-gcp-uploader"),
-    ("checkpoint_storage_use_ocdbt=false", "OCDBT"),
     ("allow_split_physical_axes=true", "whole physical axes"),
     ("use_max_logit_estimate=30", "max-logit estimate is not implemented"),
     ("mu_dtype=bfloat16", "first moment is kept in float32"),

@@ -127,7 +127,17 @@ def check_step(step_dir: epath.Path, items: tuple[str, ...]) -> str | None:
 
 
 class VerifiedStandardHandler(ocp.StandardCheckpointHandler):
-    """StandardCheckpointHandler that records the integrity of the item once its files are final."""
+    """StandardCheckpointHandler that records the integrity of the item once its files are final. `use_ocdbt` and
+    `use_zarr3`: Orbax's storage options (checkpoint_storage_use_ocdbt / _zarr3); StandardCheckpointHandler takes
+    only the first, so its PyTree handler is made with both."""
+
+    def __init__(self, use_ocdbt: bool = True, use_zarr3: bool = False):
+        super().__init__(use_ocdbt=use_ocdbt)
+        if use_zarr3:
+            if not isinstance(getattr(self, "_impl", None), ocp.PyTreeCheckpointHandler):
+                raise ValueError("checkpoint_storage_use_zarr3=true needs an Orbax whose StandardCheckpointHandler "
+                                 "wraps a PyTreeCheckpointHandler; set checkpoint_storage_use_zarr3=false")
+            self._impl = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=True)
 
     def finalize(self, directory: epath.Path) -> None:
         super().finalize(directory)

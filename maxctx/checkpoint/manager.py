@@ -240,7 +240,8 @@ class Checkpointer:
             create=True, cleanup_tmp_directories=True)
         every_process = ocp.options.MultiprocessingOptions(primary_host=None)  # each process writes its own file
         # Each handler records its files' sizes and checksums just before Orbax commits the step.
-        handlers = {STATE: VerifiedStandardHandler(),
+        handlers = {STATE: VerifiedStandardHandler(self.config.checkpoint_storage_use_ocdbt,
+                                                   self.config.checkpoint_storage_use_zarr3),
                     DATA: VerifiedJsonHandler(filename=data_filename(jax.process_index(), jax.process_count()),
                                               multiprocessing_options=every_process),
                     META: VerifiedJsonHandler()}
