@@ -139,6 +139,11 @@ class VerifiedStandardHandler(ocp.StandardCheckpointHandler):
                                  "wraps a PyTreeCheckpointHandler; set checkpoint_storage_use_zarr3=false")
             self._impl = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=True)
 
+    @classmethod
+    def of(cls, config) -> VerifiedStandardHandler:
+        """The handler for a run config's checkpoint_storage_use_ocdbt / _use_zarr3 (MaxText's keys)."""
+        return cls(config.checkpoint_storage_use_ocdbt, config.checkpoint_storage_use_zarr3)
+
     def finalize(self, directory: epath.Path) -> None:
         super().finalize(directory)
         write_record(directory)

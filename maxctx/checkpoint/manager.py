@@ -240,8 +240,7 @@ class Checkpointer:
             create=True, cleanup_tmp_directories=True)
         every_process = ocp.options.MultiprocessingOptions(primary_host=None)  # each process writes its own file
         # Each handler records its files' sizes and checksums just before Orbax commits the step.
-        handlers = {STATE: VerifiedStandardHandler(self.config.checkpoint_storage_use_ocdbt,
-                                                   self.config.checkpoint_storage_use_zarr3),
+        handlers = {STATE: VerifiedStandardHandler.of(self.config),
                     DATA: VerifiedJsonHandler(filename=data_filename(jax.process_index(), jax.process_count()),
                                               multiprocessing_options=every_process),
                     META: VerifiedJsonHandler()}
