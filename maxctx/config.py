@@ -105,6 +105,8 @@ class Config:
     # Token tiling of the loss and the MLP.
     num_vocab_tiling: int = 1
     mlp_sequence_chunks: int = 1
+    # A layer's attention over this many groups of kv heads (with their query heads), one group at a time.
+    attention_head_chunks: int = 1
     # Attention and context parallelism.
     attention: AttentionKernel = "auto"
     # One of maxctx.attention.strategies (or an alias), checked there: the registry is its one list of names.

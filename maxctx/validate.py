@@ -79,6 +79,7 @@ def check_devices(config: Config, num_devices: int) -> None:
         strategy = strategies.for_config(config)
         strategy.check(config, cp, tp)
         split_context(config, num_devices, strategy.a2a_degree(config, cp))
+    _check_head_chunks(config, tp, strategies.for_config(config).a2a_degree(config, cp) if cp > 1 else 1)
     # splash: asked for, or what auto/flash pick when compiling for a TPU topology
     if config.attention == "splash" or config.attention in ("auto", "flash") and config.compile_topology:
         _check_splash_rows(config, cp)
@@ -210,7 +211,7 @@ def validate(config: Config) -> None:
               "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
               "checkpoint_period", "gradient_accumulation_steps",
               "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale", "num_vocab_tiling",
-              "mlp_sequence_chunks")
+              "mlp_sequence_chunks", "attention_head_chunks")
     if not 0 <= config.learning_rate <= 3.4e38:  # float32's largest finite value: above it the schedule is inf
         raise ConfigError(f"learning_rate={config.learning_rate} must be >= 0 and finite in float32 (<= 3.4e38)")
     if not 0 <= config.warmup_steps_fraction < 1:
@@ -315,3 +316,20 @@ def _check_paths(config: Config) -> None:
             raise ConfigError(f"{key}={getattr(config, key)}: data and tokenizer files are read from local paths; "
                               f"mount the bucket (e.g. gcsfuse, docs/tpu.md) and point {key} at the mount")
 
+
+
+def _check_head_chunks(config: Config, tensor: int, a2a: int) -> None:
+    """attention_head_chunks = N: every group holds K / (T N) whole kv heads of each tensor shard, and its
+    H / (T N) query heads split evenly over the A2A degree U (a2a, usp)."""
+    n = config.attention_head_chunks
+    if n < 1:
+        raise ConfigError(f"attention_head_chunks={n} must be >= 1 (1: all heads at once)")
+    kv, q = config.base_num_kv_heads, config.base_num_query_heads
+    if kv % (tensor * n):
+        raise ConfigError(f"attention_head_chunks={n} x tensor parallelism {tensor} does not divide "
+                          f"base_num_kv_heads={kv}; choose attention_head_chunks dividing {max(1, kv // tensor)}")
+    if (q // (tensor * n)) % a2a:
+        raise ConfigError(f"attention_head_chunks={n}: each group's {q // (tensor * n)} query heads per tensor shard "
+                          f"are not divisible by the A2A degree {a2a} (context_parallel_strategy="
+                          f"{config.context_parallel_strategy}); lower attention_head_chunks to a divisor of "
+                          f"{q // tensor // a2a} or use context_parallel_strategy=p2p")

@@ -15,8 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.config import NAMED_POLICIES
-from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, param
+from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, names_policy, param, remat_names
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
@@ -31,16 +30,7 @@ def remat_policy(cfg: ModelConfig):
         return None
     if cfg.remat_policy == "full":
         return jax.checkpoint_policies.nothing_saveable
-    if cfg.remat_policy == "custom":
-        saved = [name for name, where in cfg.remat_custom if where == "device"]
-        offloaded = [name for name, where in cfg.remat_custom if where == "offload"]
-    else:
-        saved, offloaded = NAMED_POLICIES[cfg.remat_policy]
-    if not offloaded:
-        return jax.checkpoint_policies.save_only_these_names(*saved)
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded, offload_src="device",
-        offload_dst="pinned_host")
+    return names_policy(*remat_names(cfg))
 
 
 class Decoder(nnx.Module):
