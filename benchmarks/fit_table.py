@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "fit_table.jsonl")
 TABLE = os.path.join(ROOT, "benchmarks", "fit_table.md")
 FIRST_TABLE = os.path.join(ROOT, "benchmarks", "fit_table_c16.md")
+KEYS_RESULTS = os.path.join(ROOT, "benchmarks", "fit_table_keys.jsonl")  # compiles of --keys, one a line
 GIB = 1024 ** 3
 
 ROWS = {("llama3-8b", "v5p-128"): 64, ("llama3-8b", "v6e-256"): 256, ("llama3.1-70b", "v5p-512"): 256}
@@ -105,8 +106,8 @@ def estimate(cmd: list[str]) -> str:
     return f"{est.step_s:.0f} s, {est.model_flops / est.step_s / hw.peak_flops:.0%}"
 
 
-def categorise(dims: list[int], model: str) -> str:
-    d, f, v, layers, e = SHAPES[model]
+def categorise(dims: list[int], model: str | list[int]) -> str:
+    d, f, v, layers, e = SHAPES[model] if isinstance(model, str) else model
     if v in dims:  # a [D, V] weight or its gradient; else logits of a chunk (whose token count may equal D)
         return "output head" if sorted(dims) == sorted((d, v)) else "logits"
     if dims and dims[-1] == e:  # [..., heads, head dim]: q, k, v, out and the kernels' blocks (whose count may equal F)
@@ -152,13 +153,18 @@ def breakdown(probe: dict) -> dict:
         return probe.get("breakdown") or {}
     totals = dict.fromkeys(BREAKDOWN, 0.0)
     for size, dims in probe["buffers"]:
-        totals[categorise(dims, probe["model"])] += size
+        totals[categorise(dims, probe.get("shape") or probe["model"])] += size
     return {k: round(v, 2) for k, v in totals.items() if v >= 0.005}
 
 
 def run_probe(model: str, topology: str, strategy: str, offload: bool, seq: int, time_limit_s: float,
               kernel: str = "blockwise") -> dict:
-    cmd = command(model, topology, strategy, offload, seq, kernel)
+    return run_command(command(model, topology, strategy, offload, seq, kernel), time_limit_s)
+
+
+def run_command(cmd: list[str], time_limit_s: float) -> dict:
+    """Compiles one `python -m maxctx.compile ...` command with XLA's memory-usage report dumped: its status,
+    JSON report and buffers."""
     with tempfile.TemporaryDirectory() as dump:
         env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
         env.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
@@ -359,6 +365,20 @@ def write_table(results: dict) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def compile_keys(keys: list[str], time_limit_s: float) -> dict:
+    """One compile of `python -m maxctx.compile configs/base.yml <keys>` (any keys: head chunks, host optimizer,
+    MaxText's record shapes), recorded in KEYS_RESULTS with its breakdown (GiB per category)."""
+    cmd = ["python", "-m", "maxctx.compile", "configs/base.yml", *keys]
+    config = _config(cmd)
+    shape = [config.base_emb_dim, config.base_mlp_dim, config.vocab_size, config.base_num_decoder_layers,
+             config.head_dim]
+    result = {"keys": keys, "shape": shape, "model": config.model_name, **run_command(cmd, time_limit_s)}
+    result["breakdown"] = breakdown(result) if "buffers" in result else {}
+    with open(KEYS_RESULTS, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated model/topology pairs, e.g. llama3-8b/v5p-128")
@@ -369,7 +389,19 @@ def main() -> None:
     parser.add_argument("--splash-check", action="store_true", help="compile each row's maximum with splash")
     parser.add_argument("--splash-again", action="store_true",
                         help="with --splash-check: compile it again even where the results have it (after a change)")
+    parser.add_argument("--keys", nargs="+", help="compile configs/base.yml with these key=value overrides once, "
+                        "print its report and breakdown and append them to fit_table_keys.jsonl")
     args = parser.parse_args()
+    if args.keys:
+        result = compile_keys(args.keys, args.time_limit_s)
+        report = result.get("report") or {}
+        print(json.dumps({k: result[k] for k in ("status", "wall_s", "breakdown") if k in result}
+                         | {k: round(report[k] / GIB, 2) for k in ("total_size_in_bytes", "hbm_bytes_per_device",
+                                                                  "host_temp_size_in_bytes") if k in report}
+                         | {k: report[k] for k in ("fits", "compile_time_s", "attention_forwards_per_layer",
+                                                   "xla_error") if k in report}
+                         | ({"error": result["error"]} if "error" in result else {})))
+        return
     results = load_results()
     if not args.table_only:
         for row in rows(args):

@@ -149,6 +149,10 @@ class Config:
     adam_eps: float = 1e-8
     adam_weight_decay: float = 0.1
     gradient_clipping_threshold: float = 1.0
+    # MaxText's keys: the optimizer state (Adam's moments) / the parameters (fp32 master weights) live in pinned
+    # host memory between steps and are brought to the device for the step (maxctx.train_step).
+    optimizer_memory_host_offload: bool = False
+    parameter_memory_host_offload: bool = False
     skip_nonfinite_steps: bool = False
     # Data.
     dataset_type: DatasetType = "synthetic"
