@@ -40,6 +40,8 @@ class Chip:
     dcn_bytes_per_s: float = 0.0  # one direction, per chip, when Google's page gives it (0: the planner's default)
     # maxctx's default scoped VMEM limit for kernels (tpu_scoped_vmem_limit_kib=-1); 0: libtpu's own default
     scoped_vmem_kib: int = 0
+    # host DRAM per chip: the TPU VM's memory / its chips (GB = 1e9 bytes, the lower reading); 0: no sourced figure
+    host_bytes: int = 0
 
     @property
     def dcn_bytes_per_s_or_default(self) -> float:
@@ -56,20 +58,28 @@ DCN_DEFAULT_BYTES_PER_S = 12.5e9
 CHIPS: dict[str, Chip] = {
     "v4": Chip("TPU v4", "v4", "TPU v4", 3, True, 1, True, 32 * GIB, 1200e9, 540e9,
                "https://cloud.google.com/tpu/docs/v4 (32 GiB, 1200 GBps HBM2); ICI: 6 links x 45 GB/s each way, "
-               "https://jax-ml.github.io/scaling-book/tpus/"),
+               "https://jax-ml.github.io/scaling-book/tpus/; host memory of ct4p-hightpu-4t VMs: no figure found on "
+               "Google's pages (host_bytes 0 = unknown)"),
     "v5e": Chip("TPU v5e", "v5e", "TPU v5 lite", 2, False, 1, False, 16 * GIB, 819e9, 400e9,
                 "https://cloud.google.com/tpu/docs/v5e (16 GB, 819 GBps HBM2; 400 GBps bidirectional ICI; DCN: "
-                "2 x 100 Gbps NICs per host of 8 chips, 25 Gbps per chip)", 25e9 / 8),
+                "2 x 100 Gbps NICs per host of 8 chips, 25 Gbps per chip); host: ct5lp-hightpu-4t is 4 chips and "
+                "192 GB (https://cloud.google.com/kubernetes-engine/docs/concepts/tpus#v5e)", 25e9 / 8,
+                host_bytes=192 * 10**9 // 4),
     "v5p": Chip("TPU v5p", "v5p", "TPU v5", 3, True, 1, True, 95 * GIB, 2765e9, 1200e9,
                 "https://cloud.google.com/tpu/docs/v5p (95 GiB, 2765 GBps HBM2e; 1200 GBps bidirectional ICI; DCN "
                 "50 Gbps per chip); scoped VMEM: MaxText's v5p recipes' --xla_tpu_scoped_vmem_limit_kib=65472, the "
-                "63.94M of VMEM libtpu reports", 50e9 / 8, scoped_vmem_kib=65472),
+                "63.94M of VMEM libtpu reports; host: a ct5p-hightpu-4t VM is 4 chips and 448 GB RAM, "
+                "https://cloud.google.com/tpu/docs/v5p and https://cloud.google.com/tpu/docs/tpu7x (4-chip VM table)",
+                50e9 / 8, scoped_vmem_kib=65472, host_bytes=448 * 10**9 // 4),
     "v6e": Chip("TPU v6e", "v6e", "TPU v6 lite", 2, False, 1, False, 32 * GIB, 1640e9, 800e9,
-                "https://cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps HBM; 800 GBps bidirectional ICI)"),
+                "https://cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps HBM; 800 GBps bidirectional ICI); host: "
+                "ct6e-standard-4t is 4 chips and 720 GB RAM (https://cloud.google.com/tpu/docs/tpu7x 4-chip VM table; "
+                "v6e page: 1536 GiB DRAM per 8-chip host)", host_bytes=720 * 10**9 // 4),
     "tpu7x": Chip("TPU7x (Ironwood)", "tpu7x", "TPU7x", 3, True, 2, False, 192 * GIB, 7380e9, 1200e9,
                   "https://cloud.google.com/tpu/docs/tpu7x (192 GiB, 7380 GBps HBM; 1200 GBps bidirectional ICI); "
                   "scoped VMEM: the 64.00M of VMEM per TensorCore libtpu 0.0.42.1 reports (docs/long_context.md; "
-                  "its own limit is 32 MiB; 65472 KiB as on v5p)", scoped_vmem_kib=65472),
+                  "its own limit is 32 MiB; 65472 KiB as on v5p); host: a 4-chip tpu7x VM has 960 GB RAM "
+                  "(https://cloud.google.com/tpu/docs/tpu7x)", scoped_vmem_kib=65472, host_bytes=960 * 10**9 // 4),
 }
 ALIASES = {"v5litepod": "v5e", "v5": "v5p", "v7x": "tpu7x"}
 
