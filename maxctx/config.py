@@ -95,6 +95,9 @@ class Config:
     use_iota_embed: bool = False
     # remat_policy=custom: where each of REMAT_NAMES goes.
     decoder_layer_input: RematPlace = "device"
+    # With decoder_layer_input=offload: the first this many layers send their input to the host, the rest keep it
+    # on the device (-1: every layer); for when the host cannot hold them all.
+    decoder_layer_input_host_layers: int = -1
     query_proj: RematPlace = "remat"
     key_proj: RematPlace = "remat"
     value_proj: RematPlace = "remat"

@@ -13,7 +13,7 @@ import importlib.util
 import os
 
 from maxctx.attention import strategies
-from maxctx.config import REMAT_NAMES, Config, ConfigError, choices
+from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, layer_windows
 from maxctx.data.registry import DATASETS
 from maxctx.files import check_tokenizer_path, expand_files
 from maxctx.parallelism import RING_AXIS, configured_sizes, split_context
@@ -224,6 +224,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
     _check_rope(config)
     _check_window(config)
+    _check_host_layers(config)
     for key in SPLASH_BLOCK_KEYS:
         if getattr(config, key) % 128:
             raise ConfigError(f"{key}={getattr(config, key)} must be a multiple of 128 (splash's lane width), or 0 "
@@ -333,3 +334,11 @@ def _check_head_chunks(config: Config, tensor: int, a2a: int) -> None:
                           f"are not divisible by the A2A degree {a2a} (context_parallel_strategy="
                           f"{config.context_parallel_strategy}); lower attention_head_chunks to a divisor of "
                           f"{q // tensor // a2a} or use context_parallel_strategy=p2p")
+
+
+def _check_host_layers(config: Config) -> None:
+    k, layers = config.decoder_layer_input_host_layers, config.base_num_decoder_layers
+    period = len(layer_windows(config))
+    if not (k == -1 or 0 <= k <= layers and k % period == 0):
+        raise ConfigError(f"decoder_layer_input_host_layers={k} must be -1 (every layer) or a multiple of the "
+                          f"attention layer pattern's period {period} from 0 to base_num_decoder_layers={layers}")

@@ -9,6 +9,8 @@ Activations between layers are laid out x[B_(data,fsdp), S_(context,context_a2a)
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -99,7 +101,7 @@ class Decoder(nnx.Module):
         windows = cfg.layer_windows
         period = len(windows)
 
-        def make_layer_fn(window: int):
+        def make_layer_fn(window: int, cfg: ModelConfig):
             def layer_fn(x_BSD, layer_state):
                 layer = nnx.merge(graphdef, layer_state)
                 x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
@@ -109,19 +111,33 @@ class Decoder(nnx.Module):
                 return jax.checkpoint(layer_fn, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
             return layer_fn
 
-        layer_fns = [make_layer_fn(w) for w in windows]
+        # Layers [0, host) run under the policy as given; with decoder_layer_input=offload and host_input_layers
+        # = k < L, layers [k, L) keep their input on the device instead (two scans).
+        host = cfg.num_layers if cfg.host_input_layers < 0 else cfg.host_input_layers
+        kept = dict(cfg.remat_custom, decoder_layer_input="device")
+        cfg_kept = dataclasses.replace(cfg, remat_custom=tuple(kept.items()))
+        layer_fns = [make_layer_fn(w, cfg) for w in windows]
+        kept_fns = [make_layer_fn(w, cfg_kept) for w in windows] if host < cfg.num_layers else layer_fns
         if cfg.scan_layers:
             groups = jax.tree.map(lambda a: a.reshape(cfg.num_layers // period, period, *a.shape[1:]), stacked)
 
-            def group_fn(carry, group_state):
-                for j, fn in enumerate(layer_fns):
-                    carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
-                return carry, None
+            def scan(fns, x, part):
+                def group_fn(carry, group_state):
+                    for j, fn in enumerate(fns):
+                        carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
+                    return carry, None
 
-            x, _ = jax.lax.scan(group_fn, x, groups)
+                return jax.lax.scan(group_fn, x, part)[0]
+
+            split = host // period
+            if split > 0:
+                x = scan(layer_fns, x, jax.tree.map(lambda a: a[:split], groups))
+            if split < cfg.num_layers // period:
+                x = scan(kept_fns, x, jax.tree.map(lambda a: a[split:], groups))
         else:
             for i in range(cfg.num_layers):
-                x = layer_fns[i % period](x, jax.tree.map(lambda a, i=i: a[i], stacked))
+                fns = layer_fns if i < host else kept_fns
+                x = fns[i % period](x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return self.final_norm(x)
 
 

@@ -35,6 +35,8 @@ class ModelConfig(ModelShape):
     remat_policy: str = Config.remat_policy
     # remat_policy=custom: (name, "remat" | "device" | "offload") for each of REMAT_NAMES.
     remat_custom: tuple[tuple[str, str], ...] = ()
+    # decoder_layer_input=offload: the first this many layers offload their input, the rest keep it (-1: all).
+    host_input_layers: int = Config.decoder_layer_input_host_layers
     scan_layers: bool = Config.scan_layers
     use_iota_embed: bool = Config.use_iota_embed
     num_vocab_tiling: int = Config.num_vocab_tiling
@@ -54,6 +56,7 @@ class ModelConfig(ModelShape):
             rope=RopeSpec.from_config(config), norm_eps=config.normalization_layer_epsilon,
             remat_policy=config.remat_policy, scan_layers=config.scan_layers, use_iota_embed=config.use_iota_embed,
             remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
+            host_input_layers=config.decoder_layer_input_host_layers,
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
             attention_head_chunks=config.attention_head_chunks,
             attention=AttentionSpec.from_config(config), layer_windows=layer_windows(config),
