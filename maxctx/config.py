@@ -98,6 +98,8 @@ class Config:
     # With decoder_layer_input=offload: the first this many layers send their input to the host, the rest keep it
     # on the device (-1: every layer); for when the host cannot hold them all.
     decoder_layer_input_host_layers: int = -1
+    # Keep (per decoder_layer_input) only every N-th layer's input; the backward recomputes the N - 1 between.
+    decoder_layer_input_stride: int = 1
     query_proj: RematPlace = "remat"
     key_proj: RematPlace = "remat"
     value_proj: RematPlace = "remat"

@@ -342,3 +342,11 @@ def _check_host_layers(config: Config) -> None:
     if not (k == -1 or 0 <= k <= layers and k % period == 0):
         raise ConfigError(f"decoder_layer_input_host_layers={k} must be -1 (every layer) or a multiple of the "
                           f"attention layer pattern's period {period} from 0 to base_num_decoder_layers={layers}")
+    n = config.decoder_layer_input_stride
+    if n < 1 or layers % (n * period):
+        raise ConfigError(f"decoder_layer_input_stride={n} x the attention layer pattern's period {period} must "
+                          f"divide base_num_decoder_layers={layers}; choose a divisor of {layers // period}")
+    if n > 1 and (not config.scan_layers or config.remat_policy == "none" or k != -1):
+        raise ConfigError(f"decoder_layer_input_stride={n} needs scan_layers=true, a remat_policy other than none "
+                          f"and decoder_layer_input_host_layers=-1 (got {config.scan_layers}, "
+                          f"{config.remat_policy}, {k}); set decoder_layer_input_stride=1 or change those")

@@ -112,12 +112,16 @@ class Decoder(nnx.Module):
             return layer_fn
 
         # Layers [0, host) run under the policy as given; with decoder_layer_input=offload and host_input_layers
-        # = k < L, layers [k, L) keep their input on the device instead (two scans).
+        # = k < L, layers [k, L) keep their input on the device instead (two scans). With layer_input_stride = N > 1
+        # each run of N periods is rematerialised as one: the policy keeps (or offloads) only the input of the run,
+        # and the backward recomputes the run's layers once more to get the others (kept on the device while their
+        # own backward runs): L / N saved inputs instead of L, one more forward of every layer.
         host = cfg.num_layers if cfg.host_input_layers < 0 else cfg.host_input_layers
         kept = dict(cfg.remat_custom, decoder_layer_input="device")
         cfg_kept = dataclasses.replace(cfg, remat_custom=tuple(kept.items()))
         layer_fns = [make_layer_fn(w, cfg) for w in windows]
-        kept_fns = [make_layer_fn(w, cfg_kept) for w in windows] if host < cfg.num_layers else layer_fns
+        kept_fns = ([make_layer_fn(w, cfg_kept) for w in windows] if host < cfg.num_layers or cfg.layer_input_stride > 1
+                    else layer_fns)
         if cfg.scan_layers:
             groups = jax.tree.map(lambda a: a.reshape(cfg.num_layers // period, period, *a.shape[1:]), stacked)
 
@@ -129,6 +133,15 @@ class Decoder(nnx.Module):
 
                 return jax.lax.scan(group_fn, x, part)[0]
 
+            stride = cfg.layer_input_stride
+            if stride > 1:  # one remat per `stride` periods: only its input is kept (or offloaded)
+                def stride_fn(carry, stride_state):
+                    carry = checkpoint_name(carry, "decoder_layer_input")
+                    return scan(kept_fns, carry, stride_state), None
+
+                strides = jax.tree.map(lambda a: a.reshape(a.shape[0] // stride, stride, *a.shape[1:]), groups)
+                stride_fn = jax.checkpoint(stride_fn, policy=remat_policy(cfg), prevent_cse=False)
+                return self.final_norm(jax.lax.scan(stride_fn, x, strides)[0])
             split = host // period
             if split > 0:
                 x = scan(layer_fns, x, jax.tree.map(lambda a: a[:split], groups))

@@ -37,6 +37,7 @@ class ModelConfig(ModelShape):
     remat_custom: tuple[tuple[str, str], ...] = ()
     # decoder_layer_input=offload: the first this many layers offload their input, the rest keep it (-1: all).
     host_input_layers: int = Config.decoder_layer_input_host_layers
+    layer_input_stride: int = Config.decoder_layer_input_stride  # only every N-th layer's input is kept
     scan_layers: bool = Config.scan_layers
     use_iota_embed: bool = Config.use_iota_embed
     num_vocab_tiling: int = Config.num_vocab_tiling
@@ -57,6 +58,7 @@ class ModelConfig(ModelShape):
             remat_policy=config.remat_policy, scan_layers=config.scan_layers, use_iota_embed=config.use_iota_embed,
             remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
             host_input_layers=config.decoder_layer_input_host_layers,
+            layer_input_stride=config.decoder_layer_input_stride,
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
             attention_head_chunks=config.attention_head_chunks,
             attention=AttentionSpec.from_config(config), layer_windows=layer_windows(config),
