@@ -358,11 +358,50 @@ def write_table(results: dict) -> None:
         if parts:
             cells = " | ".join(f"{parts.get(k, 0):.1f}" for k in BREAKDOWN)
             lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {'on' if row[3] else 'off'} | {top['seq']:,} | {cells} |")
+    lines += keys_table()
     if os.path.exists(FIRST_TABLE):
         with open(FIRST_TABLE) as f:
             lines += ["", "#" + f.read()]
     with open(TABLE, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def keys_table() -> list[str]:
+    """The table of single compiles (`--keys`, fit_table_keys.jsonl): head chunks, host offload, MaxText's record
+    shapes. Host: pinned host memory per chip, against the topology VM's RAM per chip (maxctx.plan.topology's
+    sourced Chip.host_bytes); a row over it does not fit."""
+    if not os.path.exists(KEYS_RESULTS):
+        return []
+    from maxctx.plan import topology
+
+    lines = ["", "Single compiles (`python3 benchmarks/fit_table.py --keys <key=value ...>`, each `python -m "
+             "maxctx.compile configs/base.yml <keys>`; host: pinned host memory per chip / the VM's "
+             "RAM per chip; attention: the breakdown's attention category, GiB of buffers):", "",
+             "| keys | status | HBM per device (GiB) | host per chip | attention forwards per layer | attention | "
+             "activations | compile |", "|---|---|---|---|---|---|---|---|"]
+    with open(KEYS_RESULTS) as f:
+        for line in f:
+            r = json.loads(line)
+            report = r.get("report") or {}
+            keys = " ".join(r["keys"])
+            if not report:
+                lines.append(f"| `{keys}` | {r['status']}: {_short(r.get('error', ''))} | - | - | - | - | - | "
+                             f"{r.get('wall_s', 0):.0f} s |")
+                continue
+            chip = topology.parse(_config(["python", "-m", "maxctx.compile", "configs/base.yml", *r["keys"]])
+                                  .compile_topology).chip
+            host = report.get("host_temp_size_in_bytes", 0) * chip.devices_per_chip
+            host_fits = chip.host_bytes and host <= chip.host_bytes
+            status = "fits" if report["fits"] and host_fits else (
+                "over HBM" if not report["fits"] else "over the host")
+            per_layer = report.get("attention_forwards_per_layer")
+            parts = breakdown(r)
+            lines.append(
+                f"| `{keys}` | {status} | {report['total_size_in_bytes'] / GIB:.2f} / "
+                f"{report['hbm_bytes_per_device'] / GIB:.0f} | {host / GIB:.2f} / {chip.host_bytes / GIB:.1f} | "
+                f"{'-' if per_layer is None else f'{per_layer:.2f}'} | {parts.get('attention', 0):.1f} | "
+                f"{parts.get('activations', 0):.1f} | {r['wall_s']:.0f} s |")
+    return lines
 
 
 def compile_keys(keys: list[str], time_limit_s: float) -> dict:
