@@ -111,10 +111,13 @@ class Attention(nnx.Module):
     the group's output projection. Each group is rematerialised keeping only its attention output (`context`;
     under p2p and usp that is the ring's out and log-sum-exp, so the backward does not run the ring's forward
     again), so q, k, v, the kernels' fp32 blocks and the ring's accumulators exist for one group at a time, in
-    the forward and in the backward. Exact (the output is a sum over heads); the strategy moves the same bytes,
-    in N times as many messages of 1 / N the size (except a2a/usp when K / N kv heads must be repeated for the
-    all-to-all and K did not: see maxctx.attention.a2a). With tensor parallelism T, group g takes heads
-    g H/(TN) .. (g+1) H/(TN) - 1 of every tensor shard, so each device still computes only its own heads."""
+    the forward and in the backward. Exact (the output is a sum over heads). The strategy moves the same K/V
+    bytes in N times as many messages of 1 / N the size; what moves more (tests/test_head_chunks.py): the int32
+    positions and segment ids (up to N times), a2a/usp's all-to-all of q, k, v (once more: the group's backward
+    recomputes them), a2a/usp's kv heads where K / N must be repeated for the all-to-all and K need not
+    (maxctx.attention.a2a), and under tensor parallelism the output projection's all-reduce (once per group).
+    With tensor parallelism T, group g takes heads g H/(TN) .. (g+1) H/(TN) - 1 of every tensor shard, so each
+    device still computes only its own heads."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
         d, h, k, e, wd = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
