@@ -101,10 +101,11 @@ class Decoder(nnx.Module):
         windows = cfg.layer_windows
         period = len(windows)
 
-        def make_layer_fn(window: int, cfg: ModelConfig):
+        def make_layer_fn(window: int, cfg: ModelConfig, tag: bool = True):
             def layer_fn(x_BSD, layer_state):
                 layer = nnx.merge(graphdef, layer_state)
-                x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
+                if tag:  # untagged inside a strided run: its policy would keep every layer's input (module doc)
+                    x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
                 return self._constrain(layer(x_BSD, positions_BS, segment_ids_BS, window))
 
             if cfg.remat_policy != "none":
@@ -120,8 +121,8 @@ class Decoder(nnx.Module):
         kept = dict(cfg.remat_custom, decoder_layer_input="device")
         cfg_kept = dataclasses.replace(cfg, remat_custom=tuple(kept.items()))
         layer_fns = [make_layer_fn(w, cfg) for w in windows]
-        kept_fns = ([make_layer_fn(w, cfg_kept) for w in windows] if host < cfg.num_layers or cfg.layer_input_stride > 1
-                    else layer_fns)
+        kept_fns = [make_layer_fn(w, cfg_kept) for w in windows] if host < cfg.num_layers else layer_fns
+        strided_fns = [make_layer_fn(w, cfg_kept, tag=False) for w in windows]
         if cfg.scan_layers:
             groups = jax.tree.map(lambda a: a.reshape(cfg.num_layers // period, period, *a.shape[1:]), stacked)
 
@@ -137,7 +138,7 @@ class Decoder(nnx.Module):
             if stride > 1:  # one remat per `stride` periods: only its input is kept (or offloaded)
                 def stride_fn(carry, stride_state):
                     carry = checkpoint_name(carry, "decoder_layer_input")
-                    return scan(kept_fns, carry, stride_state), None
+                    return scan(strided_fns, carry, stride_state), None
 
                 strides = jax.tree.map(lambda a: a.reshape(a.shape[0] // stride, stride, *a.shape[1:]), groups)
                 stride_fn = jax.checkpoint(stride_fn, policy=remat_policy(cfg), prevent_cse=False)
