@@ -384,8 +384,10 @@ def keys_table() -> list[str]:
             r = json.loads(line)
             report = r.get("report") or {}
             keys = " ".join(r["keys"])
-            if not report:
-                lines.append(f"| `{keys}` | {r['status']}: {_short(r.get('error', ''))} | - | - | - | - | - | "
+            if "total_size_in_bytes" not in report:  # an error, or XLA's own out-of-memory before any analysis
+                r.setdefault("error", report.get("xla_error", ""))
+                error = _short(r.get("error", "")).replace("|", "/")
+                lines.append(f"| `{keys}` | {r['status']}: {error} | - | - | - | - | - | "
                              f"{r.get('wall_s', 0):.0f} s |")
                 continue
             chip = topology.parse(_config(["python", "-m", "maxctx.compile", "configs/base.yml", *r["keys"]])
