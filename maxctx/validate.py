@@ -80,6 +80,7 @@ def check_devices(config: Config, num_devices: int) -> None:
         strategy.check(config, cp, tp)
         split_context(config, num_devices, strategy.a2a_degree(config, cp))
     _check_head_chunks(config, tp, strategies.for_config(config).a2a_degree(config, cp) if cp > 1 else 1)
+    _check_host_layers(config)
     # splash: asked for, or what auto/flash pick when compiling for a TPU topology
     if config.attention == "splash" or config.attention in ("auto", "flash") and config.compile_topology:
         _check_splash_rows(config, cp)
@@ -224,7 +225,6 @@ def validate(config: Config) -> None:
         raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
     _check_rope(config)
     _check_window(config)
-    _check_host_layers(config)
     for key in SPLASH_BLOCK_KEYS:
         if getattr(config, key) % 128:
             raise ConfigError(f"{key}={getattr(config, key)} must be a multiple of 128 (splash's lane width), or 0 "

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
+from maxctx.config import ConfigError
 from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
 from maxctx.train_step import init_state, jit_train_step, make_setup
+from maxctx.validate import check_devices
 from tests.test_tiling import packed_batches
 
 SMALL = ["dtype=float32", "attention=flash", "flash_block_q=16", "flash_block_kv=16", "ici_context_parallelism=4",
@@ -56,3 +59,13 @@ def test_layer_inputs_split_or_strided_give_the_same_gradients():
     everything = loss_and_grads(*keys)
     assert_same(everything, loss_and_grads(*keys, "decoder_layer_input_host_layers=1"))
     assert_same(everything, loss_and_grads(*keys, "decoder_layer_input_stride=2"))
+
+
+@pytest.mark.parametrize("keys,message", [
+    (["decoder_layer_input_host_layers=3"], "decoder_layer_input_host_layers=3 must be -1"),
+    (["decoder_layer_input_stride=3"], "decoder_layer_input_stride=3 x the attention layer pattern's period 1"),
+    (["decoder_layer_input_stride=2", "decoder_layer_input_host_layers=1"], "needs scan_layers=true"),
+])
+def test_bad_layer_input_keys_are_refused_with_the_fix(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        check_devices(load_config(["configs/base.yml", *SMALL, *keys]), 8)

@@ -126,33 +126,39 @@ class Decoder(nnx.Module):
         if cfg.scan_layers:
             groups = jax.tree.map(lambda a: a.reshape(cfg.num_layers // period, period, *a.shape[1:]), stacked)
 
-            def scan(fns, x, part):
-                def group_fn(carry, group_state):
-                    for j, fn in enumerate(fns):
-                        carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
-                    return carry, None
-
-                return jax.lax.scan(group_fn, x, part)[0]
-
-            stride = cfg.layer_input_stride
-            if stride > 1:  # one remat per `stride` periods: only its input is kept (or offloaded)
-                def stride_fn(carry, stride_state):
-                    carry = checkpoint_name(carry, "decoder_layer_input")
-                    return scan(strided_fns, carry, stride_state), None
-
-                strides = jax.tree.map(lambda a: a.reshape(a.shape[0] // stride, stride, *a.shape[1:]), groups)
-                stride_fn = jax.checkpoint(stride_fn, policy=remat_policy(cfg), prevent_cse=False)
-                return self.final_norm(jax.lax.scan(stride_fn, x, strides)[0])
+            if cfg.layer_input_stride > 1:
+                return self.final_norm(_strided_scan(strided_fns, x, groups, cfg.layer_input_stride,
+                                                     remat_policy(cfg)))
             split = host // period
             if split > 0:
-                x = scan(layer_fns, x, jax.tree.map(lambda a: a[:split], groups))
+                x = _scan(layer_fns, x, jax.tree.map(lambda a: a[:split], groups))
             if split < cfg.num_layers // period:
-                x = scan(kept_fns, x, jax.tree.map(lambda a: a[split:], groups))
+                x = _scan(kept_fns, x, jax.tree.map(lambda a: a[split:], groups))
         else:
             for i in range(cfg.num_layers):
                 fns = layer_fns if i < host else kept_fns
                 x = fns[i % period](x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return self.final_norm(x)
+
+
+def _scan(fns, x_BSD, groups):
+    """x through the stacked periods `groups` (leading axis: periods), each period's layers `fns` in order."""
+    def group_fn(carry, group_state):
+        for j, fn in enumerate(fns):
+            carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
+        return carry, None
+
+    return jax.lax.scan(group_fn, x_BSD, groups)[0]
+
+
+def _strided_scan(fns, x_BSD, groups, stride: int, policy):
+    """`_scan` with each run of `stride` periods rematerialised as one under `policy`: only a run's input is kept
+    (or offloaded) as decoder_layer_input."""
+    def stride_fn(carry, stride_state):
+        return _scan(fns, checkpoint_name(carry, "decoder_layer_input"), stride_state), None
+
+    strides = jax.tree.map(lambda a: a.reshape(a.shape[0] // stride, stride, *a.shape[1:]), groups)
+    return jax.lax.scan(jax.checkpoint(stride_fn, policy=policy, prevent_cse=False), x_BSD, strides)[0]
 
 
 def _cross_entropy(logits_BSV, targets_BS):
