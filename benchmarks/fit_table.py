@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "fit_table.jsonl")
 TABLE = os.path.join(ROOT, "benchmarks", "fit_table.md")
 FIRST_TABLE = os.path.join(ROOT, "benchmarks", "fit_table_c16.md")
+KEYS_RESULTS = os.path.join(ROOT, "benchmarks", "fit_table_keys.jsonl")  # compiles of --keys, one a line
 GIB = 1024 ** 3
 
 ROWS = {("llama3-8b", "v5p-128"): 64, ("llama3-8b", "v6e-256"): 256, ("llama3.1-70b", "v5p-512"): 256}
@@ -105,8 +106,8 @@ def estimate(cmd: list[str]) -> str:
     return f"{est.step_s:.0f} s, {est.model_flops / est.step_s / hw.peak_flops:.0%}"
 
 
-def categorise(dims: list[int], model: str) -> str:
-    d, f, v, layers, e = SHAPES[model]
+def categorise(dims: list[int], model: str | list[int]) -> str:
+    d, f, v, layers, e = SHAPES[model] if isinstance(model, str) else model
     if v in dims:  # a [D, V] weight or its gradient; else logits of a chunk (whose token count may equal D)
         return "output head" if sorted(dims) == sorted((d, v)) else "logits"
     if dims and dims[-1] == e:  # [..., heads, head dim]: q, k, v, out and the kernels' blocks (whose count may equal F)
@@ -152,13 +153,18 @@ def breakdown(probe: dict) -> dict:
         return probe.get("breakdown") or {}
     totals = dict.fromkeys(BREAKDOWN, 0.0)
     for size, dims in probe["buffers"]:
-        totals[categorise(dims, probe["model"])] += size
+        totals[categorise(dims, probe.get("shape") or probe["model"])] += size
     return {k: round(v, 2) for k, v in totals.items() if v >= 0.005}
 
 
 def run_probe(model: str, topology: str, strategy: str, offload: bool, seq: int, time_limit_s: float,
               kernel: str = "blockwise") -> dict:
-    cmd = command(model, topology, strategy, offload, seq, kernel)
+    return run_command(command(model, topology, strategy, offload, seq, kernel), time_limit_s)
+
+
+def run_command(cmd: list[str], time_limit_s: float) -> dict:
+    """Compiles one `python -m maxctx.compile ...` command with XLA's memory-usage report dumped: its status,
+    JSON report and buffers."""
     with tempfile.TemporaryDirectory() as dump:
         env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
         env.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
@@ -352,11 +358,66 @@ def write_table(results: dict) -> None:
         if parts:
             cells = " | ".join(f"{parts.get(k, 0):.1f}" for k in BREAKDOWN)
             lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {'on' if row[3] else 'off'} | {top['seq']:,} | {cells} |")
+    lines += keys_table()
     if os.path.exists(FIRST_TABLE):
         with open(FIRST_TABLE) as f:
             lines += ["", "#" + f.read()]
     with open(TABLE, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def keys_table() -> list[str]:
+    """The table of single compiles (`--keys`, fit_table_keys.jsonl): head chunks, host offload, MaxText's record
+    shapes. Host: pinned host memory per chip, against the topology VM's RAM per chip (maxctx.plan.topology's
+    sourced Chip.host_bytes); a row over it does not fit."""
+    if not os.path.exists(KEYS_RESULTS):
+        return []
+    from maxctx.plan import topology
+
+    lines = ["", "Single compiles (`python3 benchmarks/fit_table.py --keys <key=value ...>`, each `python -m "
+             "maxctx.compile configs/base.yml <keys>`; host: pinned host memory per chip / the VM's "
+             "RAM per chip; attention: the breakdown's attention category, GiB of buffers):", "",
+             "| keys | status | HBM per device (GiB) | host per chip | attention forwards per layer | attention | "
+             "activations | compile |", "|---|---|---|---|---|---|---|---|"]
+    with open(KEYS_RESULTS) as f:
+        for line in f:
+            r = json.loads(line)
+            report = r.get("report") or {}
+            keys = " ".join(r["keys"])
+            if "total_size_in_bytes" not in report:  # an error, or XLA's own out-of-memory before any analysis
+                r.setdefault("error", report.get("xla_error", ""))
+                error = _short(r.get("error", "")).replace("|", "/")
+                lines.append(f"| `{keys}` | {r['status']}: {error} | - | - | - | - | - | "
+                             f"{r.get('wall_s', 0):.0f} s |")
+                continue
+            chip = topology.parse(_config(["python", "-m", "maxctx.compile", "configs/base.yml", *r["keys"]])
+                                  .compile_topology).chip
+            host = report.get("host_temp_size_in_bytes", 0) * chip.devices_per_chip
+            host_fits = chip.host_bytes and host <= chip.host_bytes
+            status = "fits" if report["fits"] and host_fits else (
+                "over HBM" if not report["fits"] else "over the host")
+            per_layer = report.get("attention_forwards_per_layer")
+            parts = breakdown(r)
+            lines.append(
+                f"| `{keys}` | {status} | {report['total_size_in_bytes'] / GIB:.2f} / "
+                f"{report['hbm_bytes_per_device'] / GIB:.0f} | {host / GIB:.2f} / {chip.host_bytes / GIB:.1f} | "
+                f"{'-' if per_layer is None else f'{per_layer:.2f}'} | {parts.get('attention', 0):.1f} | "
+                f"{parts.get('activations', 0):.1f} | {r['wall_s']:.0f} s |")
+    return lines
+
+
+def compile_keys(keys: list[str], time_limit_s: float) -> dict:
+    """One compile of `python -m maxctx.compile configs/base.yml <keys>` (any keys: head chunks, host optimizer,
+    MaxText's record shapes), recorded in KEYS_RESULTS with its breakdown (GiB per category)."""
+    cmd = ["python", "-m", "maxctx.compile", "configs/base.yml", *keys]
+    config = _config(cmd)
+    shape = [config.base_emb_dim, config.base_mlp_dim, config.vocab_size, config.base_num_decoder_layers,
+             config.head_dim]
+    result = {"keys": keys, "shape": shape, "model": config.model_name, **run_command(cmd, time_limit_s)}
+    result["breakdown"] = breakdown(result) if "buffers" in result else {}
+    with open(KEYS_RESULTS, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    return result
 
 
 def main() -> None:
@@ -369,7 +430,19 @@ def main() -> None:
     parser.add_argument("--splash-check", action="store_true", help="compile each row's maximum with splash")
     parser.add_argument("--splash-again", action="store_true",
                         help="with --splash-check: compile it again even where the results have it (after a change)")
+    parser.add_argument("--keys", nargs="+", help="compile configs/base.yml with these key=value overrides once, "
+                        "print its report and breakdown and append them to fit_table_keys.jsonl")
     args = parser.parse_args()
+    if args.keys:
+        result = compile_keys(args.keys, args.time_limit_s)
+        report = result.get("report") or {}
+        print(json.dumps({k: result[k] for k in ("status", "wall_s", "breakdown") if k in result}
+                         | {k: round(report[k] / GIB, 2) for k in ("total_size_in_bytes", "hbm_bytes_per_device",
+                                                                  "host_temp_size_in_bytes") if k in report}
+                         | {k: report[k] for k in ("fits", "compile_time_s", "attention_forwards_per_layer",
+                                                   "xla_error") if k in report}
+                         | ({"error": result["error"]} if "error" in result else {})))
+        return
     results = load_results()
     if not args.table_only:
         for row in rows(args):

@@ -99,6 +99,11 @@ class Config:
     use_iota_embed: bool = False
     # remat_policy=custom: where each of REMAT_NAMES goes.
     decoder_layer_input: RematPlace = "device"
+    # With decoder_layer_input=offload: the first this many layers send their input to the host, the rest keep it
+    # on the device (-1: every layer); for when the host cannot hold them all.
+    decoder_layer_input_host_layers: int = -1
+    # Keep (per decoder_layer_input) only every N-th layer's input; the backward recomputes the N - 1 between.
+    decoder_layer_input_stride: int = 1
     query_proj: RematPlace = "remat"
     key_proj: RematPlace = "remat"
     value_proj: RematPlace = "remat"
@@ -109,6 +114,8 @@ class Config:
     # Token tiling of the loss and the MLP.
     num_vocab_tiling: int = 1
     mlp_sequence_chunks: int = 1
+    # A layer's attention over this many groups of kv heads (with their query heads), one group at a time.
+    attention_head_chunks: int = 1
     # Attention and context parallelism.
     attention: AttentionKernel = "auto"
     # One of maxctx.attention.strategies (or an alias), checked there: the registry is its one list of names.
@@ -156,6 +163,10 @@ class Config:
     adam_eps: float = 1e-8
     adam_weight_decay: float = 0.1
     gradient_clipping_threshold: float = 1.0
+    # MaxText's keys: the optimizer state (Adam's moments) / the parameters (fp32 master weights) live in pinned
+    # host memory between steps and are brought to the device for the step (maxctx.train_step).
+    optimizer_memory_host_offload: bool = False
+    parameter_memory_host_offload: bool = False
     skip_nonfinite_steps: bool = False
     # Data.
     dataset_type: DatasetType = "synthetic"

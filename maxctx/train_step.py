@@ -32,6 +32,8 @@ from maxctx.model.decoder import Decoder, param_axes
 from maxctx.model.layers import ModelConfig
 from maxctx.optimizer import learning_rate_schedule, make_optimizer
 
+HOST = "pinned_host"  # jax's memory kind of pinned host memory (CPU, GPU and TPU)
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainSetup:
@@ -69,8 +71,13 @@ def make_setup(config: Config, mesh: Mesh) -> TrainSetup:
         is_leaf=lambda x: isinstance(x, tuple))
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_shardings,
+    # MaxText's host offload keys: the parameter-shaped state (Adam's moments; the parameters) in pinned host memory.
+    host = jax.tree.map(lambda s: s.with_memory_kind(HOST), param_shardings)
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt,
+                                          host if config.optimizer_memory_host_offload else param_shardings,
                                           transform_non_params=lambda _: replicated)
+    if config.parameter_memory_host_offload:
+        param_shardings = host
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
     abstract_state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params,
                       "opt_state": abstract_opt}
@@ -114,6 +121,9 @@ def train_step_fn(setup: TrainSetup):
     grad_fn = jax.value_and_grad(lambda p, b: loss_sums(graphdef, p, b), has_aux=True)
 
     def step(state, batch):
+        # State kept in host memory (the host offload keys) comes to the device for the step and goes back by the
+        # step's out_shardings; XLA schedules each array's copy near its first use (the moments: the update).
+        state = on_device(state, setup.state_shardings)
         params = state["params"]
         if accum == 1:
             (loss_sum, weight_sum), grad_sum = grad_fn(params, batch)
@@ -145,6 +155,14 @@ def train_step_fn(setup: TrainSetup):
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return step
+
+
+def on_device(tree, shardings):
+    """`tree` with every array whose sharding is in pinned host memory copied to device memory (same layout)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    moved = [jax.device_put(x, s.with_memory_kind("device")) if s.memory_kind == HOST else x
+             for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)]
+    return jax.tree.unflatten(treedef, moved)
 
 
 def compiler_options(config, mesh: Mesh) -> dict | None:

@@ -14,7 +14,7 @@ import os
 
 from maxctx import storage
 from maxctx.attention import strategies
-from maxctx.config import REMAT_NAMES, Config, ConfigError, choices
+from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, layer_windows
 from maxctx.data.registry import DATASETS
 from maxctx.files import REMOTE_KEYS, check_tokenizer_path, expand_files
 from maxctx.parallelism import RING_AXIS, configured_sizes, split_context
@@ -80,6 +80,8 @@ def check_devices(config: Config, num_devices: int) -> None:
         strategy = strategies.for_config(config)
         strategy.check(config, cp, tp)
         split_context(config, num_devices, strategy.a2a_degree(config, cp))
+    _check_head_chunks(config, tp, strategies.for_config(config).a2a_degree(config, cp) if cp > 1 else 1)
+    _check_host_layers(config)
     # splash: asked for, or what auto/flash pick when compiling for a TPU topology
     if config.attention == "splash" or config.attention in ("auto", "flash") and config.compile_topology:
         _check_splash_rows(config, cp)
@@ -225,7 +227,7 @@ def validate(config: Config) -> None:
               "base_mlp_dim", "base_num_decoder_layers", "head_dim", "vocab_size", "max_target_length", "log_period",
               "checkpoint_period", "gradient_accumulation_steps",
               "flash_block_q", "flash_block_kv", "per_device_batch_size", "rope_max_timescale", "num_vocab_tiling",
-              "mlp_sequence_chunks")
+              "mlp_sequence_chunks", "attention_head_chunks")
     if not 0 <= config.learning_rate <= 3.4e38:  # float32's largest finite value: above it the schedule is inf
         raise ConfigError(f"learning_rate={config.learning_rate} must be >= 0 and finite in float32 (<= 3.4e38)")
     if not 0 <= config.warmup_steps_fraction < 1:
@@ -334,3 +336,36 @@ def _check_paths(config: Config) -> None:
                               f"which is not installed; pip install -e '.[gcs]' (scripts/tpu/setup.sh and the "
                               f"Docker images install it)")
 
+
+
+def _check_head_chunks(config: Config, tensor: int, a2a: int) -> None:
+    """attention_head_chunks = N: every group holds K / (T N) whole kv heads of each tensor shard, and its
+    H / (T N) query heads split evenly over the A2A degree U (a2a, usp)."""
+    n = config.attention_head_chunks
+    if n < 1:
+        raise ConfigError(f"attention_head_chunks={n} must be >= 1 (1: all heads at once)")
+    kv, q = config.base_num_kv_heads, config.base_num_query_heads
+    if kv % (tensor * n):
+        raise ConfigError(f"attention_head_chunks={n} x tensor parallelism {tensor} does not divide "
+                          f"base_num_kv_heads={kv}; choose attention_head_chunks dividing {max(1, kv // tensor)}")
+    if (q // (tensor * n)) % a2a:
+        raise ConfigError(f"attention_head_chunks={n}: each group's {q // (tensor * n)} query heads per tensor shard "
+                          f"are not divisible by the A2A degree {a2a} (context_parallel_strategy="
+                          f"{config.context_parallel_strategy}); lower attention_head_chunks to a divisor of "
+                          f"{q // tensor // a2a} or use context_parallel_strategy=p2p")
+
+
+def _check_host_layers(config: Config) -> None:
+    k, layers = config.decoder_layer_input_host_layers, config.base_num_decoder_layers
+    period = len(layer_windows(config))
+    if not (k == -1 or 0 <= k <= layers and k % period == 0):
+        raise ConfigError(f"decoder_layer_input_host_layers={k} must be -1 (every layer) or a multiple of the "
+                          f"attention layer pattern's period {period} from 0 to base_num_decoder_layers={layers}")
+    n = config.decoder_layer_input_stride
+    if n < 1 or layers % (n * period):
+        raise ConfigError(f"decoder_layer_input_stride={n} x the attention layer pattern's period {period} must "
+                          f"divide base_num_decoder_layers={layers}; choose a divisor of {layers // period}")
+    if n > 1 and (not config.scan_layers or config.remat_policy == "none" or k != -1):
+        raise ConfigError(f"decoder_layer_input_stride={n} needs scan_layers=true, a remat_policy other than none "
+                          f"and decoder_layer_input_host_layers=-1 (got {config.scan_layers}, "
+                          f"{config.remat_policy}, {k}); set decoder_layer_input_stride=1 or change those")

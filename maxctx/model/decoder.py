@@ -9,14 +9,15 @@ Activations between layers are laid out x[B_(data,fsdp), S_(context,context_a2a)
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.config import NAMED_POLICIES
-from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, param
+from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, names_policy, param, remat_names
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
@@ -31,16 +32,7 @@ def remat_policy(cfg: ModelConfig):
         return None
     if cfg.remat_policy == "full":
         return jax.checkpoint_policies.nothing_saveable
-    if cfg.remat_policy == "custom":
-        saved = [name for name, where in cfg.remat_custom if where == "device"]
-        offloaded = [name for name, where in cfg.remat_custom if where == "offload"]
-    else:
-        saved, offloaded = NAMED_POLICIES[cfg.remat_policy]
-    if not offloaded:
-        return jax.checkpoint_policies.save_only_these_names(*saved)
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded, offload_src="device",
-        offload_dst="pinned_host")
+    return names_policy(*remat_names(cfg))
 
 
 class Decoder(nnx.Module):
@@ -109,30 +101,64 @@ class Decoder(nnx.Module):
         windows = cfg.layer_windows
         period = len(windows)
 
-        def make_layer_fn(window: int):
+        def make_layer_fn(window: int, cfg: ModelConfig, tag: bool = True):
             def layer_fn(x_BSD, layer_state):
                 layer = nnx.merge(graphdef, layer_state)
-                x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
+                if tag:  # untagged inside a strided run: its policy would keep every layer's input (module doc)
+                    x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
                 return self._constrain(layer(x_BSD, positions_BS, segment_ids_BS, window))
 
             if cfg.remat_policy != "none":
                 return jax.checkpoint(layer_fn, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
             return layer_fn
 
-        layer_fns = [make_layer_fn(w) for w in windows]
+        # Layers [0, host) run under the policy as given; with decoder_layer_input=offload and host_input_layers
+        # = k < L, layers [k, L) keep their input on the device instead (two scans). With layer_input_stride = N > 1
+        # each run of N periods is rematerialised as one: the policy keeps (or offloads) only the input of the run,
+        # and the backward recomputes the run's layers once more to get the others (kept on the device while their
+        # own backward runs): L / N saved inputs instead of L, one more forward of every layer.
+        host = cfg.num_layers if cfg.host_input_layers < 0 else cfg.host_input_layers
+        kept = dict(cfg.remat_custom, decoder_layer_input="device")
+        cfg_kept = dataclasses.replace(cfg, remat_custom=tuple(kept.items()))
+        layer_fns = [make_layer_fn(w, cfg) for w in windows]
+        kept_fns = [make_layer_fn(w, cfg_kept) for w in windows] if host < cfg.num_layers else layer_fns
+        strided_fns = [make_layer_fn(w, cfg_kept, tag=False) for w in windows]
         if cfg.scan_layers:
             groups = jax.tree.map(lambda a: a.reshape(cfg.num_layers // period, period, *a.shape[1:]), stacked)
 
-            def group_fn(carry, group_state):
-                for j, fn in enumerate(layer_fns):
-                    carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
-                return carry, None
-
-            x, _ = jax.lax.scan(group_fn, x, groups)
+            if cfg.layer_input_stride > 1:
+                return self.final_norm(_strided_scan(strided_fns, x, groups, cfg.layer_input_stride,
+                                                     remat_policy(cfg)))
+            split = host // period
+            if split > 0:
+                x = _scan(layer_fns, x, jax.tree.map(lambda a: a[:split], groups))
+            if split < cfg.num_layers // period:
+                x = _scan(kept_fns, x, jax.tree.map(lambda a: a[split:], groups))
         else:
             for i in range(cfg.num_layers):
-                x = layer_fns[i % period](x, jax.tree.map(lambda a, i=i: a[i], stacked))
+                fns = layer_fns if i < host else kept_fns
+                x = fns[i % period](x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return self.final_norm(x)
+
+
+def _scan(fns, x_BSD, groups):
+    """x through the stacked periods `groups` (leading axis: periods), each period's layers `fns` in order."""
+    def group_fn(carry, group_state):
+        for j, fn in enumerate(fns):
+            carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
+        return carry, None
+
+    return jax.lax.scan(group_fn, x_BSD, groups)[0]
+
+
+def _strided_scan(fns, x_BSD, groups, stride: int, policy):
+    """`_scan` with each run of `stride` periods rematerialised as one under `policy`: only a run's input is kept
+    (or offloaded) as decoder_layer_input."""
+    def stride_fn(carry, stride_state):
+        return _scan(fns, checkpoint_name(carry, "decoder_layer_input"), stride_state), None
+
+    strides = jax.tree.map(lambda a: a.reshape(a.shape[0] // stride, stride, *a.shape[1:]), groups)
+    return jax.lax.scan(jax.checkpoint(stride_fn, policy=policy, prevent_cse=False), x_BSD, strides)[0]
 
 
 def _cross_entropy(logits_BSV, targets_BS):

@@ -8,17 +8,21 @@ Parameters are stored in `weight_dtype` and cast to the compute `dtype` where us
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.config import REMAT_NAMES, Config, layer_windows
+from maxctx.config import NAMED_POLICIES, REMAT_NAMES, Config, layer_windows
+from maxctx.mesh import logical_to_spec
 from maxctx.model.rope import RopeSpec, rotary
 from maxctx.model.shape import ModelShape
 from maxctx.model.tiling import map_chunks
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +35,14 @@ class ModelConfig(ModelShape):
     remat_policy: str = Config.remat_policy
     # remat_policy=custom: (name, "remat" | "device" | "offload") for each of REMAT_NAMES.
     remat_custom: tuple[tuple[str, str], ...] = ()
+    # decoder_layer_input=offload: the first this many layers offload their input, the rest keep it (-1: all).
+    host_input_layers: int = Config.decoder_layer_input_host_layers
+    layer_input_stride: int = Config.decoder_layer_input_stride  # only every N-th layer's input is kept
     scan_layers: bool = Config.scan_layers
     use_iota_embed: bool = Config.use_iota_embed
     num_vocab_tiling: int = Config.num_vocab_tiling
     mlp_sequence_chunks: int = Config.mlp_sequence_chunks
+    attention_head_chunks: int = Config.attention_head_chunks
     attention: AttentionSpec = AttentionSpec()
     # The sliding window of each layer of one repeating group (0: global); maxctx.config.layer_windows.
     layer_windows: tuple[int, ...] = (0,)
@@ -49,7 +57,10 @@ class ModelConfig(ModelShape):
             rope=RopeSpec.from_config(config), norm_eps=config.normalization_layer_epsilon,
             remat_policy=config.remat_policy, scan_layers=config.scan_layers, use_iota_embed=config.use_iota_embed,
             remat_custom=tuple((name, getattr(config, name)) for name in REMAT_NAMES),
+            host_input_layers=config.decoder_layer_input_host_layers,
+            layer_input_stride=config.decoder_layer_input_stride,
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
+            attention_head_chunks=config.attention_head_chunks,
             attention=AttentionSpec.from_config(config), layer_windows=layer_windows(config),
         )
 
@@ -74,8 +85,39 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(x_BSD.dtype)
 
 
+def remat_names(cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(kept on the device, moved to pinned host memory): the REMAT_NAMES the remat policy keeps for the backward
+    (remat_policy=none and full: none of them)."""
+    if cfg.remat_policy == "custom":
+        return (tuple(name for name, where in cfg.remat_custom if where == "device"),
+                tuple(name for name, where in cfg.remat_custom if where == "offload"))
+    return NAMED_POLICIES.get(cfg.remat_policy, ((), ()))
+
+
+def names_policy(saved, offloaded):
+    """jax's checkpoint policy keeping the tensors named `saved` on the device and moving `offloaded` to the host."""
+    if not offloaded:
+        return jax.checkpoint_policies.save_only_these_names(*saved)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(saved), names_which_can_be_offloaded=list(offloaded), offload_src="device",
+        offload_dst="pinned_host")
+
+
 class Attention(nnx.Module):
-    """Grouped-query self-attention; the kernel and context-parallel strategy come from `cfg.attention`."""
+    """Grouped-query self-attention; the kernel and context-parallel strategy come from `cfg.attention`.
+
+    With attention_head_chunks = N > 1 the layer's attention runs over N groups of K / N kv heads with their
+    H / N query heads, one group at a time (a `lax.scan`): project q, k, v for the group, run the strategy, add
+    the group's output projection. Each group is rematerialised keeping only its attention output (`context`;
+    under p2p and usp that is the ring's out and log-sum-exp, so the backward does not run the ring's forward
+    again), so q, k, v, the kernels' fp32 blocks and the ring's accumulators exist for one group at a time, in
+    the forward and in the backward. Exact (the output is a sum over heads). The strategy moves the same K/V
+    bytes in N times as many messages of 1 / N the size; what moves more (tests/test_head_chunks.py): the int32
+    positions and segment ids (up to N times), a2a/usp's all-to-all of q, k, v (once more: the group's backward
+    recomputes them), a2a/usp's kv heads where K / N must be repeated for the all-to-all and K need not
+    (maxctx.attention.a2a), and under tensor parallelism the output projection's all-reduce (once per group).
+    With tensor parallelism T, group g takes heads g H/(TN) .. (g+1) H/(TN) - 1 of every tensor shard, so each
+    device still computes only its own heads."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
         d, h, k, e, wd = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
@@ -86,15 +128,61 @@ class Attention(nnx.Module):
         self.cfg, self.mesh = cfg, mesh
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
+        spec = dataclasses.replace(self.cfg.attention, window=window)
+        weights = (self.wq[...], self.wk[...], self.wv[...], self.wo[...])
+        n = self.cfg.attention_head_chunks
+        if n == 1:
+            out_BSD = self._heads(x_BSD, positions_BS, segment_ids_BS, spec, *weights)
+            return checkpoint_name(out_BSD, "out_proj")
+        tensor = self.mesh.shape.get("tensor", 1) if self.mesh is not None else 1
+        groups = [_head_groups(w, axis, n, tensor) for w, axis in zip(weights, (1, 1, 1, 0))]
+        saved, offloaded = remat_names(self.cfg)
+        keep = saved if "context" in offloaded else (*saved, "context")
+        group = jax.checkpoint(functools.partial(self._heads, x_BSD, positions_BS, segment_ids_BS, spec),
+                               policy=names_policy(keep, offloaded), prevent_cse=False)
+
+        axes = [w.get_metadata()["axes"] for w in (self.wq, self.wk, self.wv, self.wo)]
+
+        def body(out_BSD, group_weights):
+            # Cast and gathered over the embed axis outside the group's remat, so the backward's recompute of a
+            # group reuses them: the layer gathers its weights as often as unchunked (forward, and remat's forward).
+            group_weights = [self._gathered(w.astype(self.cfg.dtype), a) for w, a in zip(group_weights, axes)]
+            return out_BSD + self._constrain(group(*group_weights)), None
+
+        out_BSD, _ = jax.lax.scan(body, self._constrain(jnp.zeros_like(x_BSD)), groups)
+        return checkpoint_name(out_BSD, "out_proj")
+
+    def _heads(self, x_BSD, positions_BS, segment_ids_BS, spec, wq, wk, wv, wo):
+        """The attention of the heads whose weights are given: projections, strategy, output projection [B, S, D]."""
         dt = self.cfg.dtype
-        q = checkpoint_name(jnp.einsum("BSD,DHE->BSHE", x_BSD, self.wq[...].astype(dt)), "query_proj")
-        k = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wk[...].astype(dt)), "key_proj")
-        v = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, self.wv[...].astype(dt)), "value_proj")
+        q = checkpoint_name(jnp.einsum("BSD,DHE->BSHE", x_BSD, wq.astype(dt)), "query_proj")
+        k = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, wk.astype(dt)), "key_proj")
+        v = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, wv.astype(dt)), "value_proj")
         q = rotary(q, positions_BS, self.cfg.rope)
         k = rotary(k, positions_BS, self.cfg.rope)
-        spec = dataclasses.replace(self.cfg.attention, window=window)
         out_BSHE = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, spec, self.mesh), "context")
-        return checkpoint_name(jnp.einsum("BSHE,HED->BSD", out_BSHE, self.wo[...].astype(dt)), "out_proj")
+        return jnp.einsum("BSHE,HED->BSD", out_BSHE, wo.astype(dt))
+
+    def _gathered(self, w, axes):
+        if self.mesh is None:
+            return w
+        spec = logical_to_spec(tuple(None if name == "embed" else name for name in axes), w.shape, self.mesh)
+        return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
+
+    def _constrain(self, x_BSD):
+        if self.mesh is None:
+            return x_BSD
+        return jax.lax.with_sharding_constraint(x_BSD, NamedSharding(self.mesh, P(BATCH_AXES, CONTEXT_AXES, None)))
+
+
+def _head_groups(w, axis: int, n: int, tensor: int):
+    """A weight's heads axis (H, sharded over `tensor` = T) split into n groups: [n, ..., H / n, ...], group g
+    holding heads g H/(Tn) .. (g+1) H/(Tn) - 1 of each tensor shard (so its H / n stay sharded over T)."""
+    shape = w.shape
+    heads = shape[axis]
+    parts = w.reshape(*shape[:axis], tensor, n, heads // (tensor * n), *shape[axis + 1:])
+    parts = jnp.moveaxis(parts, axis + 1, 0)
+    return parts.reshape(n, *shape[:axis], heads // n, *shape[axis + 1:])
 
 
 class MLP(nnx.Module):
