@@ -49,6 +49,12 @@ def pair_visible(q_sum, kv_sum, window: int, xp):
     return keep
 
 
+def _take_flat(x, flat_index, xp):
+    """x.reshape(-1)[flat_index] as a gather of rank 1 (libtpu's layout assignment rejects some rank-3 gathers of
+    these small tables: tpu_layout_assignment.cc, num_window_dims)."""
+    return xp.take(x.reshape(-1), flat_index.reshape(-1)).reshape(flat_index.shape)
+
+
 def _refill(data_next, kept, axis: int, xp, cummax, cummin):
     """data_next with every dropped entry pointing at the nearest kept entry before it along `axis` (else the
     first after it; else unchanged): no block is fetched for a pair that does not run."""
@@ -59,7 +65,13 @@ def _refill(data_next, kept, axis: int, xp, cummax, cummin):
     before = cummax(xp.where(kept, index, -1), axis)
     after = cummin(xp.where(kept, index, n), axis, reverse=True)
     source = xp.where(before >= 0, before, xp.where(after < n, after, index))
-    return xp.take_along_axis(data_next, source, axis=axis)
+    heads, rows, width = data_next.shape
+    h = xp.arange(heads).reshape(heads, 1, 1) * (rows * width)
+    if axis == 2:
+        flat = h + xp.arange(rows).reshape(1, rows, 1) * width + source
+    else:
+        flat = h + source * width + xp.arange(width).reshape(1, 1, width)
+    return _take_flat(data_next, flat, xp)
 
 
 def _narrow(info, axis: int, visible_BQK, xp, cummax, cummin):
@@ -75,7 +87,8 @@ def _narrow(info, axis: int, visible_BQK, xp, cummax, cummin):
     else:  # entry (r, j): query block listed[r, j], key block j
         q_index = listed
         k_index = xp.broadcast_to(xp.arange(width).reshape(1, 1, width), listed.shape)
-    keep = visible_BQK.any(0)[q_index, k_index] & (block_mask != 0)
+    visible = visible_BQK.any(0)
+    keep = _take_flat(visible, q_index * visible.shape[1] + k_index, xp) & (block_mask != 0)
     return info._replace(block_mask=xp.where(keep, block_mask, xp.zeros_like(block_mask)),
                          data_next=_refill(data_next, keep, axis, xp, cummax, cummin))
 
