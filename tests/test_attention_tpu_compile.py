@@ -55,8 +55,7 @@ for strategy, ring, a2a, balance, table, window, *blocks in [
         ("p2p", 4, 1, True, None, 0, dict(overlap=True)), ("usp", 2, 2, True, None, 0, dict(overlap=True)),
         # context_parallel_load_balance=documents: q_sequence and tables derived per call from the ids (one row at
         # a time), gathered keys sorted back into document order; ring hops in row chunks too.
-        ("p2p", 4, 1, "documents", None, 0), ("all_gather", 4, 1, "documents", None, 0),
-        ("a2a", 1, 4, "documents", None, 256), ("usp", 2, 2, "documents", None, 0),
+        ("p2p", 4, 1, "documents", None, 0), ("all_gather", 4, 1, "documents", None, 256),
         ("p2p", 4, 1, "documents", 2, 0)]:
     splash.MAX_TABLE_ENTRIES = table or default_table
     mesh = Mesh(np.asarray(devices).reshape(1, 1, ring, a2a, 1), MESH_AXES)
@@ -96,7 +95,7 @@ def test_splash_compiles_for_v5p_under_every_strategy():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"compile for v5p failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads(lines[-1].removeprefix("RESULT "))
-    assert len(results) == 22
+    assert len(results) == 20
     # The ring backward's dK/dV sends: in the hop loop (p2p, R = 4) none overlaps a hop's kernel by default; when
     # software-pipelined every one does but the last, which brings the dK/dV home after the last hop (usp, R = 2,
     # has no loop: XLA overlaps even the plain backward's one send there).
