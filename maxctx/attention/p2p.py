@@ -16,7 +16,6 @@ import dataclasses
 
 from maxctx.attention.base import CommVolume, Strategy
 from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
-from maxctx.config import ConfigError
 from maxctx.parallelism import mesh_context_degree
 
 
@@ -64,7 +63,7 @@ class P2P(Strategy):
 
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
         from maxctx.attention.kernels import make_local, stored_order
-        from maxctx.attention.ring import ring_attention
+        from maxctx.attention.ring import check_ring_local, ring_attention
         from maxctx.attention.sharded import CONTEXT, context_shard_map
 
         cp = mesh_context_degree(mesh.shape)
@@ -75,12 +74,7 @@ class P2P(Strategy):
                            splash_blocks=spec.splash_blocks,
                            documents=spec.load_balance == "documents" and cp > 1)
 
-        if local.documents and spec.window:
-            raise ConfigError(f"a sliding window (layer window {spec.window}) with context_parallel_load_balance="
-                              f"documents and splash cannot run on {self.name}'s ring: a hop holds a document's head "
-                              f"and tail pieces, which splash's window mask cannot tell apart; use "
-                              f"context_parallel_strategy=all_gather or a2a, attention=blockwise, or "
-                              f"context_parallel_load_balance=true")
+        check_ring_local(local, self.name)
 
         def body(q, k, v, pos, seg):
             return ring_attention(local, CONTEXT, cp, spec.ring_backward_overlap, q, k, v, pos, seg, pos, seg)

@@ -35,6 +35,18 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.attention.kernels import LocalKernel
 from maxctx.attention.sharded import ring_shift
+from maxctx.config import ConfigError
+
+
+def check_ring_local(local: LocalKernel, strategy: str) -> None:
+    """ConfigError for what a ring's hops cannot run: splash under context_parallel_load_balance=documents with a
+    sliding window (a hop holds a document's head and tail pieces, which its window mask cannot tell apart)."""
+    if local.documents and local.window:
+        raise ConfigError(f"a sliding window (layer window {local.window}) with context_parallel_load_balance="
+                          f"documents and splash cannot run on {strategy}'s ring: a hop holds a document's head "
+                          f"and tail pieces, which splash's window mask cannot tell apart; use "
+                          f"context_parallel_strategy=all_gather or a2a, attention=blockwise, or "
+                          f"context_parallel_load_balance=true")
 
 
 def _merge(out_BSHD, lse_BHS, o_BSHD, l_BHS):

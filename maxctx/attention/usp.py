@@ -77,7 +77,7 @@ class USP(Strategy):
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
         from maxctx.attention.document_blocks import sort_keys
         from maxctx.attention.kernels import make_local, stored_order
-        from maxctx.attention.ring import ring_attention
+        from maxctx.attention.ring import check_ring_local, ring_attention
         from maxctx.attention.seq_to_heads import a2a_attention
         from maxctx.attention.sharded import context_shard_map
 
@@ -89,12 +89,7 @@ class USP(Strategy):
                            window=spec.window, splash_blocks=spec.splash_blocks,
                            documents=spec.load_balance == "documents" and u * r > 1)
 
-        if local.documents and spec.window:
-            raise ConfigError(f"a sliding window (layer window {spec.window}) with context_parallel_load_balance="
-                              f"documents and splash cannot run on {self.name}'s ring: a hop holds a document's head "
-                              f"and tail pieces, which splash's window mask cannot tell apart; use "
-                              f"context_parallel_strategy=all_gather or a2a, attention=blockwise, or "
-                              f"context_parallel_load_balance=true")
+        check_ring_local(local, self.name)
 
         def inner(q, k, v, pos, seg):
             kp, ks = pos, seg
