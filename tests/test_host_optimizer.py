@@ -10,9 +10,9 @@ import pytest
 from maxctx.config import ConfigError
 from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
-from maxctx.train_step import init_state, jit_train_step, make_setup
+from maxctx.train_step import make_setup
 from maxctx.validate import check_devices
-from tests.test_tiling import packed_batches
+from tests.test_tiling import train
 
 SMALL = ["dtype=float32", "attention=flash", "flash_block_q=16", "flash_block_kv=16", "ici_context_parallelism=4",
          "max_target_length=64", "per_device_batch_size=0.5", "base_num_decoder_layers=2", "base_emb_dim=32",
@@ -22,13 +22,7 @@ SMALL = ["dtype=float32", "attention=flash", "flash_block_q=16", "flash_block_kv
 
 def run(*overrides, steps: int = 10):
     cfg = load_config(["configs/base.yml", *SMALL, *overrides])
-    setup = make_setup(cfg, create_mesh(cfg))
-    state, step = init_state(setup), jit_train_step(setup)
-    losses = []
-    for batch in packed_batches(setup, steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), state
+    return train(make_setup(cfg, create_mesh(cfg)), steps)
 
 
 def memory_kinds(tree) -> set[str]:

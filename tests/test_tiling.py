@@ -53,15 +53,30 @@ def packed_batches(setup, steps: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def train_losses(*overrides, steps: int = 10) -> np.ndarray:
-    cfg = config(*SMALL, *overrides)
-    setup = make_setup(cfg, create_mesh(cfg))
+def train(setup, steps: int) -> tuple[np.ndarray, dict]:
+    """`steps` jitted train steps on packed_batches from a fresh state: (losses, final state)."""
     state, step = init_state(setup), jit_train_step(setup)
     losses = []
     for batch in packed_batches(setup, steps):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    return np.array(losses)
+    return np.array(losses), state
+
+
+def train_losses(*overrides, steps: int = 10) -> np.ndarray:
+    cfg = config(*SMALL, *overrides)
+    return train(make_setup(cfg, create_mesh(cfg)), steps)[0]
+
+
+def assert_same_gradients(grads0, grads1) -> None:
+    """Every leaf of grads1 within 1e-6 of grads0's largest entry (and none of grads0 all zero)."""
+    flat0, flat1 = jax.tree_util.tree_leaves_with_path(grads0), jax.tree.leaves(grads1)
+    assert len(flat0) == len(flat1)
+    for (path, g0), g1 in zip(flat0, flat1):
+        scale = np.abs(g0).max()
+        assert scale > 0, f"{jax.tree_util.keystr(path)}: zero gradient"
+        err = np.abs(g1 - g0).max() / scale
+        assert err < 1e-6, f"{jax.tree_util.keystr(path)}: gradient differs by {err:.2e} of its largest entry"
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -78,14 +93,7 @@ def test_tiled_loss_mlp_and_offload_give_the_same_loss_and_gradients(tied):
     (loss0, weight0, grads0), (loss1, weight1, grads1) = results
     assert weight0 == weight1
     assert abs(loss1 / loss0 - 1) < 1e-6, (loss0, loss1)
-    flat0 = jax.tree_util.tree_leaves_with_path(grads0)
-    flat1 = jax.tree.leaves(grads1)
-    assert len(flat0) == len(flat1)
-    for (path, g0), g1 in zip(flat0, flat1):
-        scale = np.abs(g0).max()
-        assert scale > 0, f"{jax.tree_util.keystr(path)}: zero gradient"
-        err = np.abs(g1 - g0).max() / scale
-        assert err < 1e-6, f"{jax.tree_util.keystr(path)}: gradient differs by {err:.2e} of its largest entry"
+    assert_same_gradients(grads0, grads1)
 
 
 @pytest.mark.parametrize("strategy", strategy_names())
