@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from maxctx.attention.cost import ATTENTION_FORWARD_SCOPE
+from maxctx.attention.document_blocks import pair_visible
 from maxctx.attention.dot_product import mask_from_positions
 
 
@@ -62,15 +63,11 @@ def _ranges(pos, seg):
 
 def _may_see(q_range, k_range, window: int):
     """Whether any query of a block may see any key of another (any batch row): their segment ranges meet, the
-    first key is at or before the last query, and within the window; maxctx.attention.document_blocks's test,
-    a superset of the mask's, decided before the [B, Q, C] mask is built, so a pair of blocks with no shared
-    document costs O(B), not O(B Q C)."""
-    qs_lo, qs_hi, qp_lo, qp_hi = q_range
-    ks_lo, ks_hi, kp_lo, kp_hi = k_range
-    keep = (ks_lo <= qs_hi) & (ks_hi >= qs_lo) & (kp_lo <= qp_hi)
-    if window > 0:
-        keep = keep & (qp_lo - kp_hi < window)
-    return keep.any()
+    first key is at or before the last query, and within the window: document_blocks.pair_visible, a superset of
+    the mask, decided before the [B, Q, C] mask is built, so a pair of blocks with no shared document costs O(B),
+    not O(B Q C)."""
+    one_block = lambda ranges: tuple(x[:, None] for x in ranges)  # noqa: E731 ([B] -> [B, 1 block])
+    return pair_visible(one_block(q_range), one_block(k_range), window, jnp).any()
 
 
 def _tie(*arrays):
