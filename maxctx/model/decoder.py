@@ -10,6 +10,7 @@ Activations between layers are laid out x[B_(data,fsdp), S_(context,context_a2a)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +106,7 @@ class Decoder(nnx.Module):
             def layer_fn(x_BSD, layer_state):
                 layer = nnx.merge(graphdef, layer_state)
                 if tag:  # untagged inside a strided run: its policy would keep every layer's input (module doc)
-                    x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")
+                    x_BSD = name_layer_input(x_BSD, self.mesh)
                 return self._constrain(layer(x_BSD, positions_BS, segment_ids_BS, window))
 
             if cfg.remat_policy != "none":
@@ -128,7 +129,7 @@ class Decoder(nnx.Module):
 
             if cfg.layer_input_stride > 1:
                 return self.final_norm(_strided_scan(strided_fns, x, groups, cfg.layer_input_stride,
-                                                     remat_policy(cfg)))
+                                                     remat_policy(cfg), self.mesh))
             split = host // period
             if split > 0:
                 x = _scan(layer_fns, x, jax.tree.map(lambda a: a[:split], groups))
@@ -151,14 +152,34 @@ def _scan(fns, x_BSD, groups):
     return jax.lax.scan(group_fn, x_BSD, groups)[0]
 
 
-def _strided_scan(fns, x_BSD, groups, stride: int, policy):
+def _strided_scan(fns, x_BSD, groups, stride: int, policy, mesh):
     """`_scan` with each run of `stride` periods rematerialised as one under `policy`: only a run's input is kept
     (or offloaded) as decoder_layer_input."""
     def stride_fn(carry, stride_state):
-        return _scan(fns, checkpoint_name(carry, "decoder_layer_input"), stride_state), None
+        return _scan(fns, name_layer_input(carry, mesh), stride_state), None
 
     strides = jax.tree.map(lambda a: a.reshape(a.shape[0] // stride, stride, *a.shape[1:]), groups)
     return jax.lax.scan(jax.checkpoint(stride_fn, policy=policy, prevent_cse=False), x_BSD, strides)[0]
+
+
+# libtpu (0.0.42) aborts in llo_loop.cc ("index_space_.start <= index_space_.limit (0 vs. -1)") when it compiles
+# a transfer to or from pinned host memory of one device's array of 2^31 elements or more (docs/long_context.md).
+HOST_TRANSFER_ELEMENTS = 2**31
+
+
+def name_layer_input(x_BSD, mesh):
+    """`checkpoint_name(x, "decoder_layer_input")`, named in pieces along D when one device's part of x holds
+    HOST_TRANSFER_ELEMENTS or more (llama3-8b at 2^19 tokens per device: [1, 524288, 4096]), so an offloaded
+    input goes to the host and back as arrays libtpu can move. Values are unchanged (a split and a concatenation
+    along the unsharded D); below that size x is named whole, as always."""
+    shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in (*BATCH_AXES, *CONTEXT_AXES))
+    pieces, per_device = 1, x_BSD.size // shards
+    while per_device // pieces >= HOST_TRANSFER_ELEMENTS and x_BSD.shape[-1] % (2 * pieces) == 0:
+        pieces *= 2
+    if pieces == 1:
+        return checkpoint_name(x_BSD, "decoder_layer_input")
+    parts = jnp.split(x_BSD, pieces, axis=-1)
+    return jnp.concatenate([checkpoint_name(p, "decoder_layer_input") for p in parts], axis=-1)
 
 
 def _cross_entropy(logits_BSV, targets_BS):
