@@ -144,19 +144,26 @@ class Decoder(nnx.Module):
 
 def _scan(fns, x_BSD, groups):
     """x through the stacked periods `groups` (leading axis: periods), each period's layers `fns` in order."""
-    def group_fn(carry, group_state):
-        for j, fn in enumerate(fns):
-            carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
-        return carry, None
+    return jax.lax.scan(lambda carry, group_state: (_period(fns, carry, group_state), None), x_BSD, groups)[0]
 
-    return jax.lax.scan(group_fn, x_BSD, groups)[0]
+
+def _period(fns, x_BSD, group_state):
+    for j, fn in enumerate(fns):
+        x_BSD = fn(x_BSD, jax.tree.map(lambda a, j=j: a[j], group_state))
+    return x_BSD
 
 
 def _strided_scan(fns, x_BSD, groups, stride: int, policy, mesh):
     """`_scan` with each run of `stride` periods rematerialised as one under `policy`: only a run's input is kept
-    (or offloaded) as decoder_layer_input."""
+    (or offloaded) as decoder_layer_input. A run's periods are unrolled, not scanned: a tensor the policy
+    offloads inside a run is then stacked over the runs only (libtpu 0.0.42 moves an offloaded [runs, stride, ...]
+    buffer back with a two-dimensional slice, which it does not implement: "Async slice only supports slicing in 1
+    dimension")."""
     def stride_fn(carry, stride_state):
-        return _scan(fns, name_layer_input(carry, mesh), stride_state), None
+        carry = name_layer_input(carry, mesh)
+        for i in range(stride):
+            carry = _period(fns, carry, jax.tree.map(lambda a, i=i: a[i], stride_state))
+        return carry, None
 
     strides = jax.tree.map(lambda a: a.reshape(a.shape[0] // stride, stride, *a.shape[1:]), groups)
     return jax.lax.scan(jax.checkpoint(stride_fn, policy=policy, prevent_cse=False), x_BSD, strides)[0]
