@@ -48,6 +48,30 @@ def test_kept_attention_output_removes_the_recompute(bench):
     assert offloaded.host_bytes == pytest.approx(2 * layers * t * ((16 * 256 + 2 * 16) * 2 + 4096 * 2))
 
 
+def test_a_strided_layer_input_halves_its_host_bytes_and_recomputes_the_layers(bench):
+    """decoder_layer_input_stride=2 at MaxText's 14M shape: the input of every other layer goes to the host, every
+    projection runs once more; attention still runs once with `context` offloaded (the program compiled for
+    v5p-128 counts 1 and 84.44 GiB of host memory per chip: docs/long_context.md), 3 times when recomputed."""
+    from maxctx.loader import load_config
+    from maxctx.plan import step_time
+
+    keys = ["configs/base.yml", *bench.VARIANT, "max_target_length=14680064", "ici_context_parallelism=64",
+            "ici_fsdp_parallelism=1", "per_device_batch_size=0.015625", "remat_policy=custom",
+            "decoder_layer_input=offload"]
+    mesh = {"data": 1, "fsdp": 1, "context": 64, "context_a2a": 1, "tensor": 1}
+
+    def estimate(*more):
+        config = load_config([*keys, *more])
+        return step_time.estimate(config, mesh, 1, step_time.hardware(config, bench.DEVICES))
+
+    whole, strided = estimate("context=offload"), estimate("context=offload", "decoder_layer_input_stride=2")
+    t, layers = 14680064 // 64, 32
+    assert whole.host_bytes - strided.host_bytes == pytest.approx(2 * layers // 2 * t * 4096 * 2)
+    assert strided.forwards_per_layer == 1 and strided.recompute_s > whole.recompute_s
+    assert strided.host_bytes / 2 / 2**30 == pytest.approx(84.44, abs=0.01)  # the compiled program's host bytes
+    assert estimate("context=remat", "decoder_layer_input_stride=2").forwards_per_layer == 3
+
+
 def test_splash_block_is_the_most_efficient_calibrated_one_that_fits(monkeypatch):
     from maxctx.loader import load_config
     from maxctx.plan import step_time

@@ -15,12 +15,13 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
                  the zig-zag does not balance documents of mixed lengths)
     recompute    what the backward runs again: the forward of each projection whose output is recomputed (every one
                  under remat_policy=full, the `remat` ones under custom; the output projection once more with
-                 num_vocab_tiling > 1, and the MLP once more with mlp_sequence_chunks > 1 under remat) at the
-                 matmul efficiency, and (attention forwards per layer - 1) attention forwards, each
-                 RECOMPUTE_ATTENTION times a forward's share of the attention term. Forwards per layer: the
+                 num_vocab_tiling > 1, the MLP once more with mlp_sequence_chunks > 1 under remat, and every
+                 projection once more with decoder_layer_input_stride > 1) at the matmul efficiency, and
+                 (attention forwards per layer - 1) attention forwards, each RECOMPUTE_ATTENTION times a forward's
+                 share of the attention term. Forwards per layer: the
                  compiled program's count when given (maxctx.plan.program), else the policy's (1 when
                  remat_policy=none, or `context` is kept on the device or the host and the ring carries it:
-                 _keeps_attention; else 2)
+                 _keeps_attention; else 2, and 3 with decoder_layer_input_stride > 1)
     memory       bytes every step moves through HBM (maxctx.plan.roofline.traffic: weights, optimizer state, the
                  layers' matmul operands and results per pass, logits) at the HBM bandwidth; they stream beside
                  the matmuls that read and write them, so only what exceeds the matmuls' time (recompute
@@ -217,6 +218,17 @@ def per_token(config: Config, tp: int) -> dict[str, float]:
     return {"bytes": {name: w * b for name, w in widths.items()}, "flops": flops}
 
 
+def _offloading_layers(config: Config, name: str) -> int:
+    """How many layers send tensor `name` to the host when the policy offloads it: every layer, but for the layer
+    input only every decoder_layer_input_stride-th, or the first decoder_layer_input_host_layers."""
+    layers = config.base_num_decoder_layers
+    if name != "decoder_layer_input":
+        return layers
+    if config.decoder_layer_input_stride > 1:
+        return layers // config.decoder_layer_input_stride
+    return layers if config.decoder_layer_input_host_layers < 0 else config.decoder_layer_input_host_layers
+
+
 def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]) -> bool:
     """Whether the backward reuses the attention forward's outputs: always without remat; with `context` kept only
     through the ring (p2p, usp over a ring of 2 or more), whose out and log-sum-exp are named `context`
@@ -300,11 +312,12 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     model_flops = matmul_flops + shape.attention_flops(t * layers * sum(c for c, _ in pairs) / len(windows))
     # What the busiest rank's kernels run: the causal count, or the documents' own (planner_document_lengths).
     attention_flops = shape.attention_flops(t * layers * sum(r for _, r in pairs) / len(windows))
-    where = placement(config)
-    if forwards_per_layer is None:
-        forwards_per_layer = 1 if _keeps_attention(config, mesh, where) else 2
+    where, stride = placement(config), config.decoder_layer_input_stride
+    if forwards_per_layer is None:  # a strided run recomputes its layers' forwards once more, attention included
+        forwards_per_layer = 1 if _keeps_attention(config, mesh, where) else 2 + (stride > 1)
     per = per_token(config, tp)
     redone = sum(f for name, f in per["flops"].items() if where[name] == "remat") * layers * t
+    redone += sum(per["flops"].values()) * layers * t * (stride > 1)
     redone += 2 * t * shape.output_params / tp * (config.num_vocab_tiling > 1)
     redone += 2 * layers * t * shape.mlp_params / tp * (config.mlp_sequence_chunks > 1 and redone > 0)
     attention_rate = hw.peak_flops * attention_efficiency(config)
@@ -321,7 +334,8 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     other = moved["ici"] / hw.ici_bytes_per_s + moved["dcn"] / hw.dcn_bytes_per_s
     exposed = layers * cp_exposed + max(0.0, other - compute_s)
     if host_bytes is None:
-        host_bytes = 2 * layers * t * sum(per["bytes"][name] for name, w in where.items() if w == "offload")
+        host_bytes = 2 * t * sum(per["bytes"][name] * _offloading_layers(config, name)
+                                 for name, w in where.items() if w == "offload")
     host_s = host_bytes / 2 / hw.host_bytes_per_s  # one way: to the host in the forward, back in the backward
     return StepTime(matmul_s, attention_flops / attention_rate, recompute_s, memory_s,
                     layers * cp_total + other, exposed, host_s, max(0.0, host_s - compute_s / 3), model_flops,
