@@ -40,10 +40,11 @@ DCN_BYTES_PER_S. The all-to-all of a2a and usp must stay inside a slice (maxctx.
 across slices only ring-style traffic (p2p, usp's ring, all_gather's gather) crosses DCN.
 
 Ranking: fitting candidates (HBM, and host memory for offloaded tensors: maxctx.plan.remat) by step time; among
-those within TIE of the fastest (the model cannot tell them apart) the one with the most room in its tighter budget
-(the least memory, when nothing is offloaded) is chosen. Not modelled: load imbalance. docs/choosing_a_strategy.md has
-the model's assumptions and its choices against the fit table and MaxText's measurements. No JAX here, except
-the peak FLOP/s table (maxctx.metrics.peaks), imported only when a TPU's peak is needed.
+those within TIE of the fastest (the model cannot tell them apart) one that does not stride the layer input, and of
+those the one with the most room in its tighter budget (the least memory, when nothing is offloaded), is chosen.
+Not modelled: load imbalance. docs/choosing_a_strategy.md has the model's assumptions and its choices against the
+fit table and MaxText's measurements. No JAX here, except the peak FLOP/s table (maxctx.metrics.peaks), imported
+only when a TPU's peak is needed.
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
     return state + saved_inputs + work, tiles
 
 
+def _placement(config: Config) -> tuple:
+    """Where the policy puts each named tensor, and the layer input's stride when it is not 1."""
+    stride = config.decoder_layer_input_stride
+    return (*step_time.placement(config).items(), *((("decoder_layer_input_stride", stride),) if stride > 1 else ()))
+
+
 def candidates(cp: int) -> list[tuple[str, int]]:
     """(strategy, U) pairs: every registered strategy at each of its planner_degrees."""
     return [(name, u) for name, unit in strategies.STRATEGIES.items() for u in unit.planner_degrees(cp)]
@@ -264,7 +271,7 @@ def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, s
     headroom = max(memory / budget, held / host_budget if host_budget else 0.0)
     return dataclasses.replace(cand, memory_bytes=memory, compute_s=est.compute_s,
                                exposed_s=est.exposed_collective_s + est.exposed_host_s, fits=not over,
-                               dropped="; ".join(over), placement=tuple(step_time.placement(config).items()),
+                               dropped="; ".join(over), placement=_placement(config),
                                host_bytes=held, forwards_per_layer=est.forwards_per_layer, headroom=headroom)
 
 
@@ -280,6 +287,12 @@ def _shown(costed: list[Candidate]) -> list[Candidate]:
     return ranked[:PLACEMENTS_SHOWN]
 
 
+def _strided(c: Candidate) -> bool:
+    """Whether the candidate strides the layer input (every layer's forward runs once more): among tied candidates
+    one without a stride wins, so a stride is chosen only where it is faster (module doc)."""
+    return dict(c.placement).get("decoder_layer_input_stride", 1) > 1
+
+
 def _rank(cands: list[Candidate]) -> list[Candidate]:
     """Fitting ones by step time (the least memory among the tied fastest first), then the ones over HBM by
     memory (when none fits, auto takes the least memory and the compile says whether it fits), then the invalid."""
@@ -288,7 +301,7 @@ def _rank(cands: list[Candidate]) -> list[Candidate]:
     too_big = sorted((c for c in cands if c.valid and not c.fits), key=lambda c: c.memory_bytes)
     if fitting:
         tied = [c for c in fitting if c.step_s <= fitting[0].step_s * (1 + TIE)]
-        best = min(tied, key=lambda c: (c.headroom, c.memory_bytes, c.attention_bytes))
+        best = min(tied, key=lambda c: (_strided(c), c.headroom, c.memory_bytes, c.attention_bytes))
         fitting.remove(best)
         fitting.insert(0, best)
     return fitting + too_big + invalid

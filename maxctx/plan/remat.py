@@ -11,7 +11,9 @@ chosen by the planner (maxctx.plan.planner) to minimise the step-time model's pr
 
 The placements searched: the layer input on the device or offloaded (a scanned layer's input is the scan's
 residual, so `remat` would keep it on the device all the same); the query, key and value projections together;
-`context`, `out_proj`, `mlpwi`, `mlpwo` each: 2 x 3^5 = 486 per strategy, each estimated by
+`context`, `out_proj`, `mlpwi`, `mlpwo` each: 2 x 3^5 = 486 per strategy, and with the layer input offloaded,
+each again with `decoder_layer_input_stride=2` (only every other layer's input on the host, every layer's forward
+once more in the backward; where the layers split into runs of 2) - 729 in all, each estimated by
 maxctx.plan.step_time (about 50 us each). Among the fitting placements within planner.TIE of the fastest (the
 model cannot tell them apart), the one with the most headroom in the tighter budget wins: the larger of HBM used /
 HBM budget and host used / host budget is the smallest.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from maxctx.config import REMAT_NAMES, Config, ConfigError
+from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
 from maxctx.plan import step_time, topology
 
 # Of the host DRAM per device: the rest for the OS, the training process, the input pipeline and checkpoint
@@ -77,7 +79,17 @@ def placements(config: Config) -> list[dict[str, str]]:
         if not offload and "offload" in combo:
             continue
         out.append({name: where for group, where in zip(GROUPS, combo) for name in group})
+        if combo[0] == "offload" and _can_stride(config):  # the input of every other layer only
+            out.append({**out[-1], "decoder_layer_input_stride": 2})
     return out
+
+
+def _can_stride(config: Config) -> bool:
+    """Whether decoder_layer_input_stride=2 is a candidate: the config sets no stride or host layers of its own,
+    and its scanned layers split into runs of 2 periods (maxctx.validate)."""
+    period = len(layer_windows(config))
+    return (config.scan_layers and config.decoder_layer_input_stride == 1
+            and config.decoder_layer_input_host_layers < 0 and config.base_num_decoder_layers % (2 * period) == 0)
 
 
 def apply(config: Config, where: dict[str, str]) -> Config:
@@ -89,17 +101,20 @@ def apply(config: Config, where: dict[str, str]) -> Config:
 
 
 def held_host_bytes(config: Config, tp: int) -> float:
-    """Bytes per device the offloaded tensors hold in host memory: every layer's, L x tokens per device x bytes."""
+    """Bytes per device the offloaded tensors hold in host memory: each offloading layer's (every layer, but the
+    layer input of every decoder_layer_input_stride-th), tokens per device x bytes."""
     per = step_time.per_token(config, tp)["bytes"]
     tokens = config.per_device_batch_size * tp * config.max_target_length
     where = step_time.placement(config)
-    return config.base_num_decoder_layers * tokens * sum(per[n] for n, w in where.items() if w == "offload")
+    return tokens * sum(per[n] * step_time.offloading_layers(config, n) for n, w in where.items() if w == "offload")
 
 
 def describe(where: dict[str, str], forwards_per_layer: float) -> tuple[str, str]:
     """(the placement in short, what the backward recomputes) for the planner's table."""
     groups = {g[0]: where[g[0]] for g in GROUPS}
     short = " ".join(f"{SHORT[n]}={w}" for n, w in groups.items() if w != "remat")
+    if where.get("decoder_layer_input_stride", 1) > 1:
+        short += f" stride={where['decoder_layer_input_stride']}"
     redone = [SHORT[n] for n, w in groups.items() if w == "remat" and n != "decoder_layer_input"]
     if forwards_per_layer > 1:
         redone.insert(0, "attention")

@@ -218,7 +218,7 @@ def per_token(config: Config, tp: int) -> dict[str, float]:
     return {"bytes": {name: w * b for name, w in widths.items()}, "flops": flops}
 
 
-def _offloading_layers(config: Config, name: str) -> int:
+def offloading_layers(config: Config, name: str) -> int:
     """How many layers send tensor `name` to the host when the policy offloads it: every layer, but for the layer
     input only every decoder_layer_input_stride-th, or the first decoder_layer_input_host_layers."""
     layers = config.base_num_decoder_layers
@@ -334,7 +334,7 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     other = moved["ici"] / hw.ici_bytes_per_s + moved["dcn"] / hw.dcn_bytes_per_s
     exposed = layers * cp_exposed + max(0.0, other - compute_s)
     if host_bytes is None:
-        host_bytes = 2 * t * sum(per["bytes"][name] * _offloading_layers(config, name)
+        host_bytes = 2 * t * sum(per["bytes"][name] * offloading_layers(config, name)
                                  for name, w in where.items() if w == "offload")
     host_s = host_bytes / 2 / hw.host_bytes_per_s  # one way: to the host in the forward, back in the backward
     return StepTime(matmul_s, attention_flops / attention_rate, recompute_s, memory_s,
