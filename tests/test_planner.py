@@ -334,6 +334,20 @@ def test_remat_auto_at_14m_keeps_attention_with_every_other_layer_input_on_the_h
     assert (config.context, config.decoder_layer_input, config.decoder_layer_input_stride) == ("offload", "offload", 2)
     assert plan.choice.forwards_per_layer == 1
     assert plan.choice.host_bytes / 2**30 == pytest.approx(84.44, abs=0.01)
+    # --verify builds each candidate from the resolved config: one without a stride gets stride 1 back
+    unstrided = next(c for c in plan.ranked if "stride" not in c.placed and c.valid)
+    assert planner.candidate_config(config, "p2p", 1, dict(unstrided.placement)).decoder_layer_input_stride == 1
+
+
+def test_a_stride_counts_runs_of_the_layer_pattern():
+    """With a pattern of 2 layers (local, global) and stride 2, a run is 4 layers: 8 of 32 inputs go to the host."""
+    from maxctx.plan import step_time
+
+    config = load_config(RECIPE + ["max_target_length=1048576", "sliding_window_size=4096",
+                                   "attention_layer_pattern=LG", "remat_policy=custom",
+                                   "decoder_layer_input=offload", "decoder_layer_input_stride=2"])
+    assert step_time.offloading_layers(config, "decoder_layer_input") == 8
+    assert step_time.offloading_layers(config, "context") == 32
 
 
 def test_remat_auto_chooses_every_tensor_and_offloads_only_to_a_known_host():

@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 from maxctx.attention import strategies
 from maxctx.attention.cost import AttentionShape
-from maxctx.config import Config, ConfigError
+from maxctx.config import Config, ConfigError, layer_windows
 from maxctx.model.shape import ModelShape, dtype_bytes
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
 from maxctx.plan import documents, remat, step_time, topology
@@ -96,7 +96,8 @@ class Candidate:
     fits: bool = False
     dropped: str = ""  # why it is not a choice: the config rule it breaks, or the memory it needs
     valid: bool = True  # False: a config rule drops it (no estimates)
-    placement: tuple[tuple[str, str], ...] = ()  # (name, remat | device | offload) for each of REMAT_NAMES
+    # (name, remat | device | offload) for each of REMAT_NAMES, and ("decoder_layer_input_stride", N)
+    placement: tuple[tuple[str, str | int], ...] = ()
     host_bytes: float = 0.0  # what the offloaded tensors hold in host memory per device (remat.held_host_bytes)
     forwards_per_layer: float = 0.0  # attention forwards per layer the estimate assumes (2: recomputed)
     headroom: float = 0.0  # the larger of HBM / its budget and host / its budget (remat's tie-break)
@@ -156,8 +157,11 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
     params, wb = shape.num_params, shape.weight_itemsize
     tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
-    saved_inputs = 0 if offloaded else layers * tokens * config.base_emb_dim * b
+    stride = config.decoder_layer_input_stride  # only the input of each run of `stride` periods is kept
+    kept_inputs = layers // (stride * len(layer_windows(config))) if stride > 1 else layers
+    saved_inputs = 0 if offloaded else kept_inputs * tokens * config.base_emb_dim * b
     work = (LAYER_WORK_BYTES if offloaded else LAYER_WORK_BYTES_INPUTS_ON_DEVICE) * tokens * config.base_emb_dim
+    work += (stride - 1) * tokens * config.base_emb_dim * b  # a run's recomputed inputs, held through its backward
     # What else the policy keeps in HBM for the backward (the attention output under context=device, ...)
     kept = step_time.per_token(config, tp)["bytes"]
     saved_inputs += remat.KEPT_ON_DEVICE * layers * tokens * sum(
@@ -170,9 +174,9 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
 
 
 def _placement(config: Config) -> tuple:
-    """Where the policy puts each named tensor, and the layer input's stride when it is not 1."""
-    stride = config.decoder_layer_input_stride
-    return (*step_time.placement(config).items(), *((("decoder_layer_input_stride", stride),) if stride > 1 else ()))
+    """Where the policy puts each named tensor, and the layer input's stride (so a candidate applied to a config
+    resolved with another stride gets its own: --verify)."""
+    return (*step_time.placement(config).items(), ("decoder_layer_input_stride", config.decoder_layer_input_stride))
 
 
 def candidates(cp: int) -> list[tuple[str, int]]:

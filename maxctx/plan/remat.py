@@ -15,7 +15,8 @@ residual, so `remat` would keep it on the device all the same); the query, key a
 each again with `decoder_layer_input_stride=2` (only every other layer's input on the host, every layer's forward
 once more in the backward; where the layers split into runs of 2) - 729 in all, each estimated by
 maxctx.plan.step_time (about 50 us each). Among the fitting placements within planner.TIE of the fastest (the
-model cannot tell them apart), the one with the most headroom in the tighter budget wins: the larger of HBM used /
+model cannot tell them apart), one without the stride, and of those the one with the most headroom in the tighter
+budget, wins: the larger of HBM used /
 HBM budget and host used / host budget is the smallest.
 """
 

@@ -220,12 +220,13 @@ def per_token(config: Config, tp: int) -> dict[str, float]:
 
 def offloading_layers(config: Config, name: str) -> int:
     """How many layers send tensor `name` to the host when the policy offloads it: every layer, but for the layer
-    input only every decoder_layer_input_stride-th, or the first decoder_layer_input_host_layers."""
+    input only the first of each run of decoder_layer_input_stride periods of the layer pattern, or the first
+    decoder_layer_input_host_layers."""
     layers = config.base_num_decoder_layers
     if name != "decoder_layer_input":
         return layers
     if config.decoder_layer_input_stride > 1:
-        return layers // config.decoder_layer_input_stride
+        return layers // (config.decoder_layer_input_stride * len(layer_windows(config)))
     return layers if config.decoder_layer_input_host_layers < 0 else config.decoder_layer_input_host_layers
 
 
