@@ -55,6 +55,8 @@ def test_layer_inputs_split_or_strided_give_the_same_gradients():
     everything = loss_and_grads(*keys)
     assert_same(everything, loss_and_grads(*keys, "decoder_layer_input_host_layers=1"))
     assert_same(everything, loss_and_grads(*keys, "decoder_layer_input_stride=2"))
+    # attention's output offloaded too: a run's layers are unrolled (maxctx.model.decoder._strided_scan)
+    assert_same(everything, loss_and_grads(*keys, "context=offload", "decoder_layer_input_stride=2"))
 
 
 def test_a_large_layer_input_goes_to_the_host_in_pieces(monkeypatch):
