@@ -31,12 +31,15 @@ import numpy as np
 PASS_AXIS = {"fwd_mask_info": 2, "dq_mask_info": 2, "dkv_mask_info": 1}
 
 
+def block_ranges(pos, seg):
+    """(segment min, segment max, position min, position max) over the last axis (one block's tokens)."""
+    return seg.min(-1), seg.max(-1), pos.min(-1), pos.max(-1)
+
+
 def summaries(positions_BS, segment_ids_BS, block: int, xp):
     """Per block of `block` tokens: (segment min, segment max, position min, position max), each [B, blocks]."""
     b, s = positions_BS.shape
-    pos = positions_BS.reshape(b, s // block, block)
-    seg = segment_ids_BS.reshape(b, s // block, block)
-    return seg.min(-1), seg.max(-1), pos.min(-1), pos.max(-1)
+    return block_ranges(positions_BS.reshape(b, s // block, block), segment_ids_BS.reshape(b, s // block, block))
 
 
 def pair_visible(q_sum, kv_sum, window: int, xp):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from maxctx.attention.cost import ATTENTION_FORWARD_SCOPE
-from maxctx.attention.document_blocks import pair_visible
+from maxctx.attention.document_blocks import block_ranges, pair_visible
 from maxctx.attention.dot_product import mask_from_positions
 
 
@@ -53,12 +53,6 @@ def _unblocks(x):
 def _scores(q_BQKGD, k_BCKD, mask_BQC, scale):
     s = jnp.einsum("BQKGD,BCKD->BKGQC", q_BQKGD, k_BCKD, preferred_element_type=jnp.float32) * scale
     return jnp.where(mask_BQC[:, None, None], s, -jnp.inf)
-
-
-def _ranges(pos, seg):
-    """Per block (the last axis's tokens): (segment min, segment max, position min, position max), each over the
-    batch rows as the leading axes."""
-    return seg.min(-1), seg.max(-1), pos.min(-1), pos.max(-1)
 
 
 def _may_see(q_range, k_range, window: int):
@@ -98,12 +92,12 @@ def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, bloc
     q_blocks = _blocks(q_BSHD.reshape(b, s, k, g, d), nq)
     qp_blocks, qs_blocks = _blocks(q_pos, nq), _blocks(q_seg, nq)
     kp_blocks, ks_blocks = _blocks(kv_pos, nk), _blocks(kv_seg, nk)
-    kv_blocks = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), kp_blocks, ks_blocks, _ranges(kp_blocks, ks_blocks))
+    kv_blocks = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), kp_blocks, ks_blocks, block_ranges(kp_blocks, ks_blocks))
 
     def one_q_block(args):
         q_BQKGD, qp, qs = args
         bq = q_BQKGD.shape[1]
-        q_range = _ranges(qp, qs)
+        q_range = block_ranges(qp, qs)
 
         def step(carry, kv):
             k_BCKD, v_BCKD, kp, ks, k_range = kv
@@ -158,9 +152,9 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
 
     qp_blocks, qs_blocks = _blocks(q_pos, nq), _blocks(q_seg, nq)
     q_side = (_blocks(q_BSHD.reshape(b, s, k, g, d), nq), _blocks(dout_BSHD.reshape(b, s, k, g, d), nq),
-              by_q(lse), by_q(delta), qp_blocks, qs_blocks, _ranges(qp_blocks, qs_blocks), jnp.arange(nq))
+              by_q(lse), by_q(delta), qp_blocks, qs_blocks, block_ranges(qp_blocks, qs_blocks), jnp.arange(nq))
     kp_blocks, ks_blocks = _blocks(kv_pos, nk), _blocks(kv_seg, nk)
-    kv_side = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), kp_blocks, ks_blocks, _ranges(kp_blocks, ks_blocks))
+    kv_side = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), kp_blocks, ks_blocks, block_ranges(kp_blocks, ks_blocks))
 
     def kv_step(dq, kv):
         k_BCKD, v_BCKD, kp, ks, k_range = kv

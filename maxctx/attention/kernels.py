@@ -76,13 +76,17 @@ class LocalKernel:
             branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals,
                                           ids=(q_pos, kv_pos, self.window, None)) for kern in self.splash_kernels]
             return self._pick(hop, branches, q, k, v, q_seg, kv_seg)
-        values = document_blocks.query_values(q_pos, q_seg, kv_pos, kv_seg)
-        rows = [splash.splash_call(self.splash_kernels[0], *_row(b, q, k, v, q_seg, kv_seg),
-                                   save_residuals=save_residuals,
-                                   ids=(*_row(b, q_pos, kv_pos), self.window, values[b:b + 1]))
-                for b in range(q.shape[0])]
+        call = functools.partial(splash.splash_call, self.splash_kernels[0], save_residuals=save_residuals)
+        rows = self._document_rows(call, q_pos, q_seg, kv_pos, kv_seg, q, k, v, q_seg, kv_seg)
         out = jnp.concatenate([o for o, _ in rows])
         return out, (jnp.concatenate([lse for _, lse in rows]) if save_residuals else None)
+
+    def _document_rows(self, fn, q_pos, q_seg, kv_pos, kv_seg, *arrays) -> list:
+        """A documents call, one batch row at a time: fn(*the row's `arrays`, ids=...) with the row's positions,
+        the window and the row's q_sequence (document_blocks.query_values), for each row."""
+        values = document_blocks.query_values(q_pos, q_seg, kv_pos, kv_seg)
+        return [fn(*_row(b, *arrays), ids=(*_row(b, q_pos, kv_pos), self.window, values[b:b + 1]))
+                for b in range(arrays[0].shape[0])]
 
     def _gathered(self, k, v, kv_pos, kv_seg):
         """A documents call's gathered keys, put back in document order (sort_keys); others as they are."""
@@ -135,10 +139,8 @@ class LocalKernel:
             kern = self.splash_kernels[0]
             if not splash_backward.has_backward(kern):
                 return blockwise()
-            values = document_blocks.query_values(q_pos, q_seg, kv_pos, kv_seg)
-            rows = [splash_backward.hop_backward(kern, *_row(b, q, k, v, q_seg, kv_seg, out, lse, dout),
-                                                 ids=(*_row(b, q_pos, kv_pos), self.window, values[b:b + 1]))
-                    for b in range(q.shape[0])]
+            rows = self._document_rows(functools.partial(splash_backward.hop_backward, kern), q_pos, q_seg, kv_pos,
+                                       kv_seg, q, k, v, q_seg, kv_seg, out, lse, dout)
             return tuple(jnp.concatenate(parts) for parts in zip(*rows))
         branches = [functools.partial(splash_backward.hop_backward, kern, ids=(q_pos, kv_pos, self.window, None))
                     if splash_backward.has_backward(kern) else blockwise for kern in self.splash_kernels]

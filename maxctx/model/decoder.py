@@ -16,9 +16,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.model.layers import DecoderLayer, ModelConfig, RMSNorm, names_policy, param, remat_names
+from maxctx.model.layers import (
+    DecoderLayer,
+    ModelConfig,
+    RMSNorm,
+    constrain_activations,
+    names_policy,
+    param,
+    remat_names,
+)
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
@@ -51,11 +58,6 @@ class Decoder(nnx.Module):
         if not cfg.tied_embedding:
             self.unembed = param(rngs, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), wd)
         self.cfg, self.mesh = cfg, mesh
-
-    def _constrain(self, x_BSD):
-        if self.mesh is None:
-            return x_BSD
-        return jax.lax.with_sharding_constraint(x_BSD, NamedSharding(self.mesh, P(BATCH_AXES, CONTEXT_AXES, None)))
 
     def __call__(self, inputs_BS, positions_BS, segment_ids_BS):
         """Returns fp32 logits [B, S, V]."""
@@ -96,7 +98,7 @@ class Decoder(nnx.Module):
             x = jnp.einsum("BSV,VD->BSD", one_hot_BSV, embed_VD, precision=jax.lax.Precision.HIGHEST)
         else:
             x = jnp.take(embed_VD, inputs_BS, axis=0)
-        x = self._constrain(x.astype(cfg.dtype))
+        x = constrain_activations(x.astype(cfg.dtype), self.mesh)
         graphdef, stacked = nnx.split(self.layers)
 
         windows = cfg.layer_windows
@@ -107,7 +109,7 @@ class Decoder(nnx.Module):
                 layer = nnx.merge(graphdef, layer_state)
                 if tag:  # untagged inside a strided run: its policy would keep every layer's input (module doc)
                     x_BSD = name_layer_input(x_BSD, self.mesh)
-                return self._constrain(layer(x_BSD, positions_BS, segment_ids_BS, window))
+                return constrain_activations(layer(x_BSD, positions_BS, segment_ids_BS, window), self.mesh)
 
             if cfg.remat_policy != "none":
                 return jax.checkpoint(layer_fn, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)

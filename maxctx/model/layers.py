@@ -147,9 +147,9 @@ class Attention(nnx.Module):
             # Cast and gathered over the embed axis outside the group's remat, so the backward's recompute of a
             # group reuses them: the layer gathers its weights as often as unchunked (forward, and remat's forward).
             group_weights = [self._gathered(w.astype(self.cfg.dtype), a) for w, a in zip(group_weights, axes)]
-            return out_BSD + self._constrain(group(*group_weights)), None
+            return out_BSD + constrain_activations(group(*group_weights), self.mesh), None
 
-        out_BSD, _ = jax.lax.scan(body, self._constrain(jnp.zeros_like(x_BSD)), groups)
+        out_BSD, _ = jax.lax.scan(body, constrain_activations(jnp.zeros_like(x_BSD), self.mesh), groups)
         return checkpoint_name(out_BSD, "out_proj")
 
     def _heads(self, x_BSD, positions_BS, segment_ids_BS, spec, wq, wk, wv, wo):
@@ -169,10 +169,13 @@ class Attention(nnx.Module):
         spec = logical_to_spec(tuple(None if name == "embed" else name for name in axes), w.shape, self.mesh)
         return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
 
-    def _constrain(self, x_BSD):
-        if self.mesh is None:
-            return x_BSD
-        return jax.lax.with_sharding_constraint(x_BSD, NamedSharding(self.mesh, P(BATCH_AXES, CONTEXT_AXES, None)))
+
+
+def constrain_activations(x_BSD, mesh):
+    """x[B, S, D] laid out as activations between layers: batch over (data, fsdp), sequence over the context axes."""
+    if mesh is None:
+        return x_BSD
+    return jax.lax.with_sharding_constraint(x_BSD, NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXES, None)))
 
 
 def _head_groups(w, axis: int, n: int, tensor: int):

@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 from maxctx.attention import strategies
 from maxctx.attention.cost import AttentionShape
-from maxctx.config import Config, ConfigError, layer_windows
+from maxctx.config import Config, ConfigError
 from maxctx.model.shape import ModelShape, dtype_bytes
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
 from maxctx.plan import documents, remat, step_time, topology
@@ -157,11 +157,10 @@ def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
     params, wb = shape.num_params, shape.weight_itemsize
     tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
-    stride = config.decoder_layer_input_stride  # only the input of each run of `stride` periods is kept
-    kept_inputs = layers // (stride * len(layer_windows(config))) if stride > 1 else layers
-    saved_inputs = 0 if offloaded else kept_inputs * tokens * config.base_emb_dim * b
+    saved_inputs = 0 if offloaded else step_time.kept_layer_inputs(config) * tokens * config.base_emb_dim * b
     work = (LAYER_WORK_BYTES if offloaded else LAYER_WORK_BYTES_INPUTS_ON_DEVICE) * tokens * config.base_emb_dim
-    work += (stride - 1) * tokens * config.base_emb_dim * b  # a run's recomputed inputs, held through its backward
+    # a strided run's recomputed inputs, held through its backward
+    work += (config.decoder_layer_input_stride - 1) * tokens * config.base_emb_dim * b
     # What else the policy keeps in HBM for the backward (the attention output under context=device, ...)
     kept = step_time.per_token(config, tp)["bytes"]
     saved_inputs += remat.KEPT_ON_DEVICE * layers * tokens * sum(

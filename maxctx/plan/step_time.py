@@ -222,12 +222,20 @@ def offloading_layers(config: Config, name: str) -> int:
     """How many layers send tensor `name` to the host when the policy offloads it: every layer, but for the layer
     input only the first of each run of decoder_layer_input_stride periods of the layer pattern, or the first
     decoder_layer_input_host_layers."""
-    layers = config.base_num_decoder_layers
     if name != "decoder_layer_input":
-        return layers
+        return config.base_num_decoder_layers
     if config.decoder_layer_input_stride > 1:
-        return layers // (config.decoder_layer_input_stride * len(layer_windows(config)))
-    return layers if config.decoder_layer_input_host_layers < 0 else config.decoder_layer_input_host_layers
+        return kept_layer_inputs(config)
+    return config.base_num_decoder_layers if config.decoder_layer_input_host_layers < 0 else \
+        config.decoder_layer_input_host_layers
+
+
+def kept_layer_inputs(config: Config) -> int:
+    """Layers whose input the remat policy keeps (on the device or the host): every layer, or with
+    decoder_layer_input_stride N the first of each run of N periods of the layer pattern."""
+    stride = config.decoder_layer_input_stride
+    return config.base_num_decoder_layers // (stride * len(layer_windows(config))) if stride > 1 else \
+        config.base_num_decoder_layers
 
 
 def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]) -> bool:
