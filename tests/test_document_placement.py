@@ -51,6 +51,12 @@ def test_batches_are_placed_row_by_row_and_refuse_unordered_documents():
         assert np.array_equal(placed["inputs"][b], batch["inputs"][b][perm])
     with pytest.raises(ValueError, match="segment ids increasing along the row"):
         document_permutation(pos, 3 - seg, 4)
+    # the input pipeline refuses such a batch as bad data: one line from train.py (maxctx.data.DataError)
+    from maxctx.data import DataError
+    from maxctx.data.pipeline import CPReorder
+
+    with pytest.raises(DataError, match="segment ids increasing along the row"):
+        CPReorder(4, "documents")({**batch, "segment_ids": 3 - batch["segment_ids"]})
 
 
 def test_narrowed_tables_run_only_blocks_that_hold_a_visible_pair():

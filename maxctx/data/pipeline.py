@@ -54,7 +54,16 @@ class CPReorder:
         self.cp, self.mode = cp, mode
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return reorder_batch(batch, self.cp, self.mode)
+        return reorder(batch, self.cp, self.mode)
+
+
+def reorder(batch: dict[str, np.ndarray], cp: int, mode) -> dict[str, np.ndarray]:
+    """reorder_batch, with a row the documents placement cannot take (documents not numbered in order) refused as
+    DataError: one line from train.py, not a traceback."""
+    try:
+        return reorder_batch(batch, cp, mode)
+    except ValueError as e:
+        raise DataError(str(e)) from None
 
 
 class DataIterator:
@@ -115,7 +124,7 @@ class SyntheticIterator:
         parts = [self.source.batch(self.step, slice(start, stop)) for start, stop in self.layout.row_blocks]
         local = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
         self.step += 1
-        return to_global_arrays(reorder_batch(local, self.cp, self.mode), self.mesh, self.layout)
+        return to_global_arrays(reorder(local, self.cp, self.mode), self.mesh, self.layout)
 
     def get_state(self) -> dict[str, Any]:
         return {"process_index": jax.process_index(), "process_count": jax.process_count(), "step": self.step}
