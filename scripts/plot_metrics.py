@@ -3,8 +3,8 @@ loss by position and passkey heatmaps.
 
     python scripts/plot_metrics.py outputs/run_p2p outputs/run_a2a --out plots/
 
-writes plots/loss.png (eval loss dashed, when present), plots/tokens_per_sec.png and plots/mfu.png. Each run
-is labelled by its directory name. When eval records hold them (training evals, `python -m maxctx.evaluate`):
+writes plots/summary.png (loss and MFU side by side: the picture in the README), plots/loss.png (eval loss
+dashed, when present), plots/tokens_per_sec.png and plots/mfu.png. Each run is labelled by its directory name. When eval records hold them (training evals, `python -m maxctx.evaluate`):
 plots/loss_by_position.png, one curve per eval record (each run's evals at several checkpoints, or several runs of
 maxctx.evaluate) of the mean loss against the position in the document, log x; and plots/passkey.png, the passkey
 accuracy of each run's latest eval by length and depth, one heatmap per run. Needs matplotlib.
@@ -63,7 +63,7 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
 
     runs = {os.path.basename(os.path.normpath(d)) or d: read_run(d) for d in run_dirs}
     os.makedirs(out_dir, exist_ok=True)
-    written = []
+    written = [plot_summary(runs, os.path.join(out_dir, "summary.png"), plt)]
     for file_name, key, label, scale in PLOTS:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for name, records in runs.items():
@@ -90,6 +90,26 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
         if path:
             written.append(path)
     return written
+
+
+def plot_summary(runs: dict[str, dict[str, list[dict]]], path: str, plt) -> str:
+    """Loss (evals dashed) and MFU against step in one figure of two panels, runs overlaid."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (key, label, scale) in zip(axes, (("loss", "loss", 1.0), ("mfu", "MFU (%)", 100.0))):
+        for name, records in runs.items():
+            steps, values = _series(records["train"], key, scale)
+            if steps:
+                ax.plot(steps, values, label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} vs step")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _bucket_middle(label: str) -> float:
@@ -153,7 +173,7 @@ def plot_passkey(runs: dict[str, dict[str, list[dict]]], path: str, plt) -> str 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
     parser.add_argument("--out", default="metrics_plots", help="folder for the PNGs (default: metrics_plots)")
     args = parser.parse_args(argv)

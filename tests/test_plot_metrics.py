@@ -35,6 +35,13 @@ def test_two_runs_give_valid_pngs(tmp_path):
         width, height = struct.unpack(">II", data[16:24])
         assert (width, height) == (800, 450), name
         assert len(data) > 5000, name  # axes, two lines and a legend, not an empty canvas
+    summary = (out / "summary.png").read_bytes()  # loss and MFU side by side (the README's picture)
+    assert summary[:8] == PNG_SIGNATURE and struct.unpack(">II", summary[16:24]) == (1100, 400)
+
+
+def test_help_is_whole_sentences():
+    result = python(PLOT, "--help", timeout=60)
+    assert result.returncode == 0 and "passkey heatmaps." in " ".join(result.stdout.split()), result.stdout
 
 
 def test_missing_run_dir_is_an_error(tmp_path):
