@@ -7,7 +7,7 @@ A MaxText key is one of
 - MAXTEXT_ONLY: a key for something maxctx does not do. Given the value that asks for what maxctx does anyway (for
   example enable_goodput_recording=false) it is accepted and has no effect; any other value is refused with
   "MaxText's <key> is not supported by maxctx: <why, what to do>".
-The README's "MaxText compatibility" section is the table of all three.
+docs/from_maxtext.md is the table of all three.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if get_origin(kind) is Literal:
         return _choose(key, value, source)
     bad = ConfigError(f"{key}={value!r} (from {source}) is not a valid {kind.__name__}; "
-                      f"give a {kind.__name__}, e.g. {key}={Config.__dataclass_fields__[key].default!r}")
+                      f"give {"an" if kind.__name__[0] in "aeiou" else "a"} {kind.__name__}, e.g. {key}={Config.__dataclass_fields__[key].default!r}")
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -218,7 +218,7 @@ def usage(command: str, what: str) -> str:
     return (f"usage: {command} [CONFIG.yml] key=value ...\n{what}\n"
             f"Settings, later wins: {os.path.join(REPO_CONFIG_DIR, 'base.yml')}, the model preset of model_name "
             f"({os.path.join(REPO_CONFIG_DIR, 'models')}), CONFIG.yml, then the key=value overrides. Every key is "
-            f"documented in base.yml; MaxText's key names are accepted (README: MaxText compatibility).")
+            f"documented in base.yml; MaxText's key names are accepted (docs/from_maxtext.md).")
 
 
 def find_yaml(path: str) -> str:
