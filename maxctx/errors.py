@@ -15,3 +15,8 @@ def did_you_mean(value: str, options: Iterable[str], cutoff: float = 0.5, otherw
     """"did you mean 'x'?" for the closest of `options`, or `otherwise` when none is close enough."""
     match = difflib.get_close_matches(value, list(options), n=1, cutoff=cutoff)
     return f"did you mean '{match[0]}'?" if match else otherwise
+
+
+def article(noun: str) -> str:
+    """'an int', 'a str': a type or key name with its article, for messages built from names."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"

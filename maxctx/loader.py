@@ -25,7 +25,7 @@ import yaml
 from maxctx import compat
 from maxctx.attention import strategies
 from maxctx.config import FIELD_TYPES, MODEL_KEYS, Config, choices
-from maxctx.errors import ConfigError, did_you_mean
+from maxctx.errors import ConfigError, article, did_you_mean
 from maxctx.plan import planner
 from maxctx.validate import check_devices, validate
 
@@ -96,7 +96,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if get_origin(kind) is Literal:
         return _choose(key, value, source)
     bad = ConfigError(f"{key}={value!r} (from {source}) is not a valid {kind.__name__}; "
-                      f"give {"an" if kind.__name__[0] in "aeiou" else "a"} {kind.__name__}, e.g. {key}={Config.__dataclass_fields__[key].default!r}")
+                      f"give {article(kind.__name__)}, e.g. {key}={Config.__dataclass_fields__[key].default!r}")
     if kind is bool:
         if isinstance(value, bool):
             return value
