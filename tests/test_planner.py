@@ -103,6 +103,20 @@ def test_compile_plan_prints_the_table(capsys):
     assert out[2].lstrip().startswith("->")
     rows = json.loads(out[-1])["plan"]
     assert len(rows) == 5 and rows[0]["fits"]
+    assert out[-2].startswith(f"  -> marked: {rows[0]['label']}, ") and "the fastest that fits" in out[-2], out[-2]
+
+
+def test_the_marked_row_says_which_rule_chose_it():
+    """A row within TIE of the fastest wins by the tie-break, and the line under the table says so."""
+    hw = planner.Hardware("t", 1e12, 64 * planner.GIB, 1e12, 1e9, (8,))
+    row = functools.partial(planner.Candidate, cp=8, fits=True, memory_bytes=planner.GIB)
+    fast, tied = row("p2p", 1, compute_s=1.0, headroom=0.9), row("usp", 2, compute_s=1.005, headroom=0.5)
+    over = row("all_gather", 1, compute_s=0.5, fits=False, memory_bytes=80 * planner.GIB)
+    line = planner.why_chosen(planner.Plan(hw, 8, (tied, fast, over)))
+    assert line.startswith(f"  -> marked: {tied.label}, 1.005 s, within 1% of the fastest that fits (p2p, 1 s)")
+    assert "the most memory headroom decides" in line and "1 faster row(s) need more memory" in line, line
+    assert "the fastest that fits" in planner.why_chosen(planner.Plan(hw, 8, (fast, tied)))
+    assert "none fits" in planner.why_chosen(planner.Plan(hw, 8, (over,)))
 
 
 def maxtext_plan(model: str, length: int, cp: int, fsdp: int

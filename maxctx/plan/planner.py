@@ -348,7 +348,28 @@ def format_plan(p: Plan) -> list[str]:
         lines.append(f"  {mark:2}{c.label:<12} {c.attention_bytes / GIB:>6.2f} GiB {c.memory_bytes / GIB:>6.1f} GiB "
                      f"{c.host_bytes / GIB:>6.1f} GiB {_seconds(c.step_s):>12} {_seconds(c.exposed_s):>13} "
                      f"{c.forwards_per_layer:>9g}  {c.placed} -> {c.recomputed}{note}")
-    return lines
+    return [*lines, why_chosen(p)]
+
+
+def why_chosen(p: Plan) -> str:
+    """One line saying which rule of `_rank` put the marked row first (docs/choosing_a_strategy.md)."""
+    best, budget = p.choice, FIT_FRACTION * p.hardware.hbm_bytes
+    if not best.valid:
+        return "  -> marked: no candidate is valid for this config (each row says why)"
+    if not best.fits:
+        return (f"  -> marked: none fits in {budget / GIB:.1f} GiB ({FIT_FRACTION:.0%} of HBM) by the estimate, so "
+                f"the one needing the least memory; compile it (python -m maxctx.compile) to see whether it fits")
+    fastest = min((c for c in p.ranked if c.fits), key=lambda c: c.step_s)
+    why = f"  -> marked: {best.label}, {_seconds(best.step_s)}, "
+    if fastest is best:
+        why += f"the fastest that fits in {budget / GIB:.1f} GiB ({FIT_FRACTION:.0%} of HBM) and its host budget"
+    else:
+        rule = ("no layer-input stride (one forward less per layer)" if _strided(fastest) and not _strided(best)
+                else "the most memory headroom")
+        why += (f"within {TIE:.0%} of the fastest that fits ({fastest.label}, {_seconds(fastest.step_s)}), which "
+                f"count as tied; among tied rows {rule} decides")
+    over = [c for c in p.ranked if c.valid and not c.fits and c.step_s < best.step_s * (1 - TIE)]
+    return why + (f"; {len(over)} faster row(s) need more memory than the budgets" if over else "")
 
 
 def _seconds(x: float) -> str:
