@@ -67,8 +67,8 @@ def tfds_local_dir(data_dir: str, dataset_name: str) -> str:
     if not storage.is_remote(data_dir):
         return data_dir
     name = dataset_name.split(":")[0].strip("/")
-    local = storage.local_copy(f"{data_dir.rstrip('/')}/{name}")
-    return local[: -len(name)].rstrip("/")
+    storage.local_copy(f"{data_dir.rstrip('/')}/{name}")
+    return storage.local_path(data_dir)
 
 
 def check_remote_paths(config: Config) -> None:

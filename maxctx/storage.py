@@ -122,13 +122,35 @@ def glob(pattern: str, key: str) -> list[str]:
     return [f"gs://{name}" for name, info in matches.items() if info.get("type") == "file"]
 
 
-def _local_path(url: str) -> str:
+def join_under(root: str, name: str, what: str, fix: str) -> str:
+    """`root`/`name` normalised, for a `name` that comes from outside (an object name from a bucket listing, a file
+    named inside a downloaded file): ConfigError naming `what` (where the name came from) and `fix` when the name is
+    absolute, has an empty segment, names `root` itself or leads out of it through '..', so nothing is written
+    outside `root` under a name someone else chose. `a/../b` stays inside and is `root`/b."""
+    top = os.path.normpath(root)
+    path = os.path.normpath(os.path.join(top, name))
+    if name.startswith("/"):
+        problem = "is absolute"
+    elif "" in name.split("/"):
+        problem = "is empty or has an empty segment ('//')"
+    elif path == top:
+        problem = "names the folder itself"
+    elif not path.startswith(top.rstrip("/") + "/"):
+        problem = "leads out of it through '..'"
+    else:
+        return path
+    raise ConfigError(f"{what}: the name '{name}' is not a file inside {top} (it {problem}); {fix}")
+
+
+def local_path(url: str) -> str:
+    """Where the local copy of `url` goes: <tmp>/maxctx-gcs/<bucket>/<object>."""
     bucket, name = split(url)
-    return os.path.join(tempfile.gettempdir(), "maxctx-gcs", bucket, name)
+    fix = "give a gs://BUCKET/folder path without '..', '.' or empty segments"
+    local = join_under(os.path.join(tempfile.gettempdir(), "maxctx-gcs"), bucket, url, fix)
+    return join_under(local, name, url, fix) if name else local
 
 
-def _fetch(fs, url: str, info: dict) -> str:
-    local = _local_path(url)
+def _fetch(fs, url: str, info: dict, local: str) -> str:
     mtime = _updated(info)
     if not (os.path.isfile(local) and os.path.getsize(local) == info["size"] and os.path.getmtime(local) == mtime):
         os.makedirs(os.path.dirname(local), exist_ok=True)
@@ -148,15 +170,23 @@ def _updated(info: dict) -> float:
 
 def local_copy(url: str) -> str:
     """A local copy of a gs:// object, or of every object under a gs:// folder (returns the local file or folder);
-    local paths come back unchanged."""
+    local paths come back unchanged. Every object's local path is checked (maxctx.storage.join_under) before the
+    first one is fetched, so a folder holding an object named `../x` writes nothing."""
     if not is_remote(url):
         return url
     import fsspec
 
+    local = local_path(url)
     fs = fsspec.filesystem("gs")
     info = fs.info(url)
     if info.get("type") == "file":
-        return _fetch(fs, url, info)
-    for name, entry in fs.find(url, detail=True).items():
-        _fetch(fs, f"gs://{name}", entry)
-    return _local_path(url)
+        return _fetch(fs, url, info, local)
+    bucket, folder = split(url)
+    prefix = f"{bucket}/{folder}/" if folder else f"{bucket}/"
+    fix = "rename or delete the object (`gcloud storage mv` or `rm`), or point the key at a folder without it"
+    copies = [(f"gs://{name}", entry, join_under(local, name.removeprefix(prefix), f"gs://{name}", fix))
+              for name, entry in fs.find(url, detail=True).items()
+              if not name.endswith("/")]  # a folder marker (the Cloud console's "Create folder"), not a file
+    for remote, entry, path in copies:
+        _fetch(fs, remote, entry, path)
+    return local

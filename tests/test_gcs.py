@@ -41,20 +41,24 @@ def env(gcs, tmp_path_factory):
                    TMPDIR=str(tmp_path_factory.mktemp("tmp")))
 
 
-@pytest.fixture
-def client(gcs, monkeypatch, tmp_path):
-    """This process pointed at the emulator (gcsfs and the probe read the environment when they connect), with
-    local copies of gs:// inputs under tmp_path."""
+def point_at(emulator: GcsEmulator, monkeypatch, tmpdir):
+    """This process pointed at `emulator` (gcsfs and the probe read the environment when they connect), with local
+    copies of gs:// inputs under `tmpdir`; returns gcsfs."""
     import tempfile
 
     import fsspec
 
-    for key, value in gcs.env().items():
+    for key, value in emulator.env().items():
         monkeypatch.setenv(key, value)
-    (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    tmpdir.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     fsspec.filesystem("gs").invalidate_cache()
     return fsspec.filesystem("gs")
+
+
+@pytest.fixture
+def client(gcs, monkeypatch, tmp_path):
+    return point_at(gcs, monkeypatch, tmp_path / "tmp")
 
 
 def in_bucket(gcs, path: str):
@@ -205,3 +209,57 @@ def test_local_copy_is_reused_while_the_object_is_unchanged(client, tmp_path):
     client.invalidate_cache()
     assert storage.local_copy(f"gs://{BUCKET}/copy/a.bin") == first and open(first, "rb").read() == b"two!"
     assert os.stat(first).st_ino != stamp  # fetched again: the object changed
+
+
+@pytest.fixture
+def odd_names(monkeypatch, tmp_path_factory, tmp_path):
+    """A bucket that keeps any object name (the memory backend: the filesystem one would itself store `a/../../x`
+    outside its root), this process pointed at it, local copies three folders below tmp_path."""
+    emulator = GcsEmulator(tmp_path_factory.mktemp("memory_gcs") / "objects", backend="memory").start()
+    try:
+        emulator.create_bucket(BUCKET)
+        yield point_at(emulator, monkeypatch, tmp_path / "a" / "b" / "tmp")
+    finally:
+        emulator.stop()
+
+
+def test_an_object_name_leading_out_of_the_local_copy_is_refused_before_anything_is_written(odd_names, tmp_path):
+    from maxctx.config import ConfigError
+    from maxctx.data.tokenizer import load_tokenizer
+    from maxctx.loader import load_config
+
+    escaping = f"{BUCKET}/tokdir/../../../../../escaped_from_gcs.txt"  # from <tmp>/maxctx-gcs/BUCKET/tokdir: a/
+    odd_names.pipe_file(f"{BUCKET}/tokdir/tokenizer.json", b"{}")
+    odd_names.pipe_file(escaping, b"escaped")
+    config = load_config([str(BASE_YML), "tokenizer_type=huggingface", f"tokenizer_path=gs://{BUCKET}/tokdir"])
+    with pytest.raises(ConfigError) as refused:
+        load_tokenizer(config)
+    line = str(refused.value)
+    assert len(line.splitlines()) == 1 and line.startswith(f"gs://{escaping}: "), line
+    assert "is not a file inside" in line and "leads out of it through '..'" in line, line
+    assert "rename or delete the object" in line, line
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # nothing outside the copy's folder, nor in it
+
+
+def test_join_under_keeps_outside_names_below_their_folder(monkeypatch, tmp_path):
+    import tempfile
+
+    from maxctx.config import ConfigError
+    from maxctx.storage import join_under, local_copy
+
+    root = str(tmp_path / "copy")
+    assert join_under(root, "a/../b", "gs://b/o", "fix") == os.path.join(root, "b")
+    assert join_under(root + "/", "a/./c.json", "gs://b/o", "fix") == os.path.join(root, "a", "c.json")
+    for name, problem in (("/etc/passwd", "is absolute"), ("a/../../x", "leads out of it through '..'"),
+                          ("a/b/../../../copy2/x", "leads out of it"), ("..", "leads out of it"),
+                          ("a//b", "has an empty segment"), ("", "is empty"), ("a/..", "names the folder itself")):
+        with pytest.raises(ConfigError) as refused:
+            join_under(root, name, "gs://bkt/obj", "rename it")
+        line = str(refused.value)
+        assert len(line.splitlines()) == 1 and line.startswith(f"gs://bkt/obj: the name '{name}' is not a file "
+                                                               f"inside {root} (it "), line
+        assert problem in line and line.endswith("); rename it"), line
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^gs://\.\./escaped: the name '\.\.' is not a file inside .* \(it lead"):
+        local_copy("gs://../escaped")  # a bucket named '..': refused before any request
+    assert list(tmp_path.iterdir()) == []

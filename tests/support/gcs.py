@@ -26,10 +26,13 @@ def _binary() -> Path:
 
 
 class GcsEmulator:
-    """fake-gcs-server with its objects under `root` (a local folder, so a test can look at what was stored)."""
+    """fake-gcs-server with its objects under `root` (a local folder, so a test can look at what was stored), or
+    with backend="memory" in its memory: the filesystem backend normalises object names as paths (an object named
+    `a/../../x` lands outside `root`), the memory backend keeps any name Cloud Storage accepts."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, backend: str = "filesystem"):
         self.root = Path(root)
+        self.backend = backend
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = self.root.with_suffix(".log")
@@ -39,7 +42,7 @@ class GcsEmulator:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [str(_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port), "-backend",
-                 "filesystem", "-filesystem-root", str(self.root), "-external-url", self.url, "-log-level", "error"],
+                 self.backend, "-filesystem-root", str(self.root), "-external-url", self.url, "-log-level", "error"],
                 stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 20
         while True:
