@@ -223,6 +223,7 @@ class Config:
     compile_topology: str = ""
     compile_topology_num_slices: int = 1
     compiled_trainstep_file: str = ""
+    compiled_trainstep_file_trusted: bool = False
     hardware: Hardware = ""
 
     # ---- derived values -------------------------------------------------------------------------------------

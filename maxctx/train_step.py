@@ -15,6 +15,7 @@ still advance) and reports `skipped` = 1; maxctx.metrics.StepLogger counts the s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import pickle
 from typing import Any
 
@@ -193,30 +194,60 @@ def compile_train_step(setup: TrainSetup):
     return lowered.compile(compiler_options=compiler_options(setup.config, setup.mesh))
 
 
+DIGEST_SUFFIX = ".sha256"  # beside a compiled_trainstep_file: sha256sum's line for the file's exact bytes
+
+
 def save_compiled(compiled, path: str) -> None:
     """MaxText's compiled_trainstep_file: the serialized executable (written by `python -m maxctx.compile`, also for
-    a TPU topology from a CPU machine), loaded by training instead of compiling at start."""
+    a TPU topology from a CPU machine), loaded by training instead of compiling at start. Its sha256 goes beside it,
+    after it, for `read_compiled`."""
     from etils import epath
     from jax.experimental.serialize_executable import serialize
 
-    epath.Path(path).write_bytes(pickle.dumps(serialize(compiled)))
+    data = pickle.dumps(serialize(compiled))
+    epath.Path(path).write_bytes(data)
+    epath.Path(path + DIGEST_SUFFIX).write_text(f"{hashlib.sha256(data).hexdigest()}  {epath.Path(path).name}\n")
+
+
+def _rewrite(path: str) -> str:
+    return f"write it with python -m maxctx.compile <this run's config> compiled_trainstep_file={path}"
+
+
+def read_compiled(path: str, trusted: bool) -> bytes:
+    """The bytes of a compiled_trainstep_file, unless `trusted` only when they match the sha256 `save_compiled`
+    wrote beside them: unpickling them (deserialize_and_load unpickles too) runs whatever code they name, so a file
+    maxctx did not write, or one changed since, is refused before anything reads it as a pickle."""
+    from etils import epath
+
+    file, digest = epath.Path(path), epath.Path(path + DIGEST_SUFFIX)
+    if not file.exists():
+        raise ConfigError(f"compiled_trainstep_file={path} does not exist; {_rewrite(path)}, or drop the key")
+    data = file.read_bytes()
+    if trusted:
+        return data
+    if not digest.exists():
+        why = f"was not written by `python -m maxctx.compile` (no {digest.name} beside it)"
+    elif digest.read_bytes().split()[:1] != [hashlib.sha256(data).hexdigest().encode()]:
+        why = f"was changed since `python -m maxctx.compile` wrote it (its sha256 is not the one in {digest.name})"
+    else:
+        return data
+    raise ConfigError(f"compiled_trainstep_file={path} {why}, and loading it runs code from it; {_rewrite(path)}, "
+                      f"or set compiled_trainstep_file_trusted=true if you trust whoever wrote it")
 
 
 def load_compiled(path: str, setup: TrainSetup):
-    """The step saved by `save_compiled`, checked against this run's state and batch (shapes and dtypes)."""
-    from etils import epath
+    """The step saved by `save_compiled` (checked by `read_compiled` unless compiled_trainstep_file_trusted),
+    checked against this run's state and batch (shapes and dtypes)."""
     from jax.experimental.serialize_executable import deserialize_and_load
 
-    file = epath.Path(path)
-    redo = f"write it with python -m maxctx.compile <this run's config> compiled_trainstep_file={path}"
-    if not file.exists():
-        raise ConfigError(f"compiled_trainstep_file={path} does not exist; {redo}, or drop the key")
+    data = read_compiled(path, setup.config.compiled_trainstep_file_trusted)
     try:
-        compiled = deserialize_and_load(*pickle.loads(file.read_bytes()))
+        compiled = deserialize_and_load(*pickle.loads(data))
     except Exception as e:  # a different platform, jax version or topology; a damaged file
         raise ConfigError(f"compiled_trainstep_file={path} cannot be loaded here ({str(e).splitlines()[0][:200]}); "
-                          f"{redo}") from None
+                          f"{_rewrite(path)}") from None
     spec = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)  # noqa: E731
     if spec(compiled.args_info[0]) != spec((setup.abstract_state, setup.abstract_batch())):
-        raise ConfigError(f"compiled_trainstep_file={path} was compiled for another model, batch or mesh; {redo}")
+        raise ConfigError(f"compiled_trainstep_file={path} was compiled for another model, batch or mesh; "
+                          f"{_rewrite(path)}")
     return compiled

@@ -3,10 +3,14 @@ answer --help; an installed package (not the source tree) finds its bundled conf
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pathlib
+import pickle
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -78,6 +82,53 @@ def test_compiled_trainstep_file_is_loaded_instead_of_compiling(tmp_path):
     other = run(train_command(*common, "run_name=other", "base_num_decoder_layers=3",
                               f"compiled_trainstep_file={step_file}"), env=cpu_env())
     assert other.returncode == 2 and "was compiled for another model, batch or mesh" in other.stderr, other.stderr
+    digest = tmp_path / "step.pickle.sha256"  # written by maxctx.compile beside the file, checked before unpickling
+    assert digest.read_text() == f"{hashlib.sha256(step_file.read_bytes()).hexdigest()}  step.pickle\n"
+    changed = bytearray(step_file.read_bytes())
+    changed[len(changed) // 2] ^= 1
+    step_file.write_bytes(bytes(changed))
+    line = compiled_step_refusal(step_file, "false")
+    assert "was changed since `python -m maxctx.compile` wrote it" in line, line
+
+
+class Touch:
+    """A pickle whose loading creates `marker`, as a hostile compiled_trainstep_file could run any command."""
+
+    def __init__(self, marker: pathlib.Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (self.marker,)
+
+
+def compiled_step_refusal(path, trusted: str) -> str:
+    """The one-line ConfigError of loading compiled_trainstep_file=`path` (a config, no model: the file is refused
+    or fails before the run's shapes are compared)."""
+    from maxctx.config import ConfigError
+    from maxctx.loader import load_config
+    from maxctx.train_step import load_compiled
+
+    config = load_config([str(BASE_YML), f"compiled_trainstep_file={path}",
+                          f"compiled_trainstep_file_trusted={trusted}"])
+    with pytest.raises(ConfigError) as refused:
+        load_compiled(config.compiled_trainstep_file, SimpleNamespace(config=config))
+    line = str(refused.value)
+    assert len(line.splitlines()) == 1 and line.startswith(f"compiled_trainstep_file={path} "), line
+    return line
+
+
+def test_a_compiled_trainstep_file_maxctx_did_not_write_is_not_unpickled(tmp_path):
+    marker, hostile = tmp_path / "ran", tmp_path / "step.pickle"
+    hostile.write_bytes(pickle.dumps(Touch(marker)))
+    line = compiled_step_refusal(hostile, "false")
+    assert not marker.exists()
+    assert "was not written by `python -m maxctx.compile` (no step.pickle.sha256 beside it)" in line, line
+    assert "loading it runs code from it" in line and "python -m maxctx.compile" in line, line
+    assert "compiled_trainstep_file_trusted=true if you trust whoever wrote it" in line, line
+    (tmp_path / "step.pickle.sha256").write_text(f"{hashlib.sha256(b'other bytes').hexdigest()}  step.pickle\n")
+    assert "was changed since" in compiled_step_refusal(hostile, "false") and not marker.exists()
+    assert "cannot be loaded here" in compiled_step_refusal(hostile, "true")
+    assert marker.exists()  # trusted: unpickled, so the refusals above can fail
 
 
 def test_reuse_example_batch_trains_on_one_batch(tmp_path):
