@@ -13,7 +13,9 @@ Local copies. Every data reader needs random access to local files: ArrayRecord'
 TFDS's data source reads the ArrayRecord files of its data_dir through it, and the text reader seeks by byte
 offset. So gs:// inputs are copied, as `gcloud storage cp` would, to a folder under the system's temporary
 directory (`<tmp>/maxctx-gcs/<bucket>/<object>`), once per host; a copy whose size and update time match the object
-is reused, so a resumed run does not download again.
+is reused, so a resumed run does not download again. Object names are chosen by whoever writes the bucket, so each
+is joined under its copy's folder by `join_under`, which refuses (one line naming the object) a name that would
+land outside it, before anything is fetched.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ def join_under(root: str, name: str, what: str, fix: str) -> str:
 def local_path(url: str) -> str:
     """Where the local copy of `url` goes: <tmp>/maxctx-gcs/<bucket>/<object>."""
     bucket, name = split(url)
-    fix = "give a gs://BUCKET/folder path without '..', '.' or empty segments"
+    fix = "give a gs://BUCKET/path with a real bucket name and no '..' past the bucket, '//' or trailing '..'"
     local = join_under(os.path.join(tempfile.gettempdir(), "maxctx-gcs"), bucket, url, fix)
     return join_under(local, name, url, fix) if name else local
 
