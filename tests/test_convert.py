@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import struct
 from pathlib import Path
 
 import jax
@@ -297,3 +299,163 @@ def test_shape_mismatch_names_the_tensor_both_shapes_and_the_key(capsys, tmp_pat
     line = _one_line(capsys, _from_hf(FIXTURES / "llama", tmp_path, "model_name=tiny"))
     assert "'model.embed_tokens.weight' has shape [64, 32] but this config gives [256, 128]" in line
     assert "set vocab_size=64 base_emb_dim=32" in line
+
+
+LLAMA3_WITHOUT_FACTOR = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}
+LLAMA3 = {**LLAMA3_WITHOUT_FACTOR, "factor": 8.0}
+# config.json as the fixture's, edited; the field the one line must name.
+MALFORMED_CONFIGS = {
+    "llama3 without factor": (lambda c: {**c, "rope_scaling": LLAMA3_WITHOUT_FACTOR}, "factor"),
+    "linear without factor": (lambda c: {**c, "rope_scaling": {"rope_type": "linear"}}, "factor"),
+    "yarn without factor": (lambda c: {**c, "rope_scaling": {"rope_type": "yarn"}}, "factor"),
+    "negative factor": (lambda c: {**c, "rope_scaling": {**LLAMA3, "factor": -2.0}}, "factor"),
+    "zero factor": (lambda c: {**c, "rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor"),
+    "NaN factor": (lambda c: {**c, "rope_scaling": {"rope_type": "yarn", "factor": math.nan}}, "factor"),
+    "no num_attention_heads": (lambda c: {k: v for k, v in c.items() if k != "num_attention_heads"},
+                               "num_attention_heads"),
+    "no hidden_size": (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "hidden_size"),
+    "a list": (lambda c: [c], "a JSON object"),
+    "rope_scaling a string": (lambda c: {**c, "rope_scaling": "abc"}, "rope_scaling"),
+    "rms_norm_eps a string": (lambda c: {**c, "rms_norm_eps": "abc"}, "rms_norm_eps"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_CONFIGS)
+def test_malformed_config_json(tmp_path, capsys, case):
+    edit, field = MALFORMED_CONFIGS[case]
+
+    def rewrite(d):
+        (d / "config.json").write_text(json.dumps(edit(json.loads((d / "config.json").read_text()))))
+
+    directory = _broken(tmp_path, rewrite)
+    line = _one_line(capsys, _from_hf(directory, tmp_path))
+    assert line.startswith(f"convert error: {directory / 'config.json'}") and field in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_safetensors_header_that_is_not_an_object(tmp_path, capsys):
+    def listed(d):
+        (d / "model.safetensors").write_bytes(struct.pack("<Q", 8) + b"[]      ")
+
+    directory = _broken(tmp_path, listed)
+    line = _one_line(capsys, _from_hf(directory, tmp_path))
+    assert f"{directory / 'model.safetensors'}" in line and "header" in line and "download it again" in line
+
+
+@pytest.mark.parametrize("command", ["from_hf", "to_hf"])
+@pytest.mark.parametrize("under", ["", "out"])
+def test_output_path_at_or_under_a_regular_file(imported, tmp_path, capsys, command, under):
+    (tmp_path / "file").write_text("")
+    output = str(tmp_path / "file" / under)
+    argv = (["from_hf", "--hf_path", str(FIXTURES / "llama")] if command == "from_hf" else
+            ["to_hf", "--checkpoint_path", str(imported["llama"])])
+    line = _one_line(capsys, [*argv, "--output_path", output])
+    assert f"--output_path {output}" in line and f"{tmp_path / 'file'} is a file" in line
+
+
+@pytest.mark.parametrize("size", ["nan", "inf", "0", "-1"])
+def test_shard_size_that_is_not_a_positive_number(imported, tmp_path, capsys, size):
+    line = _one_line(capsys, ["to_hf", "--checkpoint_path", str(imported["llama"]), "--output_path",
+                              str(tmp_path / "out"), "--max_shard_gb", size])
+    assert f"--max_shard_gb {size}" in line and "positive" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_relative_paths_are_taken_from_the_working_directory(imported, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    checkpoint = os.path.relpath(imported["llama"], tmp_path)
+    assert not os.path.isabs(checkpoint)
+    assert convert_main(["to_hf", "--checkpoint_path", checkpoint, "--output_path", "out"]) == 0
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("factor", ["-2", "0"])
+def test_export_refuses_a_rope_factor_that_is_not_positive(imported, tmp_path, capsys, factor):
+    line = _one_line(capsys, ["to_hf", "--checkpoint_path", str(imported["llama3_1"]), "--output_path",
+                              str(tmp_path / "out"), f"rope_factor={factor}"])
+    assert f"rope_factor={float(factor)} must be > 0" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "absolute"])
+def test_index_entry_outside_the_model_directory(tmp_path, capsys, entry):
+    outside = tmp_path / "outside.safetensors"
+    entry = str(outside) if entry == "absolute" else entry
+
+    def point_outside(d):
+        (d / "model.safetensors").rename(outside)
+        names = safetensors.read_header(str(outside))
+        (d / safetensors.INDEX).write_text(json.dumps({"weight_map": {n: entry for n in names}}))
+
+    directory = _broken(tmp_path, point_outside)
+    line = _one_line(capsys, _from_hf(directory, tmp_path))
+    assert f"{directory / safetensors.INDEX}" in line and f"'{entry}'" in line
+    assert not (tmp_path / "out").exists()
+
+
+def _transformers_weights(directory: Path) -> list[Path]:
+    """The weight files transformers loads from a folder, in its order (modeling_utils): model.safetensors, else
+    the safetensors index's files, else pytorch_model.bin, else the PyTorch index's files."""
+    for single, index in (("model.safetensors", safetensors.INDEX), ("pytorch_model.bin",
+                                                                      "pytorch_model.bin.index.json")):
+        if (directory / single).is_file():
+            return [directory / single]
+        if (directory / index).is_file():
+            files = json.loads((directory / index).read_text())["weight_map"].values()
+            return [directory / f for f in sorted(set(files))]
+    return []
+
+
+def _weight_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(("model", "pytorch_model")))
+
+
+def test_export_replaces_the_weights_its_output_folder_held(imported, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copyfile(FIXTURES / "mistral" / "model.safetensors", out / "model.safetensors")  # an earlier export
+    (out / "pytorch_model.bin").write_bytes(b"older still")
+    (out / "README.md").write_text("the user's")
+    assert convert_main(["to_hf", "--checkpoint_path", str(imported["llama"]), "--output_path", str(out),
+                         "--dtype", "fp32", "--max_shard_gb", "4e-5"]) == 0
+    removed = [line for line in capsys.readouterr().out.splitlines() if "removed" in line]
+    assert len(removed) == 1 and "model.safetensors" in removed[0] and "pytorch_model.bin" in removed[0]
+    loaded = _transformers_weights(out)
+    assert len(loaded) > 1 and _weight_files(out) == sorted([safetensors.INDEX, *(p.name for p in loaded)])
+    tensors = {}
+    for path in loaded:
+        tensors.update({n: safetensors.read(i) for n, i in safetensors.read_header(str(path)).items()})
+    expected = _tensors(FIXTURES / "llama")
+    assert sorted(tensors) == sorted(expected)
+    assert all(tensors[n].tobytes() == v.tobytes() for n, v in expected.items())
+    assert (out / "README.md").read_text() == "the user's" and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_an_interrupted_export_leaves_the_earlier_one(imported, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    export_hf(str(imported["llama"]), str(out), "fp32", max_shard_bytes=40_000, say=quiet)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    write, calls = safetensors.write, []
+
+    def disk_full_at_the_second_file(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "write", disk_full_at_the_second_file)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(str(imported["mistral"]), str(out), "fp32", max_shard_bytes=40_000, say=quiet)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("inside", ["", "export"])
+def test_export_into_hf_base_is_refused(imported, tmp_path, capsys, inside):
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURES / "mistral", base)
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    line = _one_line(capsys, ["to_hf", "--checkpoint_path", str(imported["mistral"]), "--output_path",
+                              str(base / inside), "--hf_base", str(base)])
+    assert "--hf_base" in line and "--output_path" in line
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before

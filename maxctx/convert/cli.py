@@ -3,18 +3,26 @@
     python -m maxctx.convert from_hf --hf_path DIR --output_path DIR [model_name=... key=value ...]
     python -m maxctx.convert to_hf --checkpoint_path DIR --output_path DIR [--dtype bf16|fp32] [key=value ...]
 
-Exit status: 0 converted, 2 a bad input (one line naming the file or key and the fix).
+Relative paths are taken from the working directory. Exit status: 0 converted, 2 a bad input (one line naming the
+file or key and the fix).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
+from maxctx import storage
 from maxctx.errors import ConfigError
 
 EXIT_BAD_INPUT = 2
+
+
+def _path(value: str) -> str:
+    """A path flag, made absolute as the command line is read (Orbax refuses relative paths); gs:// as it is."""
+    return value if not value or storage.is_remote(value) else os.path.abspath(value)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,21 +31,44 @@ def _parser() -> argparse.ArgumentParser:
                                      epilog="Exit status: 0 converted, 2 bad input.")
     commands = parser.add_subparsers(dest="command", required=True)
     importer = commands.add_parser("from_hf", help="Hugging Face directory -> maxctx checkpoint")
-    importer.add_argument("--hf_path", required=True, help="config.json and *.safetensors (with their index)")
-    importer.add_argument("--output_path", required=True,
+    importer.add_argument("--hf_path", required=True, type=_path,
+                          help="config.json and *.safetensors (with their index)")
+    importer.add_argument("--output_path", required=True, type=_path,
                           help="new directory: the checkpoint (load_parameters_path=DIR) and DIR/model.yml")
     exporter = commands.add_parser("to_hf", help="maxctx checkpoint -> Hugging Face directory")
-    exporter.add_argument("--checkpoint_path", required=True,
+    exporter.add_argument("--checkpoint_path", required=True, type=_path,
                           help="a step directory (<run>/checkpoints/<step>) or a checkpoints directory (latest step)")
-    exporter.add_argument("--output_path", required=True)
+    exporter.add_argument("--output_path", required=True, type=_path,
+                          help="the HF directory; weights an earlier export left there are replaced")
     exporter.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     exporter.add_argument("--architecture", choices=("llama", "mistral"), default="",
                           help="default: the imported model's, else llama")
-    exporter.add_argument("--hf_base", default="",
+    exporter.add_argument("--hf_base", default="", type=_path,
                           help="the HF directory the model started from: its config.json entries (token ids, "
                                "context length, architecture) are kept and its tokenizer files copied")
-    exporter.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors shard size (GB, 10^9)")
+    exporter.add_argument("--max_shard_gb", default="5", help="safetensors shard size (GB, 10^9)")
     return parser
+
+
+def _check_output(output_path: str) -> None:
+    """The output directory can be made: neither it nor a folder above it is a file."""
+    existing = output_path
+    while existing and not os.path.exists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
+    if os.path.exists(existing) and not os.path.isdir(existing):
+        raise ConfigError(f"--output_path {output_path}: {existing} is a file, not a directory; give a directory "
+                          f"path")
+
+
+def _shard_bytes(max_shard_gb: str) -> int:
+    try:
+        size = float(max_shard_gb)
+    except ValueError:
+        size = math.nan
+    if not (math.isfinite(size) and size > 0):
+        raise ConfigError(f"--max_shard_gb {max_shard_gb} must be a positive number of GB (10^9 bytes); the "
+                          f"default is 5, as Hugging Face shards")
+    return max(1, int(size * 1e9))
 
 
 def main(argv: list[str]) -> int:
@@ -52,6 +83,7 @@ def main(argv: list[str]) -> int:
     from maxctx.checkpoint.manager import CheckpointError
 
     try:
+        _check_output(args.output_path)
         if args.command == "from_hf":
             from maxctx.convert.from_hf import import_hf
 
@@ -60,7 +92,7 @@ def main(argv: list[str]) -> int:
             from maxctx.convert.to_hf import export_hf
 
             export_hf(args.checkpoint_path, args.output_path, args.dtype, overrides, args.architecture,
-                      int(args.max_shard_gb * 1e9), args.hf_base)
+                      _shard_bytes(args.max_shard_gb), args.hf_base)
     except (ConfigError, CheckpointError) as e:
         print(f"convert error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

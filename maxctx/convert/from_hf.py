@@ -31,6 +31,7 @@ from maxctx.convert.hf_layout import DIM_KEYS, Tensor
 from maxctx.convert.streaming import Deferred, save_deferred, save_json
 from maxctx.errors import ConfigError
 from maxctx.loader import parse_config
+from maxctx.validate import validate
 
 STEP = "0"
 # Source dtypes each weight_dtype holds exactly; anything else (quantized, fp64) is refused, never rounded.
@@ -48,20 +49,32 @@ def read_hf_config(hf_path: str) -> dict[str, Any]:
                           f"(config.json and *.safetensors)")
     try:
         with open(path) as f:
-            return json.load(f)
+            hf = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path} is missing; a Hugging Face model directory has config.json next to its "
                           f"*.safetensors: download it too") from None
     except ValueError as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); download it again") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} holds a JSON {type(hf).__name__}, not a JSON object of the model's settings "
+                          f"(hidden_size, ...); download it again")
+    return hf
+
+
+def key_values(keys: dict[str, Any], overrides: list[str]) -> list[str]:
+    """`keys` as key=value arguments, less those the overrides set, then the overrides: each key given once (the
+    command line's notice of a key given twice would be about keys the user never typed)."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    return [*(f"{k}={v}" for k, v in keys.items() if k not in given), *overrides]
 
 
 def target_config(hf_keys: dict[str, Any], overrides: list[str]) -> Config:
     """The maxctx config to convert into: config.json's keys, or with model_name=... that preset; the key=value
     overrides win either way."""
-    from_json = [] if any(o.startswith("model_name=") for o in overrides) else [f"{k}={v}" for k, v in
-                                                                              hf_keys.items()]
-    return parse_config([*from_json, *overrides])
+    config = parse_config(key_values({} if any(o.startswith("model_name=") for o in overrides) else hf_keys,
+                                     overrides))
+    validate(config)
+    return config
 
 
 def _key_to_change(t: Tensor, hf_keys: dict, keys: dict) -> str:

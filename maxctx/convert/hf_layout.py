@@ -22,6 +22,10 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 # Shape letters -> the maxctx key that sets them.
 DIM_KEYS = {"D": "base_emb_dim", "H": "base_num_query_heads", "K": "base_num_kv_heads", "E": "head_dim",
             "F": "base_mlp_dim", "V": "vocab_size"}
+# maxctx key -> the config.json entry that gives it, required.
+HF_SIZES = {"base_emb_dim": "hidden_size", "base_num_query_heads": "num_attention_heads",
+            "base_mlp_dim": "intermediate_size", "base_num_decoder_layers": "num_hidden_layers",
+            "vocab_size": "vocab_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +94,33 @@ def architecture(hf_config: dict, where: str) -> str:
                       f"give a {' or '.join(ARCHITECTURES)} checkpoint (Llama 2, Llama 3, Llama 3.1, Mistral)")
 
 
+def _positive(value: Any, name: str, where: str, integer: bool = False) -> Any:
+    """`value` when it is a positive JSON number (an integer where `integer`), else a ConfigError naming `name`."""
+    what = "a positive integer" if integer else "a positive number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or \
+            not math.isfinite(value) or value <= 0:
+        problem = "is missing" if value is None else f"is {value!r}, not {what}"
+        raise ConfigError(f"{where}: {name} {problem}; write it as the model's card gives it ({what}), or download "
+                          f"config.json again")
+    return value
+
+
 def _rope_keys(hf: dict, where: str) -> dict[str, Any]:
     """RoPE keys as transformers reads the config (modeling_rope_utils): a missing original_max_position_embeddings
     falls back to max_position_embeddings (llama3 and yarn alike), and YaRN's attention factor, when not given, is
     mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are set (DeepSeek's form), otherwise
     0.1 ln(factor) + 1. The resolved factor is what maxctx keeps (rope_attention_factor) and exports."""
-    scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    scaling = hf.get(field) or {}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: {field}={scaling!r} is not a JSON object; write it as the model's card gives "
+                          f"it (e.g. {{\"rope_type\": \"linear\", \"factor\": 2.0}}), or null for plain RoPE")
     theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    keys: dict[str, Any] = {"rope_max_timescale": float(theta), "rope_type": kind}
+    keys: dict[str, Any] = {"rope_max_timescale": float(_positive(theta, "rope_theta", where)), "rope_type": kind}
+    if kind in ("llama3", "linear", "yarn"):
+        for key in ("factor", "low_freq_factor", "high_freq_factor") if kind == "llama3" else ("factor",):
+            _positive(scaling.get(key), f"{field} '{kind}' {key}", where)
     original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
     if kind in ("llama3", "yarn") and not original:
         raise ConfigError(f"{where}: rope_scaling type '{kind}' needs original_max_position_embeddings (in "
@@ -145,12 +167,15 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
                               f"{' or '.join(map(str, fine))}); this checkpoint cannot be converted")
     # Mistral's sliding window (q - W < k <= q in every layer) is maxctx's with every layer local (pattern L).
     window = hf.get("sliding_window") if architecture(hf, where) == "mistral" else None
-    heads = hf["num_attention_heads"]
-    return {"base_emb_dim": hf["hidden_size"], "base_num_query_heads": heads,
-            "base_num_kv_heads": hf.get("num_key_value_heads") or heads, "base_mlp_dim": hf["intermediate_size"],
-            "base_num_decoder_layers": hf["num_hidden_layers"],
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "vocab_size": hf["vocab_size"],
-            "normalization_layer_epsilon": float(hf.get("rms_norm_eps", Config.normalization_layer_epsilon)),
+    sizes = {key: _positive(hf.get(name), name, where, integer=True) for key, name in HF_SIZES.items()}
+    heads = sizes["base_num_query_heads"]
+    for key, name, default in (("base_num_kv_heads", "num_key_value_heads", heads),
+                               ("head_dim", "head_dim", sizes["base_emb_dim"] // heads)):
+        sizes[key] = _positive(hf.get(name) or default, name, where, integer=True)
+    eps = hf.get("rms_norm_eps")
+    return {**sizes,
+            "normalization_layer_epsilon": float(Config.normalization_layer_epsilon if eps is None else
+                                                 _positive(eps, "rms_norm_eps", where)),
             "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)), "sliding_window_size": window or 0,
             "attention_layer_pattern": "L" if window else "", **_rope_keys(hf, where)}
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
+from maxctx import storage
 from maxctx.errors import ConfigError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
@@ -59,6 +60,9 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         raise ConfigError(f"{path} cannot be read ({e.strerror}); check the path and its permissions") from None
     except (ValueError, UnicodeDecodeError):
         raise ConfigError(f"{path} has an unreadable safetensors header; {fix}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path} has a safetensors header that is a JSON {type(header).__name__}, not an object "
+                          f"of tensor entries; {fix}")
     start, tensors = 8 + n, {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -95,9 +99,13 @@ def model_tensors(directory: str) -> dict[str, TensorInfo]:
     if os.path.isfile(index):
         try:
             with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+                weight_map = dict(json.load(f)["weight_map"])
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ConfigError(f"{index} is not a safetensors index (no weight_map); download it again") from None
+        for tensor, file in weight_map.items():  # before any file is opened
+            storage.join_under(directory, str(file), f"{index}: the entry of '{tensor}'", "an index names files "
+                               "of its own folder (model-00001-of-00004.safetensors): download it again")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
         if len(files) > 1:

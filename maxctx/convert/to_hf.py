@@ -12,6 +12,7 @@ source config.json, whose token ids and context length are carried over), then t
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -25,13 +26,18 @@ from etils import epath
 from maxctx.checkpoint.manager import META, STATE, resolve_step_dir
 from maxctx.config import MODEL_KEYS
 from maxctx.convert import hf_layout, safetensors
+from maxctx.convert.from_hf import key_values, read_hf_config
 from maxctx.convert.streaming import open_arrays, shapes
 from maxctx.errors import ConfigError
 from maxctx.loader import parse_config
+from maxctx.validate import validate
 
 OUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32)}
 TORCH_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map.json", "generation_config.json")
+# Weights transformers loads from a folder (the safetensors single file or index, the PyTorch ones).
+WEIGHT_FILES = ("model*.safetensors", safetensors.INDEX, "pytorch_model*.bin", "pytorch_model.bin.index.json")
+STAGING = ".to_hf-tmp"
 
 
 def _meta(step_dir: epath.Path, hf_base: str) -> dict[str, Any]:
@@ -40,8 +46,6 @@ def _meta(step_dir: epath.Path, hf_base: str) -> dict[str, Any]:
     if (step_dir / META).is_dir():
         meta = ocp.JsonCheckpointHandler().restore(step_dir / META) or {}
     if hf_base:
-        from maxctx.convert.from_hf import read_hf_config
-
         meta = {**meta, "hf_config": read_hf_config(hf_base)}
         meta["architecture"] = hf_layout.architecture(meta["hf_config"], os.path.join(hf_base, "config.json"))
     return meta
@@ -53,7 +57,8 @@ def _model_keys(step_dir: epath.Path, meta: dict[str, Any], overrides: list[str]
     if not saved_keys and not overrides:
         raise ConfigError(f"checkpoint {step_dir} records no model keys (no meta item); give them as key=value "
                           f"(e.g. model_name=llama3.1-8b)")
-    config = parse_config([*(f"{k}={v}" for k, v in saved_keys.items()), *overrides])
+    config = parse_config(key_values(saved_keys, overrides))
+    validate(config)  # e.g. a rope_factor <= 0 would reach config.json, which transformers reads without a check
     return {k: getattr(config, k) for k in MODEL_KEYS}
 
 
@@ -135,10 +140,45 @@ def _write_shards(out: epath.Path, shards: list[list[tuple]], read: _Reader, say
     return names, weight_map
 
 
+def _staging(out: epath.Path) -> epath.Path:
+    """An empty folder inside `out` for the new files: they move into `out` by renames (one file system, even where
+    `out` is a mount point, and no write outside `out`), and transformers reads no subfolder."""
+    staged = out / STAGING
+    if staged.exists():
+        shutil.rmtree(staged)  # an export cut off (kill -9) left it
+    staged.mkdir(parents=True)
+    return staged
+
+
+def _publish(staged: epath.Path, out: epath.Path) -> list[str]:
+    """Moves the finished export from `staged` into `out`; returns the weight files of an earlier model there that
+    it removed (a new file of the same name replaces the old one)."""
+    new = sorted(os.listdir(staged), key=lambda f: f == safetensors.INDEX)  # the index last: it names the shards
+    stale = sorted(f for f in os.listdir(out) if f not in new and any(fnmatch.fnmatch(f, p) for p in WEIGHT_FILES))
+    for name in stale:
+        (out / name).unlink()
+    for name in new:
+        os.replace(staged / name, out / name)
+    staged.rmdir()
+    return stale
+
+
 def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overrides: list[str] = (),
               architecture: str = "", max_shard_bytes: int = 5 * 10**9, hf_base: str = "", say=print) -> list[str]:
     """Converts; returns the files written. `hf_base`: the HF directory the model started from; its config.json
-    entries (token ids, context length, architecture) are carried over and its tokenizer files copied."""
+    entries (token ids, context length, architecture) are carried over and its tokenizer files copied; nothing is
+    written there.
+
+    `output_path` may hold an earlier export, or the user's files (a README): as `save_pretrained` does, the export
+    replaces the weights there and keeps the rest. It is written into a subfolder and moved in once complete,
+    and only then are weight files it did not write removed (said in one line), since transformers would load a
+    model.safetensors left there before the new index, or pytorch_model*.bin where no safetensors are: the folder
+    holds one set of weights, and an export cut off before its last renames leaves it as it was."""
+    out = epath.Path(os.path.abspath(output_path))
+    if hf_base and os.path.commonpath([os.path.realpath(out), os.path.realpath(hf_base)]) == \
+            os.path.realpath(hf_base):
+        raise ConfigError(f"--output_path {output_path} is --hf_base {hf_base} or inside it; give another directory "
+                          f"(the export leaves the model it started from as it is)")
     step_dir = resolve_step_dir(checkpoint_path, "--checkpoint_path")
     meta = _meta(step_dir, hf_base)
     keys = _model_keys(step_dir, meta, overrides)
@@ -146,17 +186,23 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
     hf_config = hf_layout.hf_config(keys, arch, TORCH_NAMES[dtype], meta.get("hf_config") or {})
     plan = _tensor_plan(step_dir, keys)
     out_dtype = OUT_DTYPES[dtype]
-    out = epath.Path(os.path.abspath(output_path))
-    out.mkdir(parents=True, exist_ok=True)
-    names, weight_map = _write_shards(out, _shards(plan, out_dtype, max_shard_bytes),
-                                      _Reader(step_dir, keys, out_dtype), say)
-    total = sum(out_dtype.itemsize * int(np.prod(s)) for _, s, _, _ in plan)
-    (out / safetensors.INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                    indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
-    copied = [f for f in sorted(os.listdir(hf_base)) if f.startswith(TOKENIZER_FILES)] if hf_base else []
-    for name in copied:
-        shutil.copyfile(os.path.join(hf_base, name), out / name)
+    staged = _staging(out)
+    try:
+        names, weight_map = _write_shards(staged, _shards(plan, out_dtype, max_shard_bytes),
+                                          _Reader(step_dir, keys, out_dtype), say)
+        total = sum(out_dtype.itemsize * int(np.prod(s)) for _, s, _, _ in plan)
+        (staged / safetensors.INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                            "weight_map": weight_map}, indent=2))
+        (staged / "config.json").write_text(json.dumps(hf_config, indent=2))
+        copied = [f for f in sorted(os.listdir(hf_base)) if f.startswith(TOKENIZER_FILES)] if hf_base else []
+        for name in copied:
+            shutil.copyfile(os.path.join(hf_base, name), staged / name)
+        stale = _publish(staged, out)
+    finally:
+        if staged.exists():
+            shutil.rmtree(staged)
+    if stale:
+        say(f"removed the weights an earlier model left in {out}: {', '.join(stale)}")
     say(f"wrote {len(names)} safetensors files ({total / 2**30:.2f} GiB), {safetensors.INDEX}, config.json"
         f"{''.join(', ' + f for f in copied)} to {out}")
     return [*names, safetensors.INDEX, "config.json", *copied]
