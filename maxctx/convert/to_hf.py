@@ -1,7 +1,8 @@
 """maxctx checkpoint -> Hugging Face model directory (LlamaForCausalLM / MistralForCausalLM).
 
 Writes `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes` (one tensor may exceed it),
-`model.safetensors.index.json` and `config.json`. Each HF tensor is read, converted and written on its own: one
+`model.safetensors.index.json` and `config.json`, replacing the weights an earlier export left in the folder
+(export_hf says how). Each HF tensor is read, converted and written on its own: one
 layer of a stacked parameter where the checkpoint stores layers as chunks (from_hf writes them so), else the
 stacked parameter is read once for its layers (a training run's checkpoint, chunked by device shards). Host memory
 holds one tensor, or one stacked parameter.
