@@ -1,5 +1,9 @@
 """Bad input gets an error naming the path or key: missing files, empty datasets, corrupt records, bad jsonl,
-documents of zero tokens, unknown TFDS datasets and splits, bad data keys."""
+documents of zero tokens, text files changed under a run, unknown TFDS datasets and splits, bad data keys."""
+
+import os
+import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -85,6 +89,63 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         source[2]
     with pytest.raises(DataError, match="c.jsonl line 5: field 'text' is a int"):
         source[3]
+
+
+def test_a_lone_surrogate_in_jsonl_text_is_named(tmp_path):
+    # Valid JSON, but no tokenizer can encode half a UTF-16 pair: sentencepiece and tokenizers raised tracebacks.
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "a pair \\ud83d\\ude00 is fine"}\n{"text": "x \\ud800 abc"}\n')
+    source = TextSource([str(path)], "grain_train_files", "text")
+    assert source[0] == ("a pair \U0001f600 is fine", 0)
+    with pytest.raises(DataError, match=r"s.jsonl line 2: field 'text' holds a lone surrogate '\\ud800' at character "
+                                        r"2, which is not Unicode text .*; fix or remove that escape"):
+        source[1]
+
+
+def test_text_files_changed_under_the_run_are_named(tmp_path):
+    # Documents are read at the offsets of the index: an emptied file read as endless empty documents (a hang), a
+    # rewritten one as other text, silently.
+    path = F.write_txt(str(tmp_path / "docs.txt"), ["first doc", "second doc", "third doc"])
+    source = TextSource([path], "grain_train_files", "text")
+    assert source[0] == ("first doc", 0)
+    before = pickle.dumps(source)
+    stamp = os.stat(path)
+    with open(path, "w") as f:
+        f.write("FIRST DOC\nSECOND DOC\nTHIRD DOC\n")  # same size, in place
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
+    with pytest.raises(DataError, match=r"docs.txt \(from grain_train_files\) changed while the run was reading it "
+                                        r"\(modified, same size\); .*restart the run to index it again"):
+        source[1]
+    open(path, "w").close()
+    with pytest.raises(DataError, match=r"docs.txt .* \(now 0 bytes, 31 when indexed\)"):
+        source[1]
+    os.replace(F.write_txt(str(tmp_path / "new.txt"), ["first doc", "second doc", "third doc"]), path)
+    with pytest.raises(DataError, match=r"docs.txt .* \(replaced by another file\)"):
+        pickle.loads(before)[1]  # a grain worker opens the file anew
+
+
+def test_a_text_file_emptied_under_the_pipeline_stops_it_with_one_line(tmp_path, tok):
+    """The hang: the iterator trained on what it had read ahead, then skipped 'empty documents' read at the old
+    offsets forever (inside next(), so SIGTERM's save never came). Run in a thread, so the test fails, not hangs."""
+    path = F.write_txt(str(tmp_path / "docs.txt"), F.make_documents(40))
+    it = iterator("dataset_type=text", f"grain_train_files={path}", f"tokenizer_path={tok}", "packing=none")
+    next(it)
+    open(path, "w").close()
+    errors = []
+
+    def drain():
+        try:
+            for _ in range(200):
+                next(it)
+        except DataError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "next() still skipping empty documents after 60 s"
+    assert len(errors) == 1 and "docs.txt (from grain_train_files) changed while the run was reading it" in errors[0]
+    it.close()
 
 
 def test_blank_text_files_and_wrong_suffix(tmp_path):

@@ -99,3 +99,63 @@ def test_add_bos_with_a_tokenizer_that_has_none(tmp_path):
     with pytest.raises(ConfigError, match="add_bos=true but tokenizer_path=.* has no BOS token; set add_bos=false"):
         load_tokenizer(config)
     assert load_tokenizer(load_config([f"tokenizer_path={path}", "add_bos=false"])).eos_id == 1
+
+
+def test_long_text_is_tokenized_in_bounded_pieces_with_the_same_ids(model, monkeypatch):
+    """A 30 MB line given whole took 1.2 GB in sentencepiece (6 GB in tokenizers); pieces cut at spaces give the
+    whole text's ids, and packing=none's `max_tokens` stops after the piece that reaches it."""
+    from maxctx.data import tokenizer
+
+    tok = Tokenizer(model[0], 256)
+    text = " ".join(model[1])
+    whole, encode, seen = tok.reader.encode(text), tok.reader.encode, []
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(tok.reader, "encode", lambda piece: seen.append(len(piece)) or encode(piece))
+    np.testing.assert_array_equal(tok.encode(text), whole)
+    assert len(seen) > len(text) // 1000 and max(seen) <= 1000
+    seen.clear()
+    pairs = EncodeDocument(FakeSource(), tok, 256, True, True, max_tokens=33)((text, 0))
+    assert len(seen) == 1 and len(pairs["inputs"]) >= 33
+    np.testing.assert_array_equal(pairs["targets"][:32], whole[:32])
+
+
+def test_pieces_of_a_tokenizer_that_adds_its_own_word_boundary_leave_the_space_out(tmp_path, monkeypatch):
+    """Llama 2's sentencepiece settings: a dummy prefix '▁' and spaces kept as they are, so a piece must not begin
+    with the space it was cut at (it would read '▁▁')."""
+    from maxctx.data import tokenizer
+
+    docs = F.make_documents(200)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_writer=buf, vocab_size=150, minloglevel=2,
+                                   remove_extra_whitespaces=False)
+    (tmp_path / "llama2.model").write_bytes(buf.getvalue())
+    tok = Tokenizer(str(tmp_path / "llama2.model"), 256)
+    text = " ".join(docs)
+    whole = tok.reader.encode(text)
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 500)
+    assert tok.cut_drops_space and tok.encode(text).tolist() == whole
+
+
+def test_text_pieces_cut_at_a_space_or_else_mid_word():
+    from maxctx.data.tokenizer import text_pieces
+
+    text = "ab cd efgh " + "x" * 20 + " yz"
+    assert list(text_pieces(text, False, 8)) == ["ab cd", " efgh", " xxxxxxx", "xxxxxxxx", "xxxxx yz"]
+    assert list(text_pieces(text, True, 8)) == ["ab cd", "efgh", "xxxxxxxx", "xxxxxxxx", "xxxx yz"]
+    assert list(text_pieces("short", True, 8)) == ["short"]
+
+
+def test_a_run_of_empty_documents_is_bounded(model, capsys):
+    """Skipping runs inside one next() of the pipeline, away from the train loop's preemption check: however many
+    documents came before, EMPTY_IN_A_ROW empty ones in a row stop it with one line naming the file."""
+    from maxctx.data.tokenizer import EMPTY_IN_A_ROW
+
+    encode = EncodeDocument(FakeSource(), Tokenizer(model[0], 256), 256, True, True)
+    assert encode(("some words", 0)) is not None
+    assert all(encode(("", 1)) is None for _ in range(EMPTY_IN_A_ROW - 1))
+    assert encode(("more words", 2)) is not None and encode(("", 1)) is None  # a document resets the run
+    with pytest.raises(DataError, match=f"corpus.jsonl: {EMPTY_IN_A_ROW} documents in a row are of zero tokens "
+                                        r"\(latest: corpus.jsonl line 2\); check that file"):
+        for _ in range(EMPTY_IN_A_ROW):
+            encode(("", 1))
+    capsys.readouterr()

@@ -114,6 +114,18 @@ def test_huggingface_ids_are_the_librarys_and_bos_eos_come_from_its_config(hf_di
         Tokenizer(str(swapped), 512, "huggingface")
 
 
+@pytest.mark.parametrize("tokenizer_type", ["tiktoken", "huggingface"])
+def test_long_texts_in_pieces_give_the_whole_texts_ids(tokenizer_type, ranks_file, hf_dir, docs, monkeypatch):
+    """Cut at spaces, the pieces (bounded memory in the library: maxctx.data.tokenizer) keep ' word' whole."""
+    from maxctx.data import tokenizer
+
+    tok = Tokenizer(ranks_file if tokenizer_type == "tiktoken" else str(hf_dir), 1024, tokenizer_type)
+    text = "  ".join(docs[:40]) + "\n" + " ".join(docs[40:] + SAMPLES)
+    whole = tok.reader.encode(text)
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 300)
+    assert not tok.cut_drops_space and tok.encode(text).tolist() == whole and tok.decode(whole) == text
+
+
 def test_each_type_gets_the_same_bos_eos_and_vocabulary_checks(ranks_file, hf_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"has 520 tokens, more than the model's vocab_size=512.*vocab_size=520"):
         Tokenizer(ranks_file, 512, "tiktoken")

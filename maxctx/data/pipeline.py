@@ -199,10 +199,11 @@ def build_host_dataset(config: Config, split: str, layout: HostLayout, cp: int,
         ds = ds.shuffle(seed=config.data_shuffle_seed)
     rows = layout.local_rows
     read_ahead = max(64, 4 * rows)  # records the reader's threads map ahead of the one being consumed
-    encode = EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos, read_ahead)
+    seq_len = config.max_target_length
+    kept = seq_len + 1 if config.packing == "none" else None  # a row of packing=none: a document's first tokens
+    encode = EncodeDocument(source, tokenizer, config.vocab_size, config.add_bos, config.add_eos, read_ahead, kept)
     ds = (ds if once else ds.repeat()).map(encode)
     ds = ds.filter(_is_document)  # documents of zero tokens, skipped and counted
-    seq_len = config.max_target_length
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=read_ahead))
     ds = pack(ds, config.packing, seq_len, num_bins=max(MIN_PACKING_BINS, rows))
     if once:

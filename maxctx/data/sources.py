@@ -8,12 +8,16 @@ ArrayRecord records hold either UTF-8 text or token ids written by `encode_token
 `TOKENS_MAGIC` followed by little-endian int32 ids. Text files: `.txt` holds one document per line, `.jsonl`
 one JSON object per line with the document in `text_field` (a string, or a list of token ids); blank lines are
 skipped in both.
+A text file is indexed once, by line offsets; it must not change while a run reads it: each read compares the
+file's size, modification time and inode with the index's, and a changed file is a DataError naming it (restarting
+the run indexes it again).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -27,6 +31,8 @@ from maxctx.files import expand_files, local_copies, tfds_local_dir
 TOKENS_MAGIC = b"MXTK"
 TEXT_SUFFIXES = (".txt", ".jsonl")
 Document = tuple[Any, int]
+# Halves of UTF-16 surrogate pairs: a JSON escape such as \ud800 gives one alone, which no tokenizer can encode.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def encode_tokens(ids: Any) -> bytes:
@@ -110,9 +116,10 @@ class TextSource:
             if not path.endswith(TEXT_SUFFIXES):
                 raise ConfigError(f"{key}: '{path}' is not a .txt or .jsonl file; dataset_type=text reads those "
                                   f"(use dataset_type=arrayrecord for ArrayRecord shards)")
-        file_ids, starts, lengths, lines = [], [], [], []
+        file_ids, starts, lengths, lines, self.stamps = [], [], [], [], []
         for file_id, path in enumerate(files):
             with open(path, "rb") as f:
+                self.stamps.append(stamp(os.fstat(f.fileno())))  # before the scan: a change during it is caught
                 offset = 0
                 for line_no, line in enumerate(f, start=1):
                     if line.strip():
@@ -142,6 +149,7 @@ class TextSource:
         if file_id not in self._fds:
             self._fds[file_id] = os.open(self.files[file_id], os.O_RDONLY)
         raw = os.pread(self._fds[file_id], int(self.lengths[index]), int(self.starts[index]))
+        self._check_unchanged(file_id)  # after the read: a change during it is caught too
         try:
             line = raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError as e:
@@ -149,6 +157,18 @@ class TextSource:
         if self.files[file_id].endswith(".txt"):
             return line, index
         return self._json_document(line, index), index
+
+    def _check_unchanged(self, file_id: int) -> None:
+        """DataError when the file was rewritten, truncated or replaced since it was indexed: its documents would be
+        read at stale offsets (an emptied file read as endless empty documents). One fstat, about a microsecond."""
+        now = stamp(os.fstat(self._fds[file_id]))
+        if now != self.stamps[file_id]:
+            (size, _, inode), path = self.stamps[file_id], self.files[file_id]
+            what = (f"now {now[0]} bytes, {size} when indexed" if now[0] != size else
+                    "replaced by another file" if now[2] != inode else "modified, same size")
+            raise DataError(f"{path} (from {self.key}) changed while the run was reading it ({what}); its documents "
+                            f"are read at the line offsets found when the run started: restart the run to index it "
+                            f"again, and write new data to new files rather than over files a run is reading")
 
     def _json_document(self, line: str, index: int) -> str | np.ndarray:
         try:
@@ -160,6 +180,11 @@ class TextSource:
             raise DataError(f"{self.describe(index)} has no field '{self.text_field}' (text_field); it has: {keys}")
         value = record[self.text_field]
         if isinstance(value, str):
+            bad = None if value.isascii() else LONE_SURROGATE.search(value)
+            if bad:
+                raise DataError(f"{self.describe(index)}: field '{self.text_field}' holds a lone surrogate "
+                                f"{bad.group()!r} at character {bad.start()}, which is not Unicode text (a JSON "
+                                f"escape of half a UTF-16 pair); fix or remove that escape")
             return value
         if isinstance(value, list) and all(isinstance(v, int) for v in value):
             return np.asarray(value, np.int32)
@@ -175,6 +200,11 @@ class TextSource:
     def __del__(self):
         for fd in getattr(self, "_fds", {}).values():
             os.close(fd)
+
+
+def stamp(status: os.stat_result) -> tuple[int, int, int]:
+    """What changes when a file is rewritten, truncated or replaced: (size, modification time in ns, inode)."""
+    return status.st_size, status.st_mtime_ns, status.st_ino
 
 
 class TfdsSource:
