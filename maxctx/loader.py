@@ -26,6 +26,7 @@ from maxctx import compat
 from maxctx.attention import strategies
 from maxctx.config import FIELD_TYPES, MODEL_KEYS, Config, choices
 from maxctx.errors import ConfigError, article, did_you_mean
+from maxctx.files import REMOTE_KEYS
 from maxctx.plan import planner
 from maxctx.validate import check_devices, validate
 
@@ -37,6 +38,12 @@ REPO_CONFIG_DIR = (_PACKAGED_CONFIG_DIR if os.path.isdir(_PACKAGED_CONFIG_DIR) e
 # behaviour (None: any value): read and dropped. Another value is refused, since it asked for what no longer exists.
 RETIRED_KEYS: dict[str, Any] = {"context_parallel_auto": None, "ring_backward_overlap": False,
                                 "ring_splash_backward": True}
+
+
+# The keys naming local files or folders: made absolute against the working directory when the config loads, so
+# Orbax (which refuses relative checkpoint paths) and every later use, and the run's config.yml, see one path.
+PATH_KEYS = (*REMOTE_KEYS, "metrics_file", "compiled_trainstep_file")
+_GLOB_LISTS = ("grain_train_files", "grain_eval_files")  # comma-separated globs (maxctx.files.expand_files)
 
 
 class Loaded(NamedTuple):
@@ -208,9 +215,18 @@ def parse_config(argv: list[str]) -> Config:
     user_keys = {k for _, raw in layers[1:] for k in raw}
     merged, scale = compat.resolve(merged, user_keys)
     values = {k: _coerce(k, v, source.get(k, "MaxText's meaning")) for k, v in merged.items()}
+    values.update({k: absolute_path(k, values[k]) for k in PATH_KEYS if k in values})
     preset = _preset(values.get("model_name", Config.model_name))
     preset.update({k: values[k] for k in user_keys & set(preset)})  # the user's file and command line win
     return Config(**compat.scale_model({**values, **preset}, scale))
+
+
+def absolute_path(key: str, value: str) -> str:
+    """A local path (each part of a comma list of globs) resolved against the working directory, `~` expanded;
+    URLs (gs://) and empty values as given."""
+    parts = value.split(",") if key in _GLOB_LISTS else [value]
+    return ",".join(os.path.abspath(os.path.expanduser(part.strip())) if part.strip() and "://" not in part
+                    else part.strip() for part in parts)
 
 
 def usage(command: str, what: str) -> str:

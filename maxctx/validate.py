@@ -208,9 +208,7 @@ def validate(config: Config) -> None:
     strategies.resolve(config.context_parallel_strategy)
     _check_document_lengths(config)
     _check_custom_remat(config)
-    if config.run_name in ("", ".", "..") or "/" in config.run_name or os.sep in config.run_name:
-        raise ConfigError(f"run_name='{config.run_name}' must be a name (not empty, '.' or '..', no '/'): outputs go "
-                          f"to <base_output_directory>/<run_name>")
+    _check_outputs(config)
     if not config.base_output_directory.strip():
         raise ConfigError("base_output_directory='' is empty; give the folder for runs' outputs (e.g. outputs) or "
                           "gs://bucket/folder")
@@ -319,6 +317,27 @@ def _check_files(config: Config) -> None:
     if folder and getattr(config, folder) and not storage.is_remote(getattr(config, folder)) and \
             not os.path.isdir(getattr(config, folder)):
         raise ConfigError(f"{folder}='{getattr(config, folder)}' does not exist (or is not a directory); {fix}")
+
+
+def _check_outputs(config: Config) -> None:
+    """Names the OS would refuse with a traceback when the run first writes there."""
+    name = config.run_name
+    if name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name:
+        raise ConfigError(f"run_name={name!r} must be a name (not empty, '.' or '..', no '/' or NUL): outputs go to "
+                          f"<base_output_directory>/<run_name>")
+    if len(name.encode()) > 255:
+        raise ConfigError(f"run_name={name!r} is {len(name.encode())} bytes, over the 255 a folder name may have: "
+                          f"outputs go to <base_output_directory>/<run_name>; choose a shorter run_name")
+    path = config.metrics_file
+    if "://" in path or os.path.isdir(path):
+        raise ConfigError(f"metrics_file='{path}' is {'a URL' if '://' in path else 'a directory'}; give a local "
+                          f"file path, e.g. metrics_file={os.path.join(config.run_dir, 'maxtext_metrics.txt')}")
+    folder = os.path.dirname(os.path.abspath(path)) if path else ""
+    while folder and not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if folder and not os.path.isdir(folder):
+        raise ConfigError(f"metrics_file='{path}': {folder} is a file, not a directory; choose a metrics_file path "
+                          f"whose folders are folders")
 
 
 def _check_paths(config: Config) -> None:

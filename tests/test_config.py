@@ -163,3 +163,89 @@ def test_retired_keys_in_an_old_config_yml(tmp_path):
         load_config([str(path)])
     with pytest.raises(ConfigError, match="unknown config key 'ring_splash_backward'"):
         load_config(["configs/base.yml", "ring_splash_backward=true"])
+
+
+def test_relative_paths_are_absolute_from_the_working_directory(tmp_path, monkeypatch):
+    """Orbax refused a relative checkpoint path with a traceback; every local path key is now resolved once, at
+    load, against the working directory (globs and comma lists part by part), and config.yml names them absolute.
+    gs:// URLs and empty keys are kept."""
+    from maxctx.loader import PATH_KEYS, parse_config, save_config
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("a1.rec", "a2.rec", "b.rec", "tok.model"):
+        (tmp_path / name).write_text("")
+    config = load_config([BASE, "dataset_type=arrayrecord", "grain_train_files=a*.rec, ./b.rec", "tokenizer_path="
+                          "tok.model", "load_parameters_path=run/checkpoints", "base_output_directory=out",
+                          "metrics_file=m/metrics.txt", "compiled_trainstep_file=../step.pkl"])
+    assert config.grain_train_files == f"{tmp_path}/a*.rec,{tmp_path}/b.rec"
+    assert (config.tokenizer_path, config.load_parameters_path, config.base_output_directory) == (
+        f"{tmp_path}/tok.model", f"{tmp_path}/run/checkpoints", f"{tmp_path}/out")
+    assert (config.metrics_file, config.compiled_trainstep_file) == (f"{tmp_path}/m/metrics.txt",
+                                                                     f"{tmp_path.parent}/step.pkl")
+    assert config.grain_eval_files == config.load_full_state_path == ""
+    save_config(config, str(tmp_path / "run"))
+    written = yaml.safe_load((tmp_path / "run" / "config.yml").read_text())
+    assert all(written[key] == getattr(config, key) for key in PATH_KEYS)
+    kept = parse_config([BASE, "load_full_state_path=gs://bucket/run", "grain_eval_files=gs://b/x*,y"])
+    assert kept.load_full_state_path == "gs://bucket/run" and kept.grain_eval_files == f"gs://b/x*,{tmp_path}/y"
+    assert parse_config([BASE, "tokenizer_path=~/tok.model"]).tokenizer_path == os.path.expanduser("~/tok.model")
+
+
+def test_every_path_key_is_resolved():
+    from maxctx.config import FIELD_TYPES
+    from maxctx.loader import PATH_KEYS
+
+    named = {k for k, kind in FIELD_TYPES.items() if kind is str and
+             k.endswith(("_path", "_file", "_files", "_dir", "_directory"))}
+    assert named <= set(PATH_KEYS), named - set(PATH_KEYS)
+
+
+def _hinted_keys() -> set[tuple[str, str]]:
+    """(key, where) of every literal `<verb> key=value` fix in maxctx's strings, e.g. "; set dtype=bfloat16"."""
+    import ast
+    import pathlib
+    import re
+
+    hint = re.compile(r"(?:resume with|rerun with|set|add|use|give|choose|e\.g\.|keep|with|or)\s+([a-z_]\w*)=(?!=)")
+    found = set()
+    for path in pathlib.Path(REPO, "maxctx").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found |= {(m.group(1), path.name) for m in hint.finditer(node.value)}
+    return found
+
+
+def _resume_hints() -> set[tuple[str, str]]:
+    """(key, record key) of the `resume with key=` fix of each refusal of maxctx.checkpoint.compatibility, one
+    per value a checkpoint records (a key spelled in code, like the global batch's, is only seen here)."""
+    import re
+
+    from maxctx.checkpoint.compatibility import NOTICE_KEYS, check_resume_record, resume_record
+
+    config = load_config([BASE])
+    now, found = resume_record(config, 8), set()
+    for key, value in now.items():
+        if key in NOTICE_KEYS:
+            continue
+        other = not value if isinstance(value, bool) else value + 1 if isinstance(value, int | float) else "x"
+        with pytest.raises(ConfigError) as error:
+            check_resume_record({**now, key: other}, config, 8, "/run/checkpoints/10")
+        found |= {(m.group(1), key) for m in re.finditer(r"resume with ([a-z_]\w*)=", str(error.value))}
+    return found
+
+
+def test_fix_hints_name_config_keys():
+    """A fix that names `key=value` names a key the command line takes (the schema's, or a MaxText key maxctx
+    reads): "resume with global_batch=4" named none."""
+    from maxctx.loader import parse_config
+
+    def accepted(key: str) -> bool:
+        try:
+            parse_config([BASE, f"{key}=0"])
+        except ConfigError as e:
+            return f"unknown config key '{key}'" not in str(e)
+        return True
+
+    hints = _hinted_keys() | _resume_hints()
+    assert len(hints) > 30
+    assert not {(key, where) for key, where in hints if not accepted(key)}

@@ -29,6 +29,10 @@ CASES = [  # overrides ({empty}: an ArrayRecord file of no records), the line's 
                  "config error: ", "does not divide ici_context_parallelism=4", id="usp_a2a_degree_across_slices"),
     pytest.param(["compile_topology=v5p-9"], "config error: ", "v5p-9", id="unknown_topology"),
     pytest.param(["hardware=tpu"], "config error: ", "hardware=tpu, but JAX found cpu devices", id="hardware"),
+    # Both were tracebacks from open() / os.makedirs() after the compile ({tmp}: the test's folder, {empty} a file).
+    pytest.param(["metrics_file={tmp}"], "config error: ", "is a directory", id="metrics_file_folder"),
+    pytest.param(["metrics_file={empty}/metrics.txt"], "config error: ", "is a file, not a directory",
+                 id="metrics_file_under_a_file"),
 ]
 
 
@@ -36,7 +40,8 @@ CASES = [  # overrides ({empty}: an ArrayRecord file of no records), the line's 
 def test_error_exits_2_with_one_line(tmp_path, capsys, overrides, prefix, expected):
     empty = F.write_arrayrecord(str(tmp_path / "empty.array_record"), [])
     out = tmp_path / "out"
-    status = main([str(BASE_YML), *TINY, f"base_output_directory={out}", *(o.format(empty=empty) for o in overrides)])
+    status = main([str(BASE_YML), *TINY, f"base_output_directory={out}",
+                   *(o.format(empty=empty, tmp=tmp_path) for o in overrides)])
     err = capsys.readouterr().err.strip()
     assert status == EXIT_CONFIG, err
     assert len(err.splitlines()) == 1 and err.startswith(prefix) and expected in err, err

@@ -69,6 +69,70 @@ def test_eval_steps_minus_one_scores_the_whole_split_every_eval(data, per_device
     np.testing.assert_allclose(first["loss"], whole["loss"], rtol=1e-5)
 
 
+class _DataState:
+    def get_state(self) -> dict:
+        return {}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(data, tmp_path_factory):
+    """<root>/{good,nan}/checkpoints/1: the fixture's initial parameters, and the same made NaN, saved as training
+    saves them (no training)."""
+    import jax
+
+    from maxctx.checkpoint.manager import Checkpointer
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    state = init_state(data["setup"])
+    for name, params in (("good", state["params"]), ("nan", jax.tree.map(lambda p: p * np.nan, state["params"]))):
+        config = load_config([*data["args"], f"base_output_directory={root}", f"run_name={name}", "steps=1"])
+        checkpointer = Checkpointer(config, data["setup"])
+        checkpointer.save(1, {**state, "params": params}, _DataState())
+        checkpointer.close()
+    return root
+
+
+def evaluate(data, *overrides: str) -> int:
+    from maxctx.evaluate.cli import main
+
+    args = [arg for arg in data["args"] if not arg.startswith("eval_interval=")]  # the command sets it
+    return main([*args, "eval_steps=1", "base_output_directory=evals", "enable_tensorboard=false", *overrides])
+
+
+def test_evaluate_a_relative_checkpoint_path(data, checkpoints, monkeypatch, capsys):
+    """Orbax refused a relative path with a traceback; it is resolved against the working directory at load."""
+    monkeypatch.chdir(checkpoints)
+    assert evaluate(data, "load_parameters_path=good/checkpoints", "run_name=relative") == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["checkpoint"] == str(checkpoints / "good/checkpoints/1") and np.isfinite(record["loss"])
+    assert (checkpoints / "evals/relative/metrics.jsonl").is_file()
+
+
+def test_evaluate_refuses_a_live_runs_directory(data, checkpoints, monkeypatch, capsys):
+    """It appended to a training run's metrics while that run wrote them; now it takes the run's lock."""
+    from maxctx.checkpoint.run_dir import LOCK, RunLock
+
+    monkeypatch.chdir(checkpoints)
+    lock = RunLock(str(checkpoints / "evals/live"))
+    lock.acquire()
+    try:
+        assert evaluate(data, "load_parameters_path=good/checkpoints", "run_name=live") == 2
+    finally:
+        lock.release()
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "evals/live is in use by another run" in err, err
+    assert not (checkpoints / "evals/live").exists() and not (checkpoints / f"evals/live/{LOCK}").exists()
+
+
+def test_evaluate_exits_3_on_a_nan_loss(data, checkpoints, monkeypatch, capsys):
+    """It exited 0 and recorded loss NaN."""
+    monkeypatch.chdir(checkpoints)
+    assert evaluate(data, "load_parameters_path=nan/checkpoints", "run_name=nan_eval") == 3
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: eval loss nan on checkpoint"), err
+    assert not (checkpoints / "evals/nan_eval/metrics.jsonl").exists()
+
+
 WORKER = r"""
 import json, sys
 import jax, jax.numpy as jnp

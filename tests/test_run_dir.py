@@ -25,10 +25,11 @@ def main_error(capsys, *overrides):
     return err
 
 
-@pytest.mark.parametrize("name", ["../elsewhere", "a/b", "..", "."])
+# A name over 255 bytes or holding NUL was an OSError / ValueError traceback when the run directory was created.
+@pytest.mark.parametrize("name", ["../elsewhere", "a/b", "..", ".", "x" * 300, "a\0b"])
 def test_run_name_is_a_name(tmp_path, capsys, name):
     err = main_error(capsys, f"base_output_directory={tmp_path / 'out'}", f"run_name={name}")
-    assert f"run_name='{name}'" in err
+    assert f"run_name={name!r}" in err
     assert not (tmp_path / "out").exists() and not (tmp_path / "elsewhere").exists()
 
 

@@ -6,47 +6,97 @@ the key (or parameter) and both values, with the fix.
   tokenizer must be what the checkpoint was saved with, as recorded in its meta item (`resume_record`); otherwise
   the run would silently read other data from a position meant for the old source, or fail with a KeyError. The
   alternative is `load_full_state_path`: the state of that step, with this config's data from its start.
-- Resuming with another schedule length (`steps`, or learning_rate_schedule_steps) or other grain_train_files is
-  allowed but changes the run, so it gets one line each (`resume_notices`): what changes (the learning rate at the
-  resumed step; the data order) and the key that keeps the old behaviour.
+  The tokenizer is recorded by its content too (`tokenizer_digest`): a file replaced at the same path would change
+  the token ids under the same data position. The weights' dtype must match as well (`STATE_KEYS`): another one
+  would cast the saved state.
+- Resuming with another schedule length (`steps`, or learning_rate_schedule_steps), other grain_train_files or
+  another compute dtype is allowed but changes the run, so it gets one line each (`resume_notices`): what changes
+  (the learning rate at the resumed step; the data order; the losses) and the key that keeps the old behaviour.
+- A record from an older version lacks some of these fields; those are not compared. Its relative paths are read
+  against this working directory, as the loader reads every path key.
 - Any load: every parameter's shape (`check_shapes`), from Orbax's metadata.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 from typing import Any
 
 import jax
 
+from maxctx import storage
 from maxctx.config import MODEL_KEYS, Config, ConfigError
+from maxctx.loader import PATH_KEYS, absolute_path
 
 RESUME_KEYS = ("dataset_type", "dataset_name", "dataset_split", "tfds_data_dir", "text_field",
                "tokenizer_path", "tokenizer_type", "add_bos", "add_eos", "packing", "data_shuffle_seed",
-               "max_target_length", "grain_worker_count")
-NOTICE_KEYS = ("schedule_steps", "grain_train_files")  # recorded too; a change is reported, not refused
+               "enable_data_shuffling", "max_target_length", "grain_worker_count")
+STATE_KEYS = ("weight_dtype",)  # the dtype the saved state is in
+NOTICE_KEYS = ("schedule_steps", "grain_train_files", "dtype")  # recorded too; a change is reported, not refused
+# What the Hugging Face reader reads in a tokenizer's folder (maxctx.data.tokenizer_types).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_digest(config: Config) -> str:
+    """sha256 of the tokenizer's content ("" without one): its file, and for tokenizer_type=huggingface the files
+    of _TOKENIZER_FILES next to it or in the folder it names."""
+    if not config.tokenizer_path:
+        return ""
+    path = storage.local_copy(config.tokenizer_path)
+    files = [] if os.path.isdir(path) else [path]
+    if config.tokenizer_type == "huggingface":
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        files += [os.path.join(folder, name) for name in _TOKENIZER_FILES]
+    digest = hashlib.sha256()
+    for file in dict.fromkeys(files):
+        if os.path.isfile(file):
+            with open(file, "rb") as f:
+                digest.update(os.path.basename(file).encode() + hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
 
 
 def resume_record(config: Config, global_batch: int) -> dict[str, Any]:
     """What a resume must match, stored in each checkpoint's meta item under "config"."""
-    keys = (*RESUME_KEYS, *NOTICE_KEYS, *MODEL_KEYS)
-    return {**{key: getattr(config, key) for key in keys if hasattr(config, key)}, "global_batch": global_batch}
+    keys = (*RESUME_KEYS, *STATE_KEYS, *NOTICE_KEYS, *MODEL_KEYS)
+    return {**{key: getattr(config, key) for key in keys if hasattr(config, key)}, "global_batch": global_batch,
+            "tokenizer_sha256": tokenizer_digest(config)}
+
+
+def _changed(key: str, was: Any, now: Any) -> bool:
+    """Whether a saved field differs from this run's; paths compared as the loader reads them (older versions
+    recorded relative paths)."""
+    if key in PATH_KEYS and isinstance(was, str) and isinstance(now, str):
+        was, now = absolute_path(key, was), absolute_path(key, now)
+    return was != now
+
+
+def _difference(key: str, was: Any, now: Any, config: Config) -> str:
+    """"<what the checkpoint was saved with> but <this run's>; <the fix>" for a refused record field."""
+    if key == "global_batch":
+        accumulation = config.gradient_accumulation_steps
+        devices = round(now / (config.per_device_batch_size * accumulation))
+        return (f"the global batch (per_device_batch_size x devices x gradient_accumulation_steps)={was} but this "
+                f"run has {now}; resume with per_device_batch_size={config.per_device_batch_size * was / now:g} "
+                f"({devices} devices x gradient_accumulation_steps={accumulation})")
+    if key == "tokenizer_sha256":
+        return (f"tokenizer_path='{config.tokenizer_path}' holding other content (sha256 {was[:12]}..., now "
+                f"{now[:12]}...): the token ids would change under the data position it resumes at; put the "
+                f"tokenizer it was saved with back there")
+    return f"{key}={was!r} but this run has {now!r}; resume with {key}={was}"
 
 
 def check_resume_record(saved: dict[str, Any] | None, config: Config, global_batch: int, step_dir: str) -> None:
     """ConfigError naming the first key whose value differs from the one the checkpoint was saved with
-    (checkpoints without a record, from before it was kept, are not checked)."""
+    (checkpoints without a record, from before it was kept, are not checked; nor fields an older record lacks)."""
     if not saved:
         return
-    now = resume_record(config, global_batch)
-    for key, value in now.items():
-        if key in saved and saved[key] != value and key not in NOTICE_KEYS:
-            what = ("the global batch (per_device_batch_size x devices x gradient_accumulation_steps)"
-                    if key == "global_batch" else key)
-            was = f"{saved[key]!r}" if isinstance(saved[key], str) else saved[key]
-            raise ConfigError(f"checkpoint {step_dir} was saved with {what}={was} but this run has {value!r}; "
-                              f"resume with {key}={saved[key]}, or start a new run_name with load_full_state_path="
-                              f"{step_dir} (its parameters and optimizer state; data from the start)")
+    for key, value in resume_record(config, global_batch).items():
+        if key in saved and _changed(key, saved[key], value) and key not in NOTICE_KEYS:
+            raise ConfigError(f"checkpoint {step_dir} was saved with {_difference(key, saved[key], value, config)}, "
+                              f"or start a new run_name with load_full_state_path={step_dir} (its parameters and "
+                              f"optimizer state; data from the start)")
 
 
 def resume_notices(saved: dict[str, Any] | None, config: Config, step: int) -> list[str]:
@@ -63,11 +113,16 @@ def resume_notices(saved: dict[str, Any] | None, config: Config, step: int) -> l
                        f"{float(learning_rate_schedule(config)(step)):.3g}; to keep the old schedule, add "
                        f"learning_rate_schedule_steps={was}")
     was = saved.get("grain_train_files")
-    if was is not None and was != config.grain_train_files:
+    if was is not None and _changed("grain_train_files", was, config.grain_train_files):
         notices.append(f"resuming with grain_train_files='{config.grain_train_files}', not '{was}' as saved: the "
                        f"data iterator keeps its position but now walks the new files' documents, so the data from "
                        f"step {step} on is not what the old run would have read; to keep the old data order, "
                        f"resume with grain_train_files='{was}'")
+    was = saved.get("dtype")
+    if was is not None and was != config.dtype:
+        notices.append(f"resuming at step {step} with dtype={config.dtype}, not {was} as saved: the step computes in "
+                       f"{config.dtype} (the saved state is as it was), so the losses from step {step} on differ "
+                       f"from what the old run's would have been; to keep them, resume with dtype={was}")
     return notices
 
 

@@ -7,13 +7,15 @@ directory) or a converted Hugging Face model's (`python -m maxctx.convert from_h
 
 on the configured mesh (every CP strategy), printed and appended to `<base_output_directory>/<run_name>/
 metrics.jsonl` (and TensorBoard) as an eval record at the checkpoint's step, with "checkpoint" naming it; the last
-line of stdout is that record as JSON. `scripts/plot_metrics.py` draws the records of several such runs.
-Exit status: 0 done, 2 a bad config, checkpoint or data.
+line of stdout is that record as JSON. `scripts/plot_metrics.py` draws the records of several such runs. It holds
+the run directory's lock (maxctx.checkpoint.run_dir) meanwhile, so it never writes into a live run's metrics.
+Exit status: 0 done, 2 a bad config, checkpoint or data (or the run directory in use), 3 a non-finite loss.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from maxctx.config import ConfigError
@@ -21,7 +23,10 @@ from maxctx.files import check_remote_paths
 from maxctx.loader import load, usage
 
 USAGE = ("Evaluates a checkpoint (load_parameters_path=) without training: loss by position on the eval split and "
-         "the passkey grid (passkey_lengths=...).\nExit status: 0 done, 2 bad config, checkpoint or data.")
+         "the passkey grid (passkey_lengths=...).\nExit status: 0 done, 2 bad config, checkpoint or data, or the run "
+         "directory in use, 3 non-finite loss.")
+# maxctx.train's statuses (that layer imports this one, not the reverse).
+EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 # Evaluation never saves, and its checks are those of a run that evaluates.
 FIXED = ["enable_checkpointing=false", "eval_interval=1"]
 
@@ -38,23 +43,39 @@ def main(argv: list[str]) -> int:
         check_remote_paths(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     from maxctx import runtime
     from maxctx.checkpoint.manager import CheckpointError
     from maxctx.data import DataError
+    from maxctx.metrics import NonFiniteLossError
 
     try:
         runtime.initialize(config)
         record = evaluate(config)
     except (ConfigError, CheckpointError, DataError) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
     print(json.dumps(record))
     return 0
 
 
 def evaluate(config) -> dict:
-    """Restores the parameters, runs the evals once, records them; returns the eval record."""
+    """Holding the run directory's lock (ConfigError while a live run holds it): restores the parameters, runs
+    the evals once, records them; returns the eval record. NonFiniteLossError, with nothing recorded, when the
+    loss is not finite."""
+    from maxctx.checkpoint.run_dir import lock_run_dir
+
+    lock = lock_run_dir(config)
+    try:
+        return _evaluate(config)
+    finally:
+        lock.release()
+
+
+def _evaluate(config) -> dict:
     from maxctx.checkpoint.manager import Checkpointer, resolve_step_dir
     from maxctx.evaluate.loop import Evaluator, describe
     from maxctx.mesh import create_mesh
@@ -72,6 +93,13 @@ def evaluate(config) -> dict:
     finally:
         checkpointer.close()
     values = {"checkpoint": str(step_dir), **evaluator.scores(params)}
+    if not math.isfinite(values.get("loss", 0.0)):
+        from maxctx.metrics import NonFiniteLossError
+
+        cause = ("the eval split gave no batches; check grain_eval_files or eval_split" if not values["batches"] else
+                 "the checkpoint's parameters or the eval's numerics are not finite; evaluate an earlier checkpoint")
+        raise NonFiniteLossError(f"eval loss {values['loss']} on checkpoint {step_dir} ({values['batches']} "
+                                 f"batches), not recorded: {cause}")
     with MetricsWriter(config.run_dir, config.enable_tensorboard, is_primary()) as writer:
         writer.write_eval(step, values)
     if is_primary():
