@@ -3,11 +3,12 @@ loss by position and passkey heatmaps.
 
     python scripts/plot_metrics.py outputs/run_p2p outputs/run_a2a --out plots/
 
-writes plots/summary.png (loss and MFU side by side: the picture in the README), plots/loss.png (eval loss
-dashed, when present), plots/tokens_per_sec.png and plots/mfu.png. Each run is labelled by its directory name. When eval records hold them (training evals, `python -m maxctx.evaluate`):
-plots/loss_by_position.png, one curve per eval record (each run's evals at several checkpoints, or several runs of
-maxctx.evaluate) of the mean loss against the position in the document, log x; and plots/passkey.png, the passkey
-accuracy of each run's latest eval by length and depth, one heatmap per run. Needs matplotlib.
+writes plots/summary.png (loss and MFU side by side: the picture in the README), plots/loss.png (eval loss dashed,
+when present), plots/tokens_per_sec.png and plots/mfu.png. Each run is labelled by its directory name. When eval
+records hold them (training evals, `python -m maxctx.evaluate`): plots/loss_by_position.png, one curve per eval
+record (each run's evals at several checkpoints, or several runs of maxctx.evaluate) of the mean loss against the
+position in the document, log x; and plots/passkey.png, the passkey accuracy of each run's latest eval by length and
+depth, one heatmap per run. Needs matplotlib.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Peak FLOP/s come from maxctx.metrics.peaks (not repeated here); HBM and ICI figu
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.util
 import math
 import os
@@ -99,6 +100,12 @@ class Topology:
         return self.num_chips * self.chip.devices_per_chip
 
     @property
+    def accelerator_type(self) -> str:
+        """Cloud TPU's name of the slice ('v5p-128': TensorCores for v4/v5p, chips otherwise)."""
+        count = self.num_chips * (2 if self.chip.counts_cores else 1)
+        return f"{'v5litepod' if self.chip.libtpu_prefix == 'v5e' else self.chip.libtpu_prefix}-{count}"
+
+    @property
     def libtpu_name(self) -> str:
         return f"{self.chip.libtpu_prefix}:{'x'.join(map(str, self.shape))}"
 
@@ -174,6 +181,13 @@ def topology_devices(topology: Topology, num_slices: int = 1) -> list:
     # Compile-only use of libtpu: another process on this machine may hold libtpu's lock file (e.g. a JAX
     # program that probed for a TPU); the lock only guards a real chip.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
+        # No TPU here: without these, libtpu's start-up asks the TPU VM's metadata server and logs E0000
+        # INVALID_ARGUMENT lines about TPU_WORKER_HOSTNAMES before a compile that then succeeds. They only describe
+        # this host, not the slice compiled for (that is get_topology_desc's), so a real TPU VM's are left alone.
+        for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", topology.accelerator_type),
+                           ("TPU_WORKER_HOSTNAMES", "localhost")):
+            os.environ.setdefault(key, value)
     from jax.experimental.topologies import get_topology_desc
 
     chip = topology.chip
