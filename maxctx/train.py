@@ -128,7 +128,7 @@ def _train(config: Config, plan: Plan | None = None) -> int:
         logger = _step_logger(config, setup, writer, flops_per_step, peak[0], checkpointer)  # just before the loop
         for step in range(start_step, config.steps):
             profiler.step(step, block_on=state)
-            state, step_metrics = compiled(state, next(batches))
+            state, step_metrics = compiled(state, _next_batch(batches, checkpointer, step, start_step, state, data))
             logger.push(step, step_metrics)
             completed = step + 1
             if evaluate is not None and completed % config.eval_interval == 0:
@@ -151,6 +151,22 @@ def _train(config: Config, plan: Plan | None = None) -> int:
     if primary:
         _print_end(config, start_step, logger, checkpointer.preempted)
     return 0
+
+
+def _next_batch(batches: Any, checkpointer: Any, step: int, start_step: int, state: dict, data: Any) -> dict:
+    """The next batch. A data error (a file changed under the run) ends the run; when a preemption notice came
+    while the batch was being read, the steps done are saved first, as the notice asks (one process: a save is
+    collective, and the other processes of a job do not stop here)."""
+    from maxctx.data import DataError
+
+    try:
+        return next(batches)
+    except DataError:
+        notice = checkpointer.manager is not None and checkpointer.watch.pending()
+        if notice and step > start_step and step % checkpointer.config.checkpoint_period:
+            checkpointer.preempted = True
+            checkpointer.save(step, state, data)
+        raise
 
 
 def _step_logger(config: Config, setup: TrainSetup, writer: MetricsWriter, flops_per_step: float, peak: float,

@@ -224,3 +224,16 @@ def test_tfds_errors_name_dataset_split_and_dir(tfds_dir, tmp_path):
 def test_config_level_data_errors(args, match):
     with pytest.raises(ConfigError, match=match):
         load_config(args)
+
+
+def test_a_data_error_with_a_preemption_notice_pending_saves_the_steps_done_first(tmp_path):
+    """A SIGTERM that arrives while the batch that fails is read (a file changed under the run) is honoured: the
+    steps done are saved, then the data error ends the run in one line (exit 2)."""
+    from tests.support.processes import HOOKED_TRAIN, cpu_env, run, steps_on_disk, train_command
+
+    run_dir = tmp_path / "default_run"
+    proc = run(train_command("cpu_devices=1", "steps=10", "checkpoint_period=100", f"base_output_directory={tmp_path}",
+                             script=HOOKED_TRAIN), env=cpu_env(DATA_ERROR_BATCH="5"), timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("data error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "changed while the run" in errors[0], proc.stderr[-3000:]
+    assert steps_on_disk(run_dir) == ["4"], steps_on_disk(run_dir)

@@ -51,6 +51,10 @@ class PreemptionWatch:
         else:
             self.flag = True
 
+    def pending(self) -> bool:
+        """A notice has arrived in this single-process run (multi-process runs agree on it at a step instead)."""
+        return self.flag and not self.multi_process
+
     def reached(self, step: int) -> bool:
         if self.multi_process and not self.flag:
             try:

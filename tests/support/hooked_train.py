@@ -7,7 +7,9 @@
 - ENOSPC_STEPS: comma-separated steps whose saves fail as on a full disk (the JSON write raises
   OSError(ENOSPC), in Orbax's background thread when saves are asynchronous);
 - NAN_STEPS: comma-separated steps (1-based) whose training batch gets NaN loss weights, so their loss and
-  gradient are NaN.
+  gradient are NaN;
+- DATA_ERROR_BATCH: reading that training batch (1-based) raises a DataError (a file changed under the run), and
+  a SIGTERM arrives while it is read.
 """
 
 import asyncio
@@ -23,7 +25,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 
 from maxctx import train  # noqa: E402
 from maxctx.checkpoint import manager as checkpoint  # noqa: E402
-from maxctx.data import pipeline  # noqa: E402
+from maxctx.data import DataError, pipeline  # noqa: E402
 
 slow_step, sigterm_step = int(os.environ.get("SLOW_STEP", -1)), int(os.environ.get("SIGTERM_STEP", -1))
 enospc_steps = [s for s in os.environ.get("ENOSPC_STEPS", "").split(",") if s]
@@ -50,6 +52,7 @@ def should_save_after_signal(self, step):
 
 
 nan_steps = {int(s) for s in os.environ.get("NAN_STEPS", "").split(",") if s}
+data_error_batch = int(os.environ.get("DATA_ERROR_BATCH", -1))
 create_data_iterator = pipeline.create_data_iterator
 
 
@@ -63,6 +66,9 @@ class NanBatches:
         return self
 
     def __next__(self):
+        if self.batches + 1 == data_error_batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise DataError("train.txt changed while the run was reading it (hooked_train)")
         batch, self.batches = next(self.iterator), self.batches + 1
         step = self.iterator.get_state().get("step", self.batches)  # synthetic data: the resumed step count
         if step in nan_steps:
