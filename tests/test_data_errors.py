@@ -87,7 +87,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         source[1]
     with pytest.raises(DataError, match="c.jsonl line 4 has no field 'text' \\(text_field\\); it has: body"):
         source[2]
-    with pytest.raises(DataError, match="c.jsonl line 5: field 'text' is a int"):
+    with pytest.raises(DataError, match="c.jsonl line 5: field 'text' is an int"):
         source[3]
 
 

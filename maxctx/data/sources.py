@@ -26,6 +26,7 @@ import numpy as np
 from maxctx.config import Config, ConfigError
 from maxctx.data import DataError
 from maxctx.data.registry import DATASETS
+from maxctx.errors import article
 from maxctx.files import expand_files, local_copies, tfds_local_dir
 
 TOKENS_MAGIC = b"MXTK"
@@ -188,8 +189,8 @@ class TextSource:
             return value
         if isinstance(value, list) and all(isinstance(v, int) for v in value):
             return np.asarray(value, np.int32)
-        raise DataError(f"{self.describe(index)}: field '{self.text_field}' is a {type(value).__name__}, not text "
-                        f"or a list of token ids")
+        kind = article(type(value).__name__)
+        raise DataError(f"{self.describe(index)}: field '{self.text_field}' is {kind}, not text or a list of token ids")
 
     def describe(self, index: int) -> str:
         return f"{self.files[int(self.file_ids[index])]} line {int(self.lines[index])}"
