@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import zlib
 from concurrent import futures
 
@@ -83,7 +84,8 @@ def _read_record(item_dir: epath.Path) -> dict[str, tuple[int, str]] | None:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return files if record.get("format") == FORMAT and files else None
+    inside = all(not posixpath.isabs(n) and posixpath.normpath(n) == n and not n.startswith("..") for n in files)
+    return files if record.get("format") == FORMAT and files and inside else None  # a name out of the item: forged
 
 
 def check_item(item_dir: epath.Path, item: str) -> str | None:
