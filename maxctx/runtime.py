@@ -11,12 +11,16 @@ first, after `jax_distributed_initialization_timeout` seconds (JAX's own deadlin
 line naming the coordinator and the missing process ids, and exit status 2. A process other than 0 probes the
 coordinator's port meanwhile, so it can tell "process 0 is not there" from "some other process is missing".
 
+A process that dies later: every other process says which one and how to resume in one line before JAX aborts
+it (`watch_peers`, maxctx.peers).
+
 Once JAX knows the devices, the config's device checks (maxctx.validate.check_devices) run for their count, unless
 loading already ran them for that count (cpu_devices, or compile_topology whose devices are not these).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
@@ -29,6 +33,7 @@ import jax
 
 from maxctx.config import Config, ConfigError
 from maxctx.parallelism import num_processes
+from maxctx.peers import PeerLink
 from maxctx.plan.planner import num_devices
 from maxctx.validate import check_devices
 
@@ -134,6 +139,29 @@ def initialize(config: Config) -> None:
     check_hardware(config)
     if not config.compile_topology and num_devices(config) != jax.device_count():
         check_devices(config, jax.device_count())
+
+
+
+def watch_peers(config: Config, command: str) -> contextlib.AbstractContextManager:
+    """Around training in a multi-process run: this process's watcher (maxctx.peers), which prints one line should
+    another process die; `command` resumes the run. Nothing for one process, or without the coordination
+    service's key-value store; a watcher that cannot start is reported and training goes on without it."""
+    from jax._src import distributed  # its global_state: the coordinator's client and address (jax 0.4 to 0.12)
+
+    state = getattr(distributed, "global_state", None)
+    client = getattr(state, "client", None)
+    if jax.process_count() == 1 or client is None:
+        return contextlib.nullcontext()
+    host = (getattr(state, "coordinator_address", None) or "").rpartition(":")[0].strip("[]")
+    try:
+        return PeerLink(jax.process_index(), jax.process_count(),
+                        config.checkpoint_dir if config.enable_checkpointing else "", command,
+                        publish=client.key_value_set, lookup=lambda key: client.blocking_key_value_get(key, 120_000),
+                        hub_host=host)
+    except (OSError, ValueError, jax.errors.JaxRuntimeError) as e:
+        print(f"warning: no peer watcher ({type(e).__name__}: {e}); should a process die, the others end with "
+              f"JAX's own errors", file=sys.stderr, flush=True)
+        return contextlib.nullcontext()
 
 
 _JAX_DEADLINE_MARGIN_S = 60

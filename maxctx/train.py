@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
 
     try:
         runtime.initialize(config)
-        return train(config, plan)
+        with runtime.watch_peers(config, rerun_command(argv)):  # if another process dies, one line saying so
+            return train(config, plan)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG

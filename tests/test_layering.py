@@ -18,7 +18,7 @@ LAYERS = [
      "maxctx.model.shape"],
     ["maxctx.attention"],
     ["maxctx.plan", "maxctx.validate", "maxctx.loader"],
-    ["maxctx.mesh", "maxctx.runtime"],
+    ["maxctx.mesh", "maxctx.runtime", "maxctx.peers"],
     ["maxctx.model", "maxctx.data"],
     ["maxctx.train_step"],
     ["maxctx.checkpoint", "maxctx.evaluate"],

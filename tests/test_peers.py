@@ -1,12 +1,20 @@
-"""A multi-process job whose peers never arrive ends in one line naming the coordinator and the missing process
-ids, exit 2, after jax_distributed_initialization_timeout (it was XLA's fatal log, exit 134, after 5 minutes)."""
+"""Peers in a multi-process job. One that never arrives: one line naming the coordinator and the missing process
+ids, exit 2, after jax_distributed_initialization_timeout (it was XLA's fatal log, exit 134, after 5 minutes).
+One that dies later: the others print one line naming it, the last committed step and the command to resume,
+before JAX's abort (maxctx.peers; without JAX here, with fake trainers; a real 2-process job in test_multihost)."""
 
+import select
+import shlex
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
+from maxctx.peers import PREFIX, death_line, newest_step
 from maxctx.runtime import PeerWatchdog
-from tests.support.processes import cpu_env, free_port, run, train_command
+from tests.support.processes import ROOT, cpu_env, free_port, run, train_command
 
 
 @pytest.mark.parametrize("pid, missing", [(0, "1"), (1, "0")], ids=["only_process_0", "only_process_1"])
@@ -29,3 +37,130 @@ def test_the_message_names_what_this_process_can_know():
         watchdog.message() and "missing process id one or more of 1-7;" in watchdog.message()
     watchdog.pid, watchdog.reached_coordinator = 3, True
     assert "missing process id one or more of 1, 2, 4, 5, 6, 7;" in watchdog.message()
+
+
+def test_the_death_line_names_the_newest_committed_step(tmp_path):
+    for name in ("3", "6", "9.orbax-checkpoint-tmp-1712", "12.corrupt"):  # 9: a save cut off by the death
+        (tmp_path / name).mkdir()
+    (tmp_path / "15").write_text("")
+    assert death_line(1, 4, str(tmp_path), "python train.py x=1") == (
+        f"{PREFIX}process 1 of 4 died (last committed checkpoint: step 6 in {tmp_path}); the run stops here: rerun "
+        f"the same command on every process to resume from step 6: python train.py x=1")
+    assert f"(no checkpoint committed yet in {tmp_path / 'new'});" in death_line(0, 2, str(tmp_path / "new"), "c")
+    assert death_line(0, 2, "", "c").endswith("(checkpointing is off); the run stops here: rerun the same command "
+                                              "on every process to start over from step 0: c")
+    assert "(checkpoints in gs://b/run/checkpoints); " in death_line(0, 2, "gs://b/run/checkpoints", "c")
+
+
+# A trainer without JAX: a PeerLink around waiting for a line on stdin, then the end the test names. The
+# key-value store is a file.
+FAKE_TRAINER = """
+import os, sys, time
+from pathlib import Path
+from maxctx.peers import PeerLink
+
+process, store, checkpoints = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+def publish(key, value):
+    (store / "tmp").write_text(value)
+    (store / "tmp").rename(store / "hub")
+def lookup(key):
+    while not (store / "hub").exists():
+        time.sleep(0.01)
+    return (store / "hub").read_text()
+with PeerLink(process, 2, checkpoints, f"resume-{process}", publish, lookup, "127.0.0.1"):
+    print("ready", flush=True)
+    end = sys.stdin.readline().strip()
+    if end == "abort":
+        os.abort()
+    if end == "fail":
+        raise SystemExit(1)
+"""
+
+
+def fake_job(tmp_path):
+    """Two fake trainers, each with its watcher, connected; their checkpoints directory holds step 4."""
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    args = [str(tmp_path), str(tmp_path / "checkpoints")]
+    procs = [subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, str(i), *args], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        assert p.stdout.readline() == "ready\n", p.communicate(timeout=30)
+    return procs
+
+
+def end(proc, how: str) -> None:
+    proc.stdin.write(how + "\n")
+    proc.stdin.flush()
+
+
+def stderr_lines(proc) -> list[str]:
+    """The trainer's stderr once it and its watcher (which shares it) have both exited."""
+    start = time.monotonic()
+    err = proc.communicate(timeout=30)[1]
+    assert time.monotonic() - start < 10, "the watcher outlived its trainer"
+    return err.splitlines()
+
+
+@pytest.mark.parametrize("dies, survivor_ends", [(1, "done"), (0, "fail"), (1, "abort_first")])
+def test_a_dying_process_gets_one_line_from_the_other(tmp_path, dies, survivor_ends):
+    procs = fake_job(tmp_path)
+    survivor = procs[1 - dies]
+    if survivor_ends == "abort_first":  # JAX's abort of the survivor may come before the news reaches its watcher
+        end(survivor, "abort")
+        survivor.wait(timeout=30)
+        time.sleep(0.2)
+    procs[dies].send_signal(signal.SIGKILL)
+    line = (f"{PREFIX}process {dies} of 2 died (last committed checkpoint: step 4 in {tmp_path / 'checkpoints'}); the "
+            f"run stops here: rerun the same command on every process to resume from step 4: resume-{1 - dies}")
+    if survivor_ends == "abort_first":
+        assert stderr_lines(survivor) == [line]
+    else:  # the line comes while the survivor still runs, and nothing more at its end
+        assert select.select([survivor.stderr], [], [], 10)[0], "no line within 10 s"
+        assert survivor.stderr.readline() == line + "\n"
+        end(survivor, survivor_ends)
+        assert stderr_lines(survivor) == []
+    procs[dies].communicate(timeout=30)
+
+
+def test_a_clean_end_prints_nothing_and_the_watchers_exit(tmp_path):
+    procs = fake_job(tmp_path)
+    end(procs[1], "done")
+    assert stderr_lines(procs[1]) == [] and procs[1].returncode == 0
+    end(procs[0], "done")
+    assert stderr_lines(procs[0]) == [] and procs[0].returncode == 0
+
+
+def test_a_process_killed_mid_run_gets_one_line_from_the_other(tmp_path):
+    """A real 2-process job (jax.distributed, gloo) checkpointing every 2 steps: once a step is committed,
+    process 1 is killed; process 0 ends (JAX's abort, any status but 0) with exactly one maxctx line naming
+    process 1, the step the run directory holds and its command to resume."""
+    port, logs, procs = free_port(), [], []
+    command = train_command("cpu_devices=1", "steps=100000", f"base_output_directory={tmp_path}", "run_name=dies",
+                            "checkpoint_period=2", "log_period=1", "enable_tensorboard=false", "max_target_length=32",
+                            "per_device_batch_size=1", "base_num_decoder_layers=1", "base_emb_dim=32",
+                            "peak_tflops_per_device=1", "jax_heartbeat_timeout_seconds=10")
+    for pid in range(2):
+        env = cpu_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
+        logs.append((open(tmp_path / f"out{pid}.txt", "w"), open(tmp_path / f"err{pid}.txt", "w")))
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=logs[-1][0], stderr=logs[-1][1]))
+    checkpoints = tmp_path / "dies" / "checkpoints"
+    try:
+        deadline = time.monotonic() + 300
+        while newest_step(str(checkpoints)) is None:
+            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "err0.txt").read_text()[-3000:]
+            time.sleep(0.05)  # soon after a commit, well before the next one
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        status = procs[0].wait(timeout=180)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    err = (tmp_path / "err0.txt").read_text()
+    said = [line for line in err.splitlines() if line.startswith(PREFIX)]
+    step = newest_step(str(checkpoints))
+    assert status != 0 and took < 90 and len(said) == 1, (status, took, err[-5000:])
+    assert said[0].startswith(f"{PREFIX}process 1 of 2 died (last committed checkpoint: step {step} in {checkpoints})")
+    assert said[0].endswith(f"to resume from step {step}: {shlex.join(command)}"), said[0]
+    print(f"process 0 ended with status {status} {took:.1f} s after the kill; {len(err.splitlines())} stderr lines")
