@@ -9,8 +9,8 @@ Usage: scripts/run_local_multihost.sh [--devices-per-process M] [--grace SECONDS
 
 Starts N processes of  python3 train.py CONFIG key=value ... cpu_devices=M  with
 JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=N and JAX_PROCESS_ID=0..N-1, so they train
-as one job over N x M CPU devices (mesh axes may span processes). Each output line is prefixed with
-[process i]. The script waits for all of them and exits 0 only if all succeed; when one fails, it stops the
+as one job over N x M CPU devices (mesh axes may span processes). N=1 runs one plain process (no coordinator),
+e.g. to resume a multi-process run's checkpoint on one process. Each output line is prefixed with [process i]. The script waits for all of them and exits 0 only if all succeed; when one fails, it stops the
 others and exits with the failed process's status.
 
   --devices-per-process M   simulated CPU devices per process [default: 4]; a cpu_devices=K override
@@ -63,15 +63,25 @@ done
 
 PYTHON=${MAXCTX_PYTHON:-python3}
 TRAIN_PY=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/train.py
-# A port the OS calls free now; the coordinator (process 0) binds it a moment later.
-PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-export JAX_COORDINATOR_ADDRESS=127.0.0.1:$PORT
-export JAX_NUM_PROCESSES=$NPROC
+# The environment of process i: none for one process, which runs without jax.distributed.
+process_env() {
+  ((NPROC == 1)) || echo "JAX_COORDINATOR_ADDRESS=$JAX_COORDINATOR_ADDRESS JAX_NUM_PROCESSES=$NPROC JAX_PROCESS_ID=$1"
+}
+COORDINATOR="none (one process)"
+unset JAX_COORDINATOR_ADDRESS JAX_NUM_PROCESSES JAX_PROCESS_ID  # one process: never a job of the caller's
+if ((NPROC > 1)); then
+  # A port the OS calls free now; the coordinator (process 0) binds it a moment later.
+  PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  export JAX_COORDINATOR_ADDRESS=127.0.0.1:$PORT
+  COORDINATOR=$JAX_COORDINATOR_ADDRESS
+fi
 
 if ((DRY_RUN)); then
   for ((i = 0; i < NPROC; i++)); do
-    printf 'JAX_COORDINATOR_ADDRESS=%s JAX_NUM_PROCESSES=%s JAX_PROCESS_ID=%s' "$JAX_COORDINATOR_ADDRESS" "$NPROC" "$i"
-    printf ' %q' "$PYTHON" "$TRAIN_PY" "${TRAIN_ARGS[@]}"
+    printf '%s' "$(process_env "$i")"
+    ((NPROC == 1)) || printf ' '
+    printf '%q' "$PYTHON"
+    printf ' %q' "$TRAIN_PY" "${TRAIN_ARGS[@]}"
     printf '\n'
   done
   exit 0
@@ -104,11 +114,12 @@ trap 'echo "interrupted: stopping all processes" >&2; stop_all; exit 130' INT TE
 
 for ((i = 0; i < NPROC; i++)); do
   # Process substitution keeps $! the training process's own id, so it can be waited on and killed.
-  JAX_PROCESS_ID=$i "$PYTHON" "$TRAIN_PY" "${TRAIN_ARGS[@]}" \
+  # shellcheck disable=SC2046 # process_env prints whole VAR=value words, none with spaces
+  env $(process_env "$i") "$PYTHON" "$TRAIN_PY" "${TRAIN_ARGS[@]}" \
     > >(awk -v p="[process $i] " '{ print p $0; fflush() }') 2>&1 &
   PIDS+=($!)
 done
-echo "started $NPROC processes x $DEVICES devices, coordinator $JAX_COORDINATOR_ADDRESS: pids ${PIDS[*]}" >&2
+echo "started $NPROC processes x $DEVICES devices, coordinator $COORDINATOR: pids ${PIDS[*]}" >&2
 
 # Poll rather than `wait -n`, which macOS's bash 3.2 lacks.
 remaining=$NPROC

@@ -3,7 +3,8 @@ global batch from per-host rows.
 
 - Context parallelism over all 8 devices spans both processes: both hold every row (half the columns each), form
   one loading group, and the assembled global batch equals the single-process batch of the same config.
-- fsdp=4 x context=2: each process holds half the rows; the two read disjoint documents.
+- fsdp=4 x context=2: each process holds half the rows; the two read disjoint documents, and the data position
+  both save is one global state, from which one process reads on.
 """
 
 import json
@@ -13,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from maxctx.attention.load_balance import restore_order
+from maxctx.attention.cp.load_balance import restore_order
 from maxctx.data.pipeline import create_data_iterator
 from maxctx.data.sources import encode_tokens
 from maxctx.loader import load_config
@@ -103,10 +104,10 @@ def assemble(results, name, step, key, shape):
     return out
 
 
-def single_process_batches(path, overrides):
+def single_process_batches(path, overrides, steps=STEPS):
     config = load_config(data_args(path) + overrides)
     it = create_data_iterator(config, create_mesh(config), "train")
-    batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(STEPS)]
+    batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(steps)]
     it.close()
     return batches
 
@@ -125,7 +126,6 @@ def test_processes_holding_different_rows_read_disjoint_documents(two_processes)
     name = "rows_split_over_processes"
     assert [r[name]["shard"] for r in two_processes] == [[0, 2], [1, 2]]
     assert [r[name]["local_rows"] for r in two_processes] == [4, 4]
-    assert [r[name]["state"]["process_index"] for r in two_processes] == [0, 1]
     seen = [set(), set()]
     for step in range(STEPS):
         inputs = restore_order(assemble(two_processes, name, step, "inputs", (8, SEQ)), 2).astype(int)
@@ -134,3 +134,18 @@ def test_processes_holding_different_rows_read_disjoint_documents(two_processes)
         seen[1].update(inputs[4:, 1])
     assert len(seen[0]) == len(seen[1]) == 4 * STEPS
     assert not seen[0] & seen[1]
+
+
+def test_the_position_is_global_and_one_process_reads_on_from_it(two_processes, shards_file):
+    """Both processes saved the same state (the global row stream's); one process of 8 devices restored from it
+    reads the batch the straight single-process run reads next."""
+    name = "rows_split_over_processes"
+    states = [r[name]["state"] for r in two_processes]
+    assert states[0] == states[1] and "process_count" not in states[0]
+    config = load_config(data_args(shards_file[0]) + CASES[name])
+    expected = single_process_batches(shards_file[0], CASES[name], steps=STEPS + 1)[-1]
+    resumed = create_data_iterator(config, create_mesh(config), "train")
+    resumed.set_state(json.loads(json.dumps(states[0])))
+    for key, value in next(resumed).items():
+        np.testing.assert_array_equal(np.asarray(value), expected[key])
+    resumed.close()

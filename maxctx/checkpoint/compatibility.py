@@ -1,17 +1,19 @@
 """Can a checkpoint be used by this config? Checked before anything is restored, each failure a ConfigError naming
 the key (or parameter) and both values, with the fix.
 
-- Resuming a run: the data source and everything its iterator state depends on (`RESUME_KEYS`, plus the global
-  batch in sequences, which may be spread over another mesh), the model-shape keys (config.MODEL_KEYS) and the
-  tokenizer must be what the checkpoint was saved with, as recorded in its meta item (`resume_record`); otherwise
-  the run would silently read other data from a position meant for the old source, or fail with a KeyError. The
-  alternative is `load_full_state_path`: the state of that step, with this config's data from its start.
+- Resuming a run: the data source and everything its iterator state depends on (`RESUME_KEYS`), the model-shape
+  keys (config.MODEL_KEYS) and the tokenizer must be what the checkpoint was saved with, as recorded in its meta
+  item (`resume_record`); otherwise the run would silently read other data from a position meant for the old
+  source, or fail with a KeyError. The alternative is `load_full_state_path`: the state of that step, with this
+  config's data from its start.
   The tokenizer is recorded by its content too (`tokenizer_digest`): a file replaced at the same path would change
   the token ids under the same data position. The weights' dtype must match as well (`STATE_KEYS`): another one
   would cast the saved state.
-- Resuming with another schedule length (`steps`, or learning_rate_schedule_steps), other grain_train_files or
-  another compute dtype is allowed but changes the run, so it gets one line each (`resume_notices`): what changes
-  (the learning rate at the resumed step; the data order; the losses) and the key that keeps the old behaviour.
+- Resuming with another schedule length (`steps`, or learning_rate_schedule_steps), other grain_train_files,
+  another compute dtype or another global batch (per_device_batch_size, devices, gradient_accumulation_steps) is
+  allowed but changes the run, so it gets one line each (`resume_notices`): what changes (the learning rate at
+  the resumed step; the data order; the losses; the sequences per step, the data reading on from the same
+  position, the schedule going on by step) and the key that keeps the old behaviour.
 - A record from an older version lacks some of these fields; those are not compared. Its relative paths are read
   against this working directory, as the loader reads every path key.
 - Any load: every parameter's shape (`check_shapes`), from Orbax's metadata.
@@ -34,7 +36,7 @@ RESUME_KEYS = ("dataset_type", "dataset_name", "dataset_split", "tfds_data_dir",
                "tokenizer_path", "tokenizer_type", "add_bos", "add_eos", "packing", "data_shuffle_seed",
                "enable_data_shuffling", "max_target_length", "grain_worker_count")
 STATE_KEYS = ("weight_dtype",)  # the dtype the saved state is in
-NOTICE_KEYS = ("schedule_steps", "grain_train_files", "dtype")  # recorded too; a change is reported, not refused
+NOTICE_KEYS = ("schedule_steps", "grain_train_files", "dtype", "global_batch")  # a change is reported, not refused
 # What the Hugging Face reader reads in a tokenizer's folder (maxctx.data.tokenizer_types).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -74,12 +76,6 @@ def _changed(key: str, was: Any, now: Any) -> bool:
 
 def _difference(key: str, was: Any, now: Any, config: Config) -> str:
     """"<what the checkpoint was saved with> but <this run's>; <the fix>" for a refused record field."""
-    if key == "global_batch":
-        accumulation = config.gradient_accumulation_steps
-        devices = round(now / (config.per_device_batch_size * accumulation))
-        return (f"the global batch (per_device_batch_size x devices x gradient_accumulation_steps)={was} but this "
-                f"run has {now}; resume with per_device_batch_size={config.per_device_batch_size * was / now:g} "
-                f"({devices} devices x gradient_accumulation_steps={accumulation})")
     if key == "tokenizer_sha256":
         return (f"tokenizer_path='{config.tokenizer_path}' holding other content (sha256 {was[:12]}..., now "
                 f"{now[:12]}...): the token ids would change under the data position it resumes at; put the "
@@ -99,11 +95,16 @@ def check_resume_record(saved: dict[str, Any] | None, config: Config, global_bat
                               f"optimizer state; data from the start)")
 
 
-def resume_notices(saved: dict[str, Any] | None, config: Config, step: int) -> list[str]:
-    """One line for each NOTICE_KEYS value this resume changes: what it changes and how to keep the old one."""
+def resume_notices(saved: dict[str, Any] | None, config: Config, step: int,
+                   global_batch: int | None = None) -> list[str]:
+    """One line for each NOTICE_KEYS value this resume changes: what it changes and how to keep the old one
+    (`global_batch`: this run's, in sequences; None: not compared)."""
     from maxctx.optimizer import learning_rate_schedule
 
     saved, notices = saved or {}, []
+    was = saved.get("global_batch")
+    if global_batch is not None and was is not None and was != global_batch:
+        notices.append(global_batch_notice(was, global_batch, config, step))
     was = saved.get("schedule_steps")
     if was is not None and was != config.schedule_steps:
         old = dataclasses.replace(config, learning_rate_schedule_steps=was)
@@ -124,6 +125,18 @@ def resume_notices(saved: dict[str, Any] | None, config: Config, step: int) -> l
                        f"{config.dtype} (the saved state is as it was), so the losses from step {step} on differ "
                        f"from what the old run's would have been; to keep them, resume with dtype={was}")
     return notices
+
+
+def global_batch_notice(was: int, now: int, config: Config, step: int) -> str:
+    """The line for a resume with another global batch (in sequences)."""
+    accumulation = config.gradient_accumulation_steps
+    devices = round(now / (config.per_device_batch_size * accumulation))
+    return (f"resuming at step {step} with a global batch of {now} sequences (per_device_batch_size="
+            f"{config.per_device_batch_size:g} x {devices} devices x gradient_accumulation_steps={accumulation}), "
+            f"not the {was} it was saved with: the data reads on from the same position, "
+            f"{now * config.max_target_length} tokens a step instead of {was * config.max_target_length}, and the "
+            f"learning-rate schedule goes on by step; to keep the old batch, resume with per_device_batch_size x "
+            f"devices x gradient_accumulation_steps = {was}")
 
 
 def _flat_shapes(tree: Any) -> dict[str, tuple]:

@@ -3,7 +3,8 @@
 A checkpoint is `<base_output_directory>/<run_name>/checkpoints/<step>/` with three Orbax items:
 
     state/   {"step", "params", "opt_state"} (StandardSave): every array written by the processes that hold it
-    data/    process_<i>-of-<n>.json (JsonSave, one file per process): that process's data-iterator state
+    data/    process_<i>-of-<n>.json (JsonSave, one file per process): the data-iterator state, global (the same
+             in every file), so any process count resumes from it (maxctx.checkpoint.data_position)
     meta/    metadata (JsonSave): step, seed, the step's RNG key, mesh, process count
 
 RNG state. The train step draws no random numbers (the model has no dropout); the run's randomness is the `seed`
@@ -64,6 +65,7 @@ from jax.experimental import multihost_utils
 
 from maxctx.checkpoint import failure as failures
 from maxctx.checkpoint.compatibility import check_resume_record, check_shapes, resume_notices, resume_record
+from maxctx.checkpoint.data_position import data_filename, load_data_state
 from maxctx.checkpoint.divergence import DivergenceWatch, KeepLastGood
 from maxctx.checkpoint.integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
 from maxctx.checkpoint.preemption import PreemptionWatch
@@ -111,10 +113,6 @@ def _any_process(flag: bool) -> bool:
 def rng_key(seed: int, step: int) -> jax.Array:
     """The run's key for `step`: every per-step random draw derives from it (none in the step today)."""
     return jax.random.fold_in(jax.random.key(seed), step)
-
-
-def data_filename(process_index: int, process_count: int) -> str:
-    return f"process_{process_index}-of-{process_count}.json"
 
 
 def resolve_step_dir(path: str, key: str) -> epath.Path:
@@ -220,14 +218,8 @@ class Checkpointer:
         if meta.get("seed") != self.config.seed:
             raise ConfigError(f"checkpoint {step_dir} was saved with seed={meta.get('seed')} but seed="
                               f"{self.config.seed}; resume with seed={meta.get('seed')}, or use a new run_name")
-        mine = data_filename(jax.process_index(), jax.process_count())
-        if not (step_dir / DATA / mine).exists():
-            raise ConfigError(f"checkpoint {step_dir} was saved by {meta.get('process_count')} processes, but this "
-                              f"run has {jax.process_count()}: the data-iterator state of process "
-                              f"{jax.process_index()} ({DATA}/{mine}) is missing; resume with "
-                              f"{meta.get('process_count')} processes, or start a new run_name with "
-                              f"load_full_state_path={step_dir}")
-        for notice in resume_notices(meta.get("config"), self.config, int(step_dir.name)):
+        self._data_state = load_data_state(step_dir / DATA, jax.process_index(), jax.process_count(), str(step_dir))
+        for notice in resume_notices(meta.get("config"), self.config, self.setup.global_batch, int(step_dir.name)):
             self._say(notice)
 
     def _make_manager(self, directory: epath.Path) -> ocp.CheckpointManager:
@@ -281,8 +273,8 @@ class Checkpointer:
         falls back like a step that failed verification."""
         from maxctx.plan.out_of_memory import is_out_of_memory
 
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(self.setup.abstract_state),
-                                     DATA: ocp.args.JsonRestore()})
+        # The data state is read by _check_resume: the file of another process count, when that is what was saved.
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(self.setup.abstract_state)})
         while True:
             step, error = int(self.source_dir.name), None
             try:
@@ -300,7 +292,7 @@ class Checkpointer:
             self.manager.reload()
             self.source_dir = self._newest_good()
             self._check_resume(self.source_dir)
-        data.set_state(restored[DATA])
+        data.set_state(self._data_state)
         self._say(f"resuming from checkpoint step {step} ({self.source_dir})")
         return restored[STATE]
 

@@ -70,7 +70,8 @@ class NanBatches:
             os.kill(os.getpid(), signal.SIGTERM)
             raise DataError("train.txt changed while the run was reading it (hooked_train)")
         batch, self.batches = next(self.iterator), self.batches + 1
-        step = self.iterator.get_state().get("step", self.batches)  # synthetic data: the resumed step count
+        state = self.iterator.get_state()  # synthetic data: the rows read, so the step count survives a resume
+        step = state["rows"] // self.iterator.layout.global_shape[0] if "rows" in state else self.batches
         if step in nan_steps:
             batch = {**batch, "weights": batch["weights"] * float("nan")}
         return batch
