@@ -146,7 +146,7 @@ def watch_peers(config: Config, command: str) -> contextlib.AbstractContextManag
     """Around training in a multi-process run: this process's watcher (maxctx.peers), which prints one line should
     another process die; `command` resumes the run. Nothing for one process, or without the coordination
     service's key-value store; a watcher that cannot start is reported and training goes on without it."""
-    from jax._src import distributed  # its global_state: the coordinator's client and address (jax 0.4 to 0.12)
+    from jax._src import distributed  # global_state: the coordinator's client and address (getattr: private API)
 
     state = getattr(distributed, "global_state", None)
     client = getattr(state, "client", None)
