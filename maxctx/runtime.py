@@ -141,7 +141,6 @@ def initialize(config: Config) -> None:
         check_devices(config, jax.device_count())
 
 
-
 def watch_peers(config: Config, command: str) -> contextlib.AbstractContextManager:
     """Around training in a multi-process run: this process's watcher (maxctx.peers), which prints one line should
     another process die; `command` resumes the run. Nothing for one process, or without the coordination
