@@ -51,7 +51,6 @@ MAXTEXT_ONLY: dict[str, tuple[tuple, str]] = {
     "opt_type": (("adamw",), "the optimizer is AdamW"),
     "quantization": (("",), "matmuls run in dtype, without quantization"),
     "use_qwix_quantization": ((False,), "matmuls run in dtype, without quantization"),
-    "decoder_block": (("llama2", "mistral"), "the decoder is the Llama/Mistral block"),
     "override_model_config": ((False, True), ""),  # command-line keys always override the preset
     "enable_single_controller": ((False,), "Pathways single-controller mode is not supported"),
     "skip_jax_distributed_system": ((False,), "multi-process runs always call jax.distributed.initialize"),

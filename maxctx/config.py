@@ -63,6 +63,7 @@ class Config:
     run_name: str = "default_run"
     base_output_directory: str = "outputs"
     model_name: str = "tiny"
+    decoder_block: str = "llama2"  # the model family (maxctx.model.families): llama2, mistral
     seed: int = 0
     steps: int = 150
     cpu_devices: int = 0
@@ -274,7 +275,8 @@ def layer_windows(config: Config) -> tuple[int, ...]:
 
 
 MODEL_KEYS = (
-    "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers",
+    "decoder_block", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
+    "base_num_decoder_layers",
     "head_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "logits_via_embedding",
     "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
     "rope_linear_scaling_factor", "beta_fast", "beta_slow", "rope_truncate", "rope_attention_factor",

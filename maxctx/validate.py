@@ -17,6 +17,7 @@ from maxctx.attention import strategies
 from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, layer_windows
 from maxctx.data.registry import DATASETS
 from maxctx.files import REMOTE_KEYS, check_tokenizer_path, expand_files
+from maxctx.model import families
 from maxctx.parallelism import RING_AXIS, configured_sizes, split_context
 from maxctx.plan import planner
 
@@ -231,11 +232,7 @@ def validate(config: Config) -> None:
     if not 0 <= config.warmup_steps_fraction < 1:
         raise ConfigError(f"warmup_steps_fraction={config.warmup_steps_fraction} must be in [0, 1)")
     _check_ranges(config)
-    if config.base_num_query_heads % config.base_num_kv_heads:
-        raise ConfigError(f"base_num_query_heads={config.base_num_query_heads} is not divisible by "
-                          f"base_num_kv_heads={config.base_num_kv_heads}; grouped-query attention needs a multiple")
-    if config.head_dim % 2:
-        raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
+    families.for_config(config).check(config)  # the model family's own checks (maxctx.model.families)
     _check_rope(config)
     _check_window(config)
     for key in SPLASH_BLOCK_KEYS:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from maxctx.config import ConfigError
-from maxctx.convert.hf_layout import hf_config, model_keys
+from maxctx.model.llama.hf_layout import hf_config, model_keys
 from maxctx.model.rope import RopeSpec
 
 

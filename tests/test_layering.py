@@ -15,7 +15,8 @@ LAYERS = [
     # maxctx.model.shape: the model's sizes, parameter counts, FLOPs and bytes per dtype, without JAX, for the
     # FLOPs, the planner and the roofline below the rest of maxctx.model.
     ["maxctx.parallelism", "maxctx.storage", "maxctx.files", "maxctx.optimizer", "maxctx.metrics",
-     "maxctx.model.shape"],
+     "maxctx.model.shape", "maxctx.model.family", "maxctx.model.families", "maxctx.model.llama.family",
+     "maxctx.model.llama.hf_layout"],
     ["maxctx.attention"],
     ["maxctx.plan", "maxctx.validate", "maxctx.loader"],
     ["maxctx.mesh", "maxctx.runtime", "maxctx.peers"],

@@ -26,11 +26,12 @@ import yaml
 from etils import epath
 
 from maxctx.config import MODEL_KEYS, Config
-from maxctx.convert import hf_layout, safetensors
-from maxctx.convert.hf_layout import DIM_KEYS, Tensor
+from maxctx.convert import safetensors
 from maxctx.convert.streaming import Deferred, save_deferred, save_json
 from maxctx.errors import ConfigError
 from maxctx.loader import parse_config
+from maxctx.model.llama import hf_layout
+from maxctx.model.llama.hf_layout import DIM_KEYS, Tensor
 from maxctx.validate import validate
 
 STEP = "0"

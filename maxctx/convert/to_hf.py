@@ -26,11 +26,12 @@ from etils import epath
 
 from maxctx.checkpoint.manager import META, STATE, resolve_step_dir
 from maxctx.config import MODEL_KEYS
-from maxctx.convert import hf_layout, safetensors
+from maxctx.convert import safetensors
 from maxctx.convert.from_hf import key_values, read_hf_config
 from maxctx.convert.streaming import open_arrays, shapes
 from maxctx.errors import ConfigError
 from maxctx.loader import parse_config
+from maxctx.model.llama import hf_layout
 from maxctx.validate import validate
 
 OUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32)}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from maxctx.config import Config, layer_windows
-from maxctx.model.shape import ModelShape
+from maxctx.model import families
 
 
 def attention_pairs(global_batch: int, seq_len: int, *, segment_ids: np.ndarray | None = None,
@@ -66,7 +66,7 @@ def document_pairs(positions, segment_ids, config: Config, xp=np):
     seen = (xp.asarray(positions) + 1).astype(xp.float32)
     real = xp.asarray(segment_ids) != 0
     total = sum(xp.sum(xp.where(real, xp.minimum(seen, w) if w else seen, 0.0)) for w in windows)
-    return total * (config.base_num_decoder_layers / len(windows))
+    return total * (families.shape(config).num_layers / len(windows))
 
 
 def needed_flops(config: Config, tokens: float, pairs: float) -> float:
@@ -74,7 +74,7 @@ def needed_flops(config: Config, tokens: float, pairs: float) -> float:
     (`document_pairs`): the matmuls as in `training_flops_per_step`, attention by the documents' own area. The
     MFU from it (the progress line's `needed`) says how busy the chips are with the work the data asks for; the
     MFU from `training_flops_per_step` (causal S^2/2 per row, MaxText's convention) is the comparable one."""
-    shape = ModelShape.from_config(config)
+    shape = families.shape(config)
     return shape.matmul_flops(tokens) + shape.attention_flops(pairs)
 
 
@@ -86,10 +86,10 @@ def training_flops_per_step(config: Config, global_batch: int, seq_len: int, *,
     accumulating). segment_ids: optionally the step's [B, S] segment ids, to count packed documents by their true
     attention area instead of B*S^2/2. Remat recompute is not counted (MFU counts model FLOPs).
     """
-    shape = ModelShape.from_config(config)
+    shape = families.shape(config)
     windows = layer_windows(config)  # one group of layers; the pattern repeats L / len(windows) times
     pairs = sum(attention_pairs(global_batch, seq_len, segment_ids=segment_ids, window=w) for w in windows)
-    pairs *= config.base_num_decoder_layers / len(windows)
+    pairs *= shape.num_layers / len(windows)
     return shape.matmul_flops(global_batch * seq_len) + shape.attention_flops(pairs)
 
 

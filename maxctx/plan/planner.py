@@ -13,11 +13,11 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
                       the saved layer inputs L t D b (none when offloaded) and every other tensor the remat policy
                       keeps on the device (step_time.placement: L t x its bytes per token x remat.KEPT_ON_DEVICE)
-                      + the layer's working set
-                      LAYER_WORK_BYTES t D (calibrated; LAYER_WORK_BYTES_INPUTS_ON_DEVICE t D when the inputs stay
-                      in HBM) + the larger of the attention memory and the loss / MLP
-                      tiles; a candidate above FIT_FRACTION of HBM is ranked after the fitting ones (auto takes
-                      the least memory when none fits)
+                      + the layer's working set, the family's (maxctx.model.family.LayerWork, calibrated)
+                      t D, one figure with the inputs offloaded and one with them in HBM + the larger of the
+                      attention memory and the loss / the family's tile (the SwiGLU's); a candidate above
+                      FIT_FRACTION of HBM is ranked after the fitting ones (auto takes the least memory when none
+                      fits)
     compute           maxctx.plan.step_time.estimate's (the one step-time model, calibrated on MaxText's measured
                       rows): matmuls, attention, what the backward recomputes and memory-bound work
     exposed comm      step_time's exposed collectives and host transfers. Its CP collectives (exposed_per_layer):
@@ -55,7 +55,7 @@ from collections.abc import Callable
 from maxctx.attention import strategies
 from maxctx.attention.cost import AttentionShape
 from maxctx.config import Config, ConfigError
-from maxctx.model.shape import ModelShape, dtype_bytes
+from maxctx.model import families
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices
 from maxctx.plan import documents, remat, step_time, topology
 
@@ -74,13 +74,6 @@ GIB = 1024 ** 3
 FIT_FRACTION = 0.9  # of HBM: room for what the memory model leaves out (XLA's own buffers, fragmentation)
 TIE = 0.01  # step times within 1% of the fastest count as equal; the most headroom wins among them
 PLACEMENTS_SHOWN = 3  # remat_policy=auto: each strategy's best placements kept in the table
-# The decoder layer's own working set in its backward (norms, projections, residuals and their fp32 gradients),
-# bytes per token and model dimension, calibrated on the fit table's llama3-8b p2p and usp rows on v5p-128
-# (compiled memory minus the rest of this model; docs/choosing_a_strategy.md): 38 with the layer inputs offloaded
-# (remat_policy=custom decoder_layer_input=offload; 35.7-40.1 on those rows), 64 with them kept in HBM (63.7-65.7 on
-# the remat_policy=full rows: XLA holds more than the saved inputs themselves then).
-LAYER_WORK_BYTES = 38
-LAYER_WORK_BYTES_INPUTS_ON_DEVICE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +91,7 @@ class Candidate:
     valid: bool = True  # False: a config rule drops it (no estimates)
     # (name, remat | device | offload) for each of REMAT_NAMES, and ("decoder_layer_input_stride", N)
     placement: tuple[tuple[str, str | int], ...] = ()
+    remat_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # the family's (label, names) placed together
     host_bytes: float = 0.0  # what the offloaded tensors hold in host memory per device (remat.held_host_bytes)
     forwards_per_layer: float = 0.0  # attention forwards per layer the estimate assumes (2: recomputed)
     headroom: float = 0.0  # the larger of HBM / its budget and host / its budget (remat's tie-break)
@@ -113,11 +107,13 @@ class Candidate:
     @property
     def placed(self) -> str:
         """Where the remat policy puts the tensors, in short (remat.describe)."""
-        return remat.describe(dict(self.placement), self.forwards_per_layer)[0] if self.placement else ""
+        return remat.describe(dict(self.placement), self.forwards_per_layer,
+                              self.remat_groups)[0] if self.placement else ""
 
     @property
     def recomputed(self) -> str:
-        return remat.describe(dict(self.placement), self.forwards_per_layer)[1] if self.placement else ""
+        return remat.describe(dict(self.placement), self.forwards_per_layer,
+                              self.remat_groups)[1] if self.placement else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,31 +140,33 @@ class Plan:
 
 
 def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> AttentionShape:
+    model = families.shape(config)
     return AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
-                          heads=config.base_num_query_heads // tp, kv_heads=max(1, config.base_num_kv_heads // tp),
-                          head_dim=config.head_dim, itemsize=dtype_bytes(config.dtype),
+                          heads=model.num_heads // tp, kv_heads=max(1, model.num_kv_heads // tp),
+                          head_dim=model.head_dim, itemsize=model.itemsize,
                           cp=cp, a2a=a2a, window=window, load_balance=config.context_parallel_load_balance)
 
 
 def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
     """(memory per device besides attention, the loss / MLP tiles' bytes)."""
-    shape = ModelShape.from_config(config)
-    seq, layers, b = config.max_target_length, config.base_num_decoder_layers, shape.itemsize
+    family = families.for_config(config)
+    shape = family.shape(config)
+    seq, layers, b, dim = config.max_target_length, shape.num_layers, shape.itemsize, shape.emb_dim
     params, wb = shape.num_params, shape.weight_itemsize
     tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
-    saved_inputs = 0 if offloaded else step_time.kept_layer_inputs(config) * tokens * config.base_emb_dim * b
-    work = (LAYER_WORK_BYTES if offloaded else LAYER_WORK_BYTES_INPUTS_ON_DEVICE) * tokens * config.base_emb_dim
+    saved_inputs = 0 if offloaded else step_time.kept_layer_inputs(config) * tokens * dim * b
+    work = (family.work.offloaded if offloaded else family.work.on_device) * tokens * dim
     # a strided run's recomputed inputs, held through its backward
-    work += (config.decoder_layer_input_stride - 1) * tokens * config.base_emb_dim * b
+    work += (config.decoder_layer_input_stride - 1) * tokens * dim * b
     # What else the policy keeps in HBM for the backward (the attention output under context=device, ...)
     kept = step_time.per_token(config, tp)["bytes"]
     saved_inputs += remat.KEPT_ON_DEVICE * layers * tokens * sum(
         kept[name] for name, where in step_time.placement(config).items()
         if where == "device" and name != "decoder_layer_input")
     state = params * (wb + 12) / shards + params / layers * wb / max(1, tp)
-    tiles = max(2 * tokens / config.num_vocab_tiling * config.vocab_size / tp * 4,
-                3 * tokens / config.mlp_sequence_chunks * config.base_mlp_dim / tp * b)
+    tiles = max(2 * tokens / config.num_vocab_tiling * shape.vocab_size / tp * 4,
+                tokens / config.mlp_sequence_chunks * family.tile(shape, tp))
     return state + saved_inputs + work, tiles
 
 
@@ -275,6 +273,7 @@ def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, s
     return dataclasses.replace(cand, memory_bytes=memory, compute_s=est.compute_s,
                                exposed_s=est.exposed_collective_s + est.exposed_host_s, fits=not over,
                                dropped="; ".join(over), placement=_placement(config),
+                               remat_groups=families.for_config(config).remat_groups,
                                host_bytes=held, forwards_per_layer=est.forwards_per_layer, headroom=headroom)
 
 

@@ -26,21 +26,18 @@ import dataclasses
 import itertools
 
 from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
+from maxctx.model import families
 from maxctx.plan import step_time, topology
 
 # Of the host DRAM per device: the rest for the OS, the training process, the input pipeline and checkpoint
 # staging (an assumption).
 HOST_FRACTION = 0.9
 # HBM that a tensor kept on the device for the backward takes, per byte of the tensor (the layer input has its own
-# calibration, planner.LAYER_WORK_BYTES_INPUTS_ON_DEVICE): fitted on the one compile that measured it, llama3.1-8b
+# calibration, the family's LayerWork.on_device): fitted on the one compile that measured it, llama3.1-8b
 # (head_dim=256) at 10,485,760 tokens on v5p-128, p2p, context=device decoder_layer_input=offload: XLA needed
 # 102.54 GiB where the planner without this factor estimated 76.25 GiB for 40.31 GiB of kept `context`
 # (docs/long_context.md), 1 + 26.29 / 40.31 = 1.65.
 KEPT_ON_DEVICE = 1.65
-GROUPS: tuple[tuple[str, ...], ...] = (("decoder_layer_input",), ("query_proj", "key_proj", "value_proj"),
-                                        ("context",), ("out_proj",), ("mlpwi",), ("mlpwo",))
-SHORT = {"decoder_layer_input": "input", "query_proj": "qkv", "context": "context", "out_proj": "out_proj",
-         "mlpwi": "mlpwi", "mlpwo": "mlpwo"}
 PLACES = ("remat", "device", "offload")
 
 
@@ -74,12 +71,13 @@ def placements(config: Config) -> list[dict[str, str]]:
     if not is_auto(config):
         return [step_time.placement(config)]
     offload = host_budget_per_device(config) > 0
-    choices = [("device", "offload") if group[0] == "decoder_layer_input" else PLACES for group in GROUPS]
+    groups = [names for _, names in families.for_config(config).remat_groups]
+    choices = [("device", "offload") if group[0] == "decoder_layer_input" else PLACES for group in groups]
     out = []
     for combo in itertools.product(*choices):
         if not offload and "offload" in combo:
             continue
-        out.append({name: where for group, where in zip(GROUPS, combo) for name in group})
+        out.append({name: where for group, where in zip(groups, combo) for name in group})
         if combo[0] == "offload" and _can_stride(config):  # the input of every other layer only
             out.append({**out[-1], "decoder_layer_input_stride": 2})
     return out
@@ -90,7 +88,7 @@ def _can_stride(config: Config) -> bool:
     and its scanned layers split into runs of 2 periods (maxctx.validate)."""
     period = len(layer_windows(config))
     return (config.scan_layers and config.decoder_layer_input_stride == 1
-            and config.decoder_layer_input_host_layers < 0 and config.base_num_decoder_layers % (2 * period) == 0)
+            and config.decoder_layer_input_host_layers < 0 and families.shape(config).num_layers % (2 * period) == 0)
 
 
 def apply(config: Config, where: dict[str, str]) -> Config:
@@ -110,13 +108,16 @@ def held_host_bytes(config: Config, tp: int) -> float:
     return tokens * sum(per[n] * step_time.offloading_layers(config, n) for n, w in where.items() if w == "offload")
 
 
-def describe(where: dict[str, str], forwards_per_layer: float) -> tuple[str, str]:
-    """(the placement in short, what the backward recomputes) for the planner's table."""
-    groups = {g[0]: where[g[0]] for g in GROUPS}
-    short = " ".join(f"{SHORT[n]}={w}" for n, w in groups.items() if w != "remat")
+def describe(where: dict[str, str], forwards_per_layer: float,
+             groups: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[str, str]:
+    """(the placement in short, what the backward recomputes) for the planner's table; `groups`: the family's
+    (label, names) placed together."""
+    placed = {label: where[names[0]] for label, names in groups}
+    short = " ".join(f"{label}={w}" for label, w in placed.items() if w != "remat")
     if where.get("decoder_layer_input_stride", 1) > 1:
         short += f" stride={where['decoder_layer_input_stride']}"
-    redone = [SHORT[n] for n, w in groups.items() if w == "remat" and n != "decoder_layer_input"]
+    redone = [label for (label, names), w in zip(groups, placed.values())
+              if w == "remat" and names[0] != "decoder_layer_input"]
     if forwards_per_layer > 1:
         redone.insert(0, "attention")
     return short or "all remat", ", ".join(redone) or "nothing"

@@ -24,7 +24,7 @@ import math
 from maxctx.attention import strategies
 from maxctx.attention.cost import AttentionShape, Collective
 from maxctx.config import Config
-from maxctx.model.shape import ModelShape
+from maxctx.model import families
 from maxctx.parallelism import A2A_AXIS, mesh_context_degree, mesh_sizes, num_slices
 
 
@@ -33,9 +33,9 @@ def _cp_comm_volume(config: Config, mesh: dict[str, int], t: float, b: int
     c = mesh_context_degree(mesh)
     if c == 1:
         return [], []
-    tp, seq = mesh["tensor"], config.max_target_length
-    shape = AttentionShape(batch=t * c / seq, seq=seq, heads=config.base_num_query_heads // tp,
-                           kv_heads=max(1, config.base_num_kv_heads // tp), head_dim=config.head_dim, itemsize=b,
+    tp, seq, model = mesh["tensor"], config.max_target_length, families.shape(config)
+    shape = AttentionShape(batch=t * c / seq, seq=seq, heads=model.num_heads // tp,
+                           kv_heads=max(1, model.num_kv_heads // tp), head_dim=model.head_dim, itemsize=b,
                            cp=c, a2a=mesh[A2A_AXIS])
     return strategies.for_config(config).comm_volume(shape)
 
@@ -67,18 +67,18 @@ def traffic(config: Config, mesh: dict[str, int], global_batch: float, forward_p
     and tensor parallelism (the CP strategy's own traffic is timed per layer by maxctx.plan.step_time), `dcn`
     across slices (CP included). `forward_passes`: 2 when the layer's forward runs again in the backward."""
     n = math.prod(mesh.values())
-    model = ModelShape.from_config(config)
+    family = families.for_config(config)
+    model = family.shape(config)
     num_params = model.num_params
     b, wb = model.itemsize, model.weight_itemsize
-    layers, dim, tp, dp = config.base_num_decoder_layers, config.base_emb_dim, mesh["tensor"], mesh["data"]
-    heads, kv, hd, mlp = config.base_num_query_heads, config.base_num_kv_heads, config.head_dim, config.base_mlp_dim
+    layers, dim, tp, dp = model.num_layers, model.emb_dim, mesh["tensor"], mesh["data"]
     t = global_batch * config.max_target_length / n  # tokens per device per step
 
     weights = num_params / tp  # a device's slice of every weight, once gathered
     shards = max(1, n // (dp * tp))  # devices each weight is sharded across (fsdp and context axes)
-    layer_act = 2 * b * (6 * dim + (2 * heads + 2 * kv) * hd / tp + 3 * mlp / tp)  # per token, one forward
+    layer_act = family.activation(model, tp)  # per token, one forward
     hbm_bytes = ((forward_passes + 1) * weights * wb + weights * 4 + 7 * 4 * num_params / (shards * tp)
-                 + (forward_passes + 2) * layers * t * layer_act + 2 * t * config.vocab_size / tp * (b + 8))
+                 + (forward_passes + 2) * layers * t * layer_act + 2 * t * model.vocab_size / tp * (b + 8))
 
     fsdp = (shards - 1) / shards * (2 * weights * wb + weights * 4)
     data = 2 * (dp - 1) / dp * num_params / (shards * tp) * 4

@@ -49,7 +49,7 @@ import os
 from maxctx.attention import strategies
 from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
-from maxctx.model.shape import ModelShape
+from maxctx.model import families
 from maxctx.parallelism import mesh_sizes, num_slices
 from maxctx.plan import topology
 from maxctx.plan.documents import attention_pairs_per_token, causal_keys
@@ -202,40 +202,35 @@ def placement(config: Config) -> dict[str, str]:
 
 def per_token(config: Config, tp: int) -> dict[str, float]:
     """Per token and device: each named projection's forward FLOPs (`flops`) and each named tensor's bytes."""
-    d, h, k, hd, f = (config.base_emb_dim, config.base_num_query_heads // tp, max(1, config.base_num_kv_heads // tp),
-                      config.head_dim, config.base_mlp_dim // tp)
-    b = ModelShape.from_config(config).itemsize
     # The ring's log-sum-exp (fp32) goes with the attention output: maxctx.attention.ring names both `context`.
     # Under usp the ring's output (heads split over the all-to-all) and the layer's output after the all-to-all
     # back are two arrays, both named `context`, so a policy that keeps it keeps both: the program compiled for
     # v5p-128 at 10,485,760 tokens moves 120.31 GiB per chip to the host with context and the layer input
     # offloaded, 2 x 40.0 + 0.31 + 40.0 (docs/long_context.md); p2p's ring output is the layer's (80.31 GiB).
     outputs = 2 if strategies.resolve(config.context_parallel_strategy) == "usp" else 1
-    widths = {"decoder_layer_input": d, "query_proj": h * hd, "key_proj": k * hd, "value_proj": k * hd,
-              "context": outputs * h * hd + 2 * h, "out_proj": d, "mlpwi": 2 * f, "mlpwo": d}
-    flops = {"query_proj": 2 * d * h * hd, "key_proj": 2 * d * k * hd, "value_proj": 2 * d * k * hd,
-             "out_proj": 2 * h * hd * d, "mlpwi": 4 * d * f, "mlpwo": 2 * f * d}
-    return {"bytes": {name: w * b for name, w in widths.items()}, "flops": flops}
+    family = families.for_config(config)
+    tensors = family.tensors(family.shape(config), tp, outputs)
+    return {"bytes": {name: t.bytes for name, t in tensors.items()},
+            "flops": {name: t.flops for name, t in tensors.items() if t.flops}}
 
 
 def offloading_layers(config: Config, name: str) -> int:
     """How many layers send tensor `name` to the host when the policy offloads it: every layer, but for the layer
     input only the first of each run of decoder_layer_input_stride periods of the layer pattern, or the first
     decoder_layer_input_host_layers."""
+    layers = families.shape(config).num_layers
     if name != "decoder_layer_input":
-        return config.base_num_decoder_layers
+        return layers
     if config.decoder_layer_input_stride > 1:
         return kept_layer_inputs(config)
-    return config.base_num_decoder_layers if config.decoder_layer_input_host_layers < 0 else \
-        config.decoder_layer_input_host_layers
+    return layers if config.decoder_layer_input_host_layers < 0 else config.decoder_layer_input_host_layers
 
 
 def kept_layer_inputs(config: Config) -> int:
     """Layers whose input the remat policy keeps (on the device or the host): every layer, or with
     decoder_layer_input_stride N the first of each run of N periods of the layer pattern."""
-    stride = config.decoder_layer_input_stride
-    return config.base_num_decoder_layers // (stride * len(layer_windows(config))) if stride > 1 else \
-        config.base_num_decoder_layers
+    stride, layers = config.decoder_layer_input_stride, families.shape(config).num_layers
+    return layers // (stride * len(layer_windows(config))) if stride > 1 else layers
 
 
 def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]) -> bool:
@@ -261,7 +256,8 @@ def splash_block(config: Config, vmem_bytes: float) -> int:
     (SPLASH_EFFICIENCY), the most efficient, the larger on a tie; the smallest that fits when none is calibrated."""
     from maxctx.plan.vmem import window_bytes
 
-    fitting = [b for b in SPLASH_BLOCKS if max(window_bytes(p, b, b, config.head_dim, False)
+    head_dim = families.shape(config).head_dim
+    fitting = [b for b in SPLASH_BLOCKS if max(window_bytes(p, b, b, head_dim, False)
                                                for p in ("fwd", "dkv", "dq")) <= vmem_bytes / 2]
     known = [b for b in fitting if b in SPLASH_EFFICIENCY]
     if not known:
@@ -311,9 +307,9 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     tensor; ICI and DCN together). `forwards_per_layer` and `host_bytes` (both directions): the compiled program's
     counts (maxctx.plan.program), else the policy's."""
     n = math.prod(mesh.values())
-    tp, seq, layers = mesh["tensor"], config.max_target_length, config.base_num_decoder_layers
+    shape = families.shape(config)
+    tp, seq, layers = mesh["tensor"], config.max_target_length, shape.num_layers
     t = global_batch * seq / n  # tokens per device
-    shape = ModelShape.from_config(config)
     windows = layer_windows(config)
     matmul_flops = shape.matmul_flops(t)
     cp = mesh["context"] * mesh["context_a2a"]
@@ -363,10 +359,11 @@ def _cp_seconds(config: Config, mesh: dict[str, int], hw: Hardware, attention_ra
     strategy, windows = config.context_parallel_strategy, layer_windows(config)
     effective = dataclasses.replace(hw, peak_flops=attention_rate)
     on_links = exposed = 0.0
+    model = families.shape(config)
     for window in windows:  # averaged over the layer pattern
         s = AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
-                           heads=config.base_num_query_heads // tp, kv_heads=max(1, config.base_num_kv_heads // tp),
-                           head_dim=config.head_dim, itemsize=ModelShape.from_config(config).itemsize, cp=cp,
+                           heads=model.num_heads // tp, kv_heads=max(1, model.num_kv_heads // tp),
+                           head_dim=model.head_dim, itemsize=model.itemsize, cp=cp,
                            a2a=mesh["context_a2a"], window=window, load_balance=config.context_parallel_load_balance)
         exposed += exposed_per_layer(strategy, s, effective, cp // dcn_cp, dcn_cp, round(forwards), ring_overlap)
         fwd, bwd = strategies.get(strategy).comm_volume(s)

@@ -1,0 +1,40 @@
+"""The model families by `decoder_block` (MaxText's key and names): maxctx's own, and any a caller adds with
+`register` (tests/test_family.py adds a toy one). No JAX.
+"""
+
+from __future__ import annotations
+
+from maxctx.config import Config, ConfigError
+from maxctx.model.family import ModelFamily
+from maxctx.model.llama.family import LLAMA
+from maxctx.model.shape import ModelShape
+
+_FAMILIES: dict[str, ModelFamily] = {"llama2": LLAMA, "mistral": LLAMA}
+
+
+def register(family: ModelFamily, *names: str) -> ModelFamily:
+    """Makes `family` the decoder of `decoder_block` = each of `names` (its own name when none is given)."""
+    for name in names or (family.name,):
+        _FAMILIES[name] = family
+    return family
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_FAMILIES)
+
+
+def get(decoder_block: str) -> ModelFamily:
+    if decoder_block not in _FAMILIES:
+        raise ConfigError(f"decoder_block={decoder_block!r} is not a model family; use one of "
+                          f"{', '.join(sorted(_FAMILIES))}")
+    return _FAMILIES[decoder_block]
+
+
+def for_config(config: Config) -> ModelFamily:
+    return get(config.decoder_block)
+
+
+def shape(config: Config) -> ModelShape:
+    """The config's model shape, as its family reads it."""
+    return for_config(config).shape(config)
+

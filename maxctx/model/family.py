@@ -1,0 +1,61 @@
+"""A model family: everything maxctx asks of one kind of decoder, in one frozen value, and the registry keyed by
+`decoder_block` (MaxText's key and names).
+
+Without JAX, so the planner, the roofline, the step-time model and the FLOPs read a family's shape and tensors
+below the layers themselves (tests/test_layering.py). A family states:
+
+    shape         its sizes from the config, once (maxctx.model.shape.ModelShape: parameters, FLOPs per token)
+    tensors       each remat name's bytes and forward FLOPs per token and device at tensor parallelism T
+    remat_groups  the names the remat search (maxctx.plan.remat) places together, each group's short label
+    activation    bytes per token one layer's matmul operands and results take per forward (maxctx.plan.roofline)
+    tile          bytes of the largest per-layer tile besides attention and the loss (the SwiGLU's [t, 3F / T])
+    work          the layer's working set per token and model width, calibrated (maxctx.plan.planner)
+    check         its config checks (a ConfigError naming the key), run by maxctx.validate
+    layers        the name of its layer kind in maxctx.model.stacks, the JAX side
+    hf_layout     its Hugging Face layout module (maxctx.convert reads it)
+
+maxctx.model.families is the registry keyed by `decoder_block`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from types import ModuleType
+
+from maxctx.config import Config
+from maxctx.model.shape import ModelShape
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One named tensor of a layer, per token and device: its bytes, and the forward FLOPs that produce it (0 for
+    a tensor no matmul writes, such as the layer input)."""
+
+    bytes: float
+    flops: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWork:
+    """The layer's working set per token and byte of model width, fitted on compiled programs
+    (maxctx.plan.planner's module doc): with the layer inputs offloaded (`offloaded`) or kept in HBM (`on_device`)."""
+
+    offloaded: float
+    on_device: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    shape: Callable[[Config], ModelShape]
+    # (shape, tensor parallelism T, copies of the attention output the CP strategy keeps) -> {remat name: Tensor}
+    tensors: Callable[[ModelShape, int, int], dict[str, Tensor]]
+    remat_groups: tuple[tuple[str, tuple[str, ...]], ...]  # (short label, names placed together)
+    activation: Callable[[ModelShape, int], float]  # (shape, T) -> bytes per token of one layer's forward
+    tile: Callable[[ModelShape, int], float]  # (shape, T) -> bytes per token of the largest non-attention tile
+    work: LayerWork
+    check: Callable[[Config], None]
+    layers: str
+    hf_layout: ModuleType
+    logical_axes: tuple[str, ...] = ()
