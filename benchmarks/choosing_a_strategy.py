@@ -122,7 +122,7 @@ def fit_table() -> list[str]:
 
 def _default_a2a(config) -> int:
     """The A2A degree the fit table's usp rows ran with (usp's default for the config)."""
-    from maxctx.attention import strategies
+    from maxctx.attention.cp import strategies
 
     cfg = planner.candidate_config(config, "usp", 0)
     return strategies.get("usp").a2a_degree(cfg, planner.plan(config).cp)

@@ -12,7 +12,7 @@ optimized, scheduled HLO (`Compiled.as_text()`) is read:
 - collectives: each kind, and whether it is asynchronous (`-start` / `-done` pairs, which XLA can overlap with
   the ops scheduled between them) or synchronous (nothing overlaps it);
 - ring sends (collective-permutes) in the layer bodies: for each, whether a conditional (a ring hop's attention
-  call, `lax.cond` in maxctx.attention.ring) is scheduled between its start and done, i.e. overlaps it;
+  call, `lax.cond` in maxctx.attention.cp.ring) is scheduled between its start and done, i.e. overlaps it;
 - the TPU compiler's own cost estimate (`estimated_cycles` in each fusion's backend config, at v5p's 1.75 GHz)
   of the forward and backward layer bodies, split into copies (layout changes) and the rest. Pallas kernels
   (splash) and collectives carry no estimate, so this is the layer's work outside attention and communication;

@@ -26,8 +26,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from maxctx.attention.cp.load_balance import zigzag_permutation  # noqa: E402
 from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
-from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
 from maxctx.parallelism import MESH_AXES  # noqa: E402
 from tests.support.hlo import collective_bytes  # noqa: E402
 

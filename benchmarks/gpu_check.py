@@ -3,7 +3,7 @@ training throughput at 32K tokens. For a session lent a GPU machine (one command
 
     python3 benchmarks/gpu_check.py > benchmarks/gpu.md
 
-1. Kernels, one GPU, bf16 inputs: `cudnn` (maxctx.attention.cudnn: the call chosen on the device, named in
+1. Kernels, one GPU, bf16 inputs: `cudnn` (maxctx.attention.kernels.cudnn: the call chosen on the device, named in
    brackets: cuDNN's causal mask type for one-document rows, its packed layout with per-document offsets and
    lengths for packed rows, or the boolean mask) and `cudnn, boolean mask` (the boolean-mask call alone, the only
    one before) against `dot_product` in fp32 on the same inputs: out, the log-sum-exp the calls return for ring
@@ -60,10 +60,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from maxctx.attention import cudnn  # noqa: E402
+from maxctx.attention.cp.load_balance import zigzag_permutation  # noqa: E402
 from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
-from maxctx.attention.kernels import make_local  # noqa: E402
-from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
+from maxctx.attention.kernels import cudnn  # noqa: E402
+from maxctx.attention.kernels.local import make_local  # noqa: E402
 from maxctx.parallelism import MESH_AXES  # noqa: E402
 
 VALUE_TOL, GRAD_TOL = 3e-2, 5e-2
@@ -83,7 +83,7 @@ CPU_CASES = [("causal, GQA 4/2", 1, 256, 4, 2, 32, 1, 0), ("sliding window 64", 
              ("packed: 24 documents (over the bound)", 1, 256, 4, 2, 32, 24, 0),
              ("packed: 3 documents, MHA", 2, 256, 4, 4, 32, 3, 0), ("packed: 3 documents", 2, 256, 4, 2, 32, 3, 0),
              ("packed: 3 documents, window 32", 2, 256, 4, 2, 32, 3, 32)]
-# cuDNN's calls (maxctx.attention.cudnn); --cpu-check runs them through jax.nn's XLA implementation
+# cuDNN's calls (maxctx.attention.kernels.cudnn); --cpu-check runs them through jax.nn's XLA implementation
 CUDNN_IMPLEMENTATION = "xla" if CPU_CHECK else "cudnn"
 CUDNN = "cudnn"  # the path chosen on the device (the call's queries and keys are the whole sequence, in order)
 CUDNN_MASKED = "cudnn, boolean mask"  # the boolean-mask call alone, as before the fast paths
@@ -127,7 +127,7 @@ def kernel_call(kernel: str, group: int, window: int):
 
 
 def cudnn_path(pos, seg, packed: bool = True) -> str:
-    """The call maxctx.attention.cudnn takes for these tokens, as its device test picks it."""
+    """The call maxctx.attention.kernels.cudnn takes for these tokens, as its device test picks it."""
     packed = packed and cudnn.packed_supported(CUDNN_IMPLEMENTATION)
     return cudnn.PATHS[int(cudnn.choose_path(pos, seg, pos, seg, cudnn.MAX_DOCUMENTS, packed))]
 
@@ -227,7 +227,7 @@ def run_strategy(strategy: str, ring: int, a2a: int, kernel: str, q, k, v, cot, 
     spec = AttentionSpec(kernel=kernel, strategy=strategy, load_balance=True)
     acts = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a"), "tensor", None))
     ids = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
-    # zig-zag: the strategies take the tokens in their stored order (maxctx.attention.load_balance)
+    # zig-zag: the strategies take the tokens in their stored order (maxctx.attention.cp.load_balance)
     perm = zigzag_permutation(q.shape[1], ring * a2a)
     cot_stored = cot[:, perm].astype(jnp.float32)
 

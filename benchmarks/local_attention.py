@@ -7,7 +7,7 @@ fp32, blockwise kernel with 512-token blocks, C = 8 (usp: ring 2 x a2a 4), zig-z
 strategy's global layer, its local layer (window W), and its global layer on a packed sequence of --doc-token
 documents (document-aware skipping: ring hops and kernel blocks whose queries and keys share no document are
 skipped). Columns: collective bytes per device from the compiled HLO (tests/support/hlo.py), against the strategy's
-`comm_volume` formula (maxctx.attention.base); XLA's compiled FLOP count (its cost analysis counts a loop's body
+`comm_volume` formula (maxctx.attention.cp.base); XLA's compiled FLOP count (its cost analysis counts a loop's body
 once, not per iteration, and a `lax.cond`'s compute branch whether or not it runs: comparable between the rows of one
 strategy only where the loops are the same; block and hop skipping show in the step time); step time (median of
 --repeats runs after a warm-up) and its ratio to the global layer. CPU step times say little about accelerators;
@@ -31,10 +31,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from maxctx.attention import strategies  # noqa: E402
-from maxctx.attention.cost import AttentionShape  # noqa: E402
+from maxctx.attention.cp import strategies  # noqa: E402
+from maxctx.attention.cp.cost import AttentionShape  # noqa: E402
+from maxctx.attention.cp.load_balance import zigzag_permutation  # noqa: E402
 from maxctx.attention.dispatch import AttentionSpec, attend  # noqa: E402
-from maxctx.attention.load_balance import zigzag_permutation  # noqa: E402
 from maxctx.parallelism import MESH_AXES  # noqa: E402
 from tests.support.hlo import collective_bytes  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Packed documents: the attention work the documents need, the blocks splash computes with static tables and with
-the tables narrowed to the batch's documents (maxctx.attention.document_blocks), per-rank work under the zig-zag
+the tables narrowed to the batch's documents (maxctx.attention.kernels.document_blocks), per-rank work under the zig-zag
 and under the documents placement (context_parallel_load_balance=documents), the host time of that placement,
 and measured attention steps on 8 CPU devices.
 
@@ -35,8 +35,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from maxctx.attention.document_blocks import pair_visible, summaries  # noqa: E402
-from maxctx.attention.load_balance import document_permutation, rank_work, zigzag_permutation  # noqa: E402
+from maxctx.attention.cp.load_balance import document_permutation, rank_work, zigzag_permutation  # noqa: E402
+from maxctx.attention.kernels.document_blocks import pair_visible, summaries  # noqa: E402
 
 BLOCK = 512
 SIZES = {"128K": 2 ** 17, "1M": 2 ** 20, "16M": 2 ** 24}
@@ -185,7 +185,7 @@ def measure(seq: int = 2 ** 17, cp: int = 8, repeats: int = 2) -> list[str]:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from maxctx.attention.dispatch import AttentionSpec, attend
-    from maxctx.attention.flash import flash_attention
+    from maxctx.attention.kernels.flash import flash_attention
     from tests.support.meshes import make_mesh
 
     mesh = make_mesh(cp, 1)

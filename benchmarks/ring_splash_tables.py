@@ -5,7 +5,7 @@
 A ring of R = C / U hops over blocks of S / R tokens (usp: U = --a2a; p2p: --a2a 1). Splash keeps one block table
 per call in on-chip SMEM, so a hop whose table passes splash.MAX_TABLE_ENTRIES runs over row chunks; for ring hops
 they are one kernel looped over the chunks with each chunk's tables as data (splash.RowLoop). Prints the seconds to
-build every distinct hop kernel (maxctx.attention.kernels, the same call the model makes), and per kernel the
+build every distinct hop kernel (maxctx.attention.kernels.local, the same call the model makes), and per kernel the
 chunks, the distinct chunk tables and, per pass (forward, dQ, dK/dV), their MiB (these become
 constants of the compiled program). No TPU needed.
 """
@@ -31,13 +31,15 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=512)
     args = parser.parse_args()
 
-    from maxctx.attention import kernels, splash
+    from maxctx.attention.cp.load_balance import stored_order
+    from maxctx.attention.kernels import splash
+    from maxctx.attention.kernels.local import make_local
 
     ring = args.context // args.a2a
-    order = kernels.stored_order(args.seq, args.context, True)
+    order = stored_order(args.seq, args.context, True)
     start = time.perf_counter()
-    local = kernels.make_local("splash", args.block, args.block, order=order, q_shards=ring, kv_blocks=ring,
-                               group=args.group, ring=True)
+    local = make_local("splash", args.block, args.block, order=order, q_shards=ring, kv_blocks=ring,
+                       group=args.group, ring=True)
     seconds = time.perf_counter() - start
     print(f"S={args.seq:,} C={args.context} U={args.a2a} R={ring}: ring blocks of {args.seq // ring:,} tokens, "
           f"{len(local.splash_kernels)} distinct hop kernels built in {seconds:.1f} s")

@@ -4,9 +4,9 @@
 
 Splash walks its mask block by block on the host when a kernel is made (forward, dQ and dK/dV tables), once per
 distinct mask: all_gather under zig-zag has C of them per layer trace. maxctx's mask answers a block that is all
-visible or all hidden from the block's cached index range (maxctx/attention/splash_masks.py); the baseline answers every
-block with the elementwise comparison, as the mask did before. Both run side by side in this process, with
-splash's mask cache cleared before each; prints seconds per kernel and the ratio. No TPU needed.
+visible or all hidden from the block's cached index range (maxctx/attention/kernels/splash_masks.py); the
+baseline answers every block with the elementwise comparison, as the mask did before. Both run side by side in
+this process, with splash's mask cache cleared before each; prints seconds per kernel and the ratio. No TPU needed.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main() -> None:
         splash_attention_mask_info as info_lib,
     )
 
-    from maxctx.attention.kernels import stored_order
-    from maxctx.attention.splash_masks import ordered_causal_mask
+    from maxctx.attention.cp.load_balance import stored_order
+    from maxctx.attention.kernels.splash_masks import ordered_causal_mask
 
     order = stored_order(args.seq, args.context, True)
     rows = args.seq // args.context

@@ -39,7 +39,7 @@ def probe_argv(head_dim: int, fwd: int, dkv: int, dq: int) -> list[str]:
 def one(argv: list[str], stored: bool) -> None:
     """In a child process: the compile, with loaded partial blocks if `stored`."""
     from maxctx import compile as compile_module
-    from maxctx.attention import splash_masks
+    from maxctx.attention.kernels import splash_masks
 
     if stored:
         splash_masks.COMPUTED_RUNS = 0

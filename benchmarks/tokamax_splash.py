@@ -50,7 +50,7 @@ def row(block: int, tokamax: bool) -> str:
 def main() -> None:
     import jax
 
-    from maxctx.attention import tokamax_splash
+    from maxctx.attention.kernels import tokamax_splash
 
     if not tokamax_splash.installed():
         sys.exit("tokamax is not installed: pip install maxctx[tokamax]")

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any, Literal, get_args, get_type_hints
 
-from maxctx.data.registry import DATASETS
+from maxctx.datasets import DATASETS
 from maxctx.errors import ConfigError  # noqa: F401 (re-exported: the error of a bad config)
 
 # flash (MaxText's meaning) and auto: the platform's fast kernel, splash on TPU, cuDNN on GPU (bf16/fp16), else the
@@ -24,10 +24,10 @@ RematPolicy = Literal["full", "minimal", "minimal_with_context", "minimal_flash"
                       "minimal_offloaded", "save_out_proj", "custom", "none", "auto"]
 RematPlace = Literal["remat", "device", "offload"]
 DType = Literal["float32", "bfloat16", "float16"]
-DatasetType = Literal[tuple(DATASETS)]  # maxctx.data.registry: the one list of dataset types
+DatasetType = Literal[tuple(DATASETS)]  # maxctx.datasets: the one list of dataset types
 Packing = Literal["first_fit", "concat", "none"]
 # context_parallel_load_balance: true, the zig-zag; documents, documents placed on the context ranks per batch
-# (maxctx.attention.load_balance); false, the natural order.
+# (maxctx.attention.cp.load_balance); false, the natural order.
 LoadBalance = Literal[True, False, "documents"]
 TokenizerType = Literal["sentencepiece", "tiktoken", "huggingface"]
 Hardware = Literal["", "tpu", "gpu", "gpu_multiprocess", "cpu"]
@@ -119,7 +119,7 @@ class Config:
     attention_head_chunks: int = 1
     # Attention and context parallelism.
     attention: AttentionKernel = "auto"
-    # One of maxctx.attention.strategies (or an alias), checked there: the registry is its one list of names.
+    # One of maxctx.attention.cp.strategies (or an alias), checked there: the registry is its one list of names.
     context_parallel_strategy: str = "all_gather"
     context_parallel_load_balance: LoadBalance = True
     # The planner's and step-time model's documents per row (maxctx.plan.documents.document_lengths): "" one
@@ -128,7 +128,8 @@ class Config:
     context_parallel_a2a_degree: int = 0
     flash_block_q: int = 512
     flash_block_kv: int = 512
-    # splash's other blocks (MaxText's sa_block_*); 0: from flash_block_q / flash_block_kv (maxctx/attention/splash.py)
+    # splash's other blocks (MaxText's sa_block_*); 0: from flash_block_q / flash_block_kv
+    # (maxctx/attention/kernels/splash.py)
     flash_block_kv_compute: int = 0
     flash_block_q_dkv: int = 0
     flash_block_kv_dkv: int = 0

@@ -9,7 +9,7 @@ import os
 
 from maxctx import storage
 from maxctx.config import Config, ConfigError
-from maxctx.data.registry import DATASETS
+from maxctx.datasets import DATASETS
 
 # keys that may name gs:// paths
 REMOTE_KEYS = ("base_output_directory", "load_parameters_path", "load_full_state_path", "grain_train_files",

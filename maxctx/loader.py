@@ -23,7 +23,7 @@ from typing import Any, Literal, NamedTuple, get_origin
 import yaml
 
 from maxctx import compat
-from maxctx.attention import strategies
+from maxctx.attention.cp import strategies
 from maxctx.config import FIELD_TYPES, MODEL_KEYS, Config, choices
 from maxctx.errors import ConfigError, article, did_you_mean
 from maxctx.files import REMOTE_KEYS

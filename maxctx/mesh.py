@@ -16,7 +16,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from maxctx.attention import strategies
+from maxctx.attention.cp import strategies
 from maxctx.config import Config
 from maxctx.parallelism import (
     A2A_AXIS,

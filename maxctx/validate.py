@@ -2,7 +2,7 @@
 
 Each failure raises ConfigError whose message names the keys, their values and the fix. Checks that need the
 device count run here when `cpu_devices` or `compile_topology` states it; otherwise maxctx.runtime.initialize runs
-`check_devices` once JAX knows the count. The data keys' rules come from maxctx.data.registry. Nothing here
+`check_devices` once JAX knows the count. The data keys' rules come from maxctx.datasets. Nothing here
 imports JAX or numpy (tests/test_layering.py checks it).
 """
 
@@ -13,9 +13,9 @@ import importlib.util
 import os
 
 from maxctx import storage
-from maxctx.attention import strategies
+from maxctx.attention.cp import strategies
 from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, layer_windows
-from maxctx.data.registry import DATASETS
+from maxctx.datasets import DATASETS
 from maxctx.files import REMOTE_KEYS, check_tokenizer_path, expand_files
 from maxctx.model import families
 from maxctx.parallelism import RING_AXIS, configured_sizes, split_context

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.attention import strategies
-from maxctx.attention.cost import KINDS, AttentionShape, by_kind
+from maxctx.attention.cp import strategies
+from maxctx.attention.cp.cost import KINDS, AttentionShape, by_kind
+from maxctx.attention.cp.sharded import shard_map
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.sharded import shard_map
 from tests.support.hlo import collective_bytes
 from tests.support.meshes import make_mesh
 

@@ -1,4 +1,4 @@
-"""maxctx.attention.cudnn off GPU: which call a layout takes (statically, and on the device from positions and
+"""maxctx.attention.kernels.cudnn off GPU: which call a layout takes (statically, and on the device from positions and
 segment ids), the packed layout's offsets, lengths and residual index, and the three calls run through jax.nn's
 XLA implementation (implementation='xla') against the reference kernel, outputs, lse and gradients."""
 
@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxctx.attention import cudnn
-from maxctx.attention.dot_product import dot_product_attention
-from maxctx.attention.kernels import make_band, make_local, stored_order
+from maxctx.attention.cp.load_balance import stored_order
+from maxctx.attention.kernels import cudnn
+from maxctx.attention.kernels.dot_product import dot_product_attention
+from maxctx.attention.kernels.local import make_band, make_local
 
 S = 32
 

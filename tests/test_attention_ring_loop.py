@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.attention import index_runs
+from maxctx.attention.cp.load_balance import stored_order
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.kernels import make_local, stored_order
+from maxctx.attention.kernels import index_runs
+from maxctx.attention.kernels.local import make_local
 from tests.support.meshes import FAST_COMPILE, make_mesh
 
 

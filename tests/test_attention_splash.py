@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxctx.attention.cp.load_balance import restore_order, zigzag_permutation
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.dot_product import dot_product_attention
-from maxctx.attention.load_balance import restore_order, zigzag_permutation
+from maxctx.attention.kernels.dot_product import dot_product_attention
 from tests.support.meshes import make_mesh
 
 S, H, K, D = 512, 2, 1, 128
@@ -36,7 +36,7 @@ S, H, K, D = 512, 2, 1, 128
     # whose hops' backward gets the windowed masks.
     ("p2p", 2, 1, None, 128, False), ("a2a", 1, 2, None, 100, False), ("p2p", 2, 1, None, 300, False)])
 def test_splash_zigzag_matches_reference(strategy, ring, a2a, max_table, window, overlap, monkeypatch):
-    from maxctx.attention import flash, splash
+    from maxctx.attention.kernels import flash, splash
 
     if max_table is not None:
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
@@ -53,7 +53,7 @@ DOCUMENTS = [[40, 130, 20, 200, 122], [256, 9, 119, 128]]
     ("p2p", 8, 1, None, 0), ("usp", 2, 2, None, 0), ("all_gather", 4, 1, None, 0), ("a2a", 1, 2, 4, 0),
     ("p2p", 2, 1, 2, 0), ("a2a", 1, 2, None, 100), ("usp", 2, 2, None, 256)])
 def test_splash_document_tables_match_reference(strategy, ring, a2a, max_table, window, monkeypatch):
-    from maxctx.attention import flash, splash
+    from maxctx.attention.kernels import flash, splash
 
     if max_table is not None:
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)
@@ -71,7 +71,7 @@ def test_splash_document_tables_match_reference(strategy, ring, a2a, max_table, 
     ("p2p", dict(q_dkv=128, kv_dkv=256, kv_dkv_compute=128, q_dq=256, kv_dq=128)),
     ("p2p", dict(fused_backward=True))])
 def test_splash_backward_blocks_match_reference(strategy, blocks):
-    from maxctx.attention import splash
+    from maxctx.attention.kernels import splash
 
     check_against_reference(strategy, 1 if strategy == "a2a" else 2, 2 if strategy == "a2a" else 1, 0,
                             splash.Blocks(**blocks))
@@ -83,7 +83,7 @@ def test_splash_backward_blocks_match_reference(strategy, blocks):
     ("p2p", 2, 1, 1024, 4096, 128, False), ("p2p", 2, 1, 2048, 8192, 256, False),
     ("usp", 2, 2, 1024, 4096, 128, False), ("a2a", 1, 2, 1024, 4096, 256, True)])
 def test_splash_at_recipe_blocks_matches_reference(strategy, ring, a2a, block, seq, head_dim, stored, monkeypatch):
-    from maxctx.attention import flash, splash
+    from maxctx.attention.kernels import flash, splash
 
     monkeypatch.setattr(flash, "flash_backward", None)
     check_against_reference(strategy, ring, a2a, 0, splash.Blocks(stored_masks=stored), block=block, seq=seq,
@@ -133,7 +133,7 @@ def check_against_reference(strategy, ring, a2a, window, splash_blocks=None, rin
 def test_ordered_causal_mask_blocks_equal_the_dense_mask():
     # Splash reads masks block by block; whole blocks answered from index ranges (a shared constant block) must
     # equal the dense comparison, for blocks that are all visible, all hidden and partial, and for other indexers.
-    from maxctx.attention.splash_masks import ordered_causal_mask
+    from maxctx.attention.kernels.splash_masks import ordered_causal_mask
 
     order = zigzag_permutation(1024, 4)
     q_orig, kv_orig = order[256:512], order
@@ -156,7 +156,7 @@ def test_ordered_causal_mask_blocks_equal_the_dense_mask():
 def test_windowed_mask_blocks_equal_the_dense_band():
     # With a sliding window, whole blocks answered from index ranges must still equal the dense band, including
     # blocks wholly behind the window (hidden) and wholly inside it (visible).
-    from maxctx.attention.splash_masks import ordered_causal_mask
+    from maxctx.attention.kernels.splash_masks import ordered_causal_mask
 
     order = zigzag_permutation(1024, 4)
     q_orig, kv_orig = order[256:512], order
@@ -178,7 +178,7 @@ def test_windowed_mask_blocks_equal_the_dense_band():
 def test_whole_blocks_answer_any_and_all_without_reading_them():
     # Splash asks any() then all() of every block; whole blocks answer from their value (O(1)), so the tables of a
     # 2M x 2M ring hop (usp at 2**24 tokens) build in seconds; partial blocks are plain arrays.
-    from maxctx.attention import splash_masks
+    from maxctx.attention.kernels import splash_masks
 
     order = np.arange(4096)
     mask = splash_masks.ordered_causal_mask(order, order)
@@ -193,20 +193,22 @@ def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
     # usp-like ring at small scale: 2 hops over blocks of 4,096 tokens, 32 x 32 blocks of 128 per hop, at most 64
     # table entries per call: 16 row chunks per hop, looped by one kernel per pass (RowLoop), equal chunks sharing
     # tables, and splash's backward on them (splash_backward).
-    from maxctx.attention import kernels, splash, splash_backward
+    from maxctx.attention.cp.load_balance import stored_order
+    from maxctx.attention.kernels import splash, splash_backward
+    from maxctx.attention.kernels.local import make_local
 
     assert splash.backward_kernels_available()
-    order = kernels.stored_order(8192, 4, True)
-    whole = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
+    order = stored_order(8192, 4, True)
+    whole = make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
     assert all(splash_backward.has_backward(k) for k in whole.splash_kernels)
     monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", 64)
-    local = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
+    local = make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True)
     loops = [k for k in local.splash_kernels if isinstance(k, splash.RowLoop)]
     assert len(loops) == len(local.splash_kernels) == 3  # the diagonal, key block before, key block after
     assert all(splash_backward.has_backward(loop) for loop in loops)
     # Blocks(ring_backward=False): forward tables only, the blockwise backward.
-    forward_only = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True,
-                                      splash_blocks=splash.Blocks(ring_backward=False))
+    forward_only = make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True,
+                              splash_blocks=splash.Blocks(ring_backward=False))
     assert not any(splash_backward.has_backward(k) for k in forward_only.splash_kernels)
     assert all(list(k.infos) == ["fwd_mask_info"] for k in forward_only.splash_kernels)
     assert all(loop.chunks == 16 and loop.rows == 256 for loop in loops)
@@ -215,8 +217,8 @@ def test_ring_hops_loop_one_kernel_over_their_row_chunks(monkeypatch):
     diagonal = next(loop for loop in loops if int(loop.index.max()) + 1 == 16)
     for info in diagonal.infos.values():  # partial blocks computed in the kernel, from each chunk's q_sequence
         assert info.partial_mask_blocks is None and info.mask_next is None and info.q_sequence.shape == (16, 256)
-    stored = kernels.make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True,
-                                splash_blocks=splash.Blocks(stored_masks=True))
+    stored = make_local("splash", 128, 128, order=order, q_shards=2, kv_blocks=2, group=2, ring=True,
+                        splash_blocks=splash.Blocks(stored_masks=True))
     diagonal = next(loop for loop in stored.splash_kernels if int(loop.index.max()) + 1 == 16)
     for info in diagonal.infos.values():  # the same causal block on every chunk's diagonal, pooled once per pass
         assert len(info.partial_mask_blocks) == 1 and info.q_sequence is None
@@ -237,8 +239,8 @@ def test_row_chunked_hop_backward_matches_reference(fused, stored):
     # ring's.
     import jax.numpy as jnp
 
-    from maxctx.attention import splash, splash_backward
-    from maxctx.attention.dot_product import dot_product_block_backward
+    from maxctx.attention.kernels import splash, splash_backward
+    from maxctx.attention.kernels.dot_product import dot_product_block_backward
 
     q_orig = np.concatenate([np.arange(1408, 1664), np.arange(700, 828), np.arange(0, 128), np.arange(128, 384)])
     kv_orig = np.arange(512, 1536)
@@ -273,7 +275,7 @@ def test_row_chunked_hop_backward_matches_reference(fused, stored):
 def test_row_chunks_keep_the_backward_tables_within_the_limit_too():
     # Backward blocks smaller than the forward's (MaxText's sa_block_*_dkv/_dq) have larger tables: the chunking
     # must count them, or the dQ and dK/dV tables overflow SMEM where the forward's fits.
-    from maxctx.attention import splash
+    from maxctx.attention.kernels import splash
 
     order = np.arange(2048)
     small = splash.Blocks(q_dkv=128, kv_dkv=128, q_dq=128, kv_dq=128)
@@ -287,8 +289,8 @@ def test_row_chunks_keep_the_backward_tables_within_the_limit_too():
 
 def test_a_chunk_between_two_key_runs_and_out_of_the_window_is_hidden():
     # Queries 2048..2559 sit between keys 0..1023 and 3072..4095; with a 100-token window they see none of them.
-    from maxctx.attention import splash, splash_masks
-    from maxctx.attention.index_runs import runs
+    from maxctx.attention.kernels import splash, splash_masks
+    from maxctx.attention.kernels.index_runs import runs
 
     kv = np.concatenate([np.arange(1024), np.arange(3072, 4096)])
     assert not splash_masks.sees_a_key(runs(np.arange(2048, 2560)), runs(kv), 100)
@@ -305,7 +307,7 @@ def test_partial_blocks_are_computed_where_the_keys_form_few_runs():
     # zig-zag order over 4 devices (8 runs: all_gather, a2a, usp's ring blocks) take the mask in the kernel
     # (q_sequence and a mask function, no stored block); keys in another order (reversed) keep stored blocks. The
     # computed functions equal the dense mask, windowed too.
-    from maxctx.attention import splash, splash_masks
+    from maxctx.attention.kernels import splash, splash_masks
 
     order = zigzag_permutation(4096, 4)
     for q_orig, kv_orig, computed in ((order[1024:2048], order[:1024], True), (np.arange(2048), np.arange(2048), True),
@@ -336,8 +338,8 @@ def test_splash_under_document_placement_matches_reference(strategy, ring, a2a, 
     """context_parallel_load_balance=documents: each row stored in its own document placement, so each splash call
     derives its q_sequence and tables from the ids (document_blocks); ring hops through splash's own backward.
     The blockwise kernel under the same placement at C = 8."""
-    from maxctx.attention import flash, splash
-    from maxctx.attention.load_balance import document_permutation
+    from maxctx.attention.cp.load_balance import document_permutation
+    from maxctx.attention.kernels import flash, splash
 
     if max_table is not None:
         monkeypatch.setattr(splash, "MAX_TABLE_ENTRIES", max_table)

@@ -19,7 +19,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from maxctx.attention import splash
+from maxctx.attention.kernels import splash
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.parallelism import MESH_AXES
 

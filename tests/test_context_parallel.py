@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxctx.attention.cp.load_balance import restore_order, zigzag_permutation
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.dot_product import dot_product_attention
-from maxctx.attention.load_balance import restore_order, zigzag_permutation
+from maxctx.attention.kernels.dot_product import dot_product_attention
 from tests.support.meshes import FAST_COMPILE, make_mesh
 from tests.support.strategies import splits
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxctx.attention.load_balance import reorder_batch, restore_order
+from maxctx.attention.cp.load_balance import reorder_batch, restore_order
 from maxctx.checkpoint.manager import Checkpointer
 from maxctx.convert import safetensors
 from maxctx.convert.cli import main as convert_main

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from maxctx.attention.load_balance import restore_order
+from maxctx.attention.cp.load_balance import restore_order
 from maxctx.data import BATCH_KEYS, DataError
 from maxctx.data.pipeline import create_data_iterator
 from maxctx.data.prepare import prepare_shards

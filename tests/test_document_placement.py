@@ -1,5 +1,5 @@
-"""context_parallel_load_balance=documents (maxctx.attention.load_balance.document_permutation) and the block
-tables narrowed to documents (maxctx.attention.document_blocks), on the host: exact token counts, balance on a
+"""context_parallel_load_balance=documents (maxctx.attention.cp.load_balance.document_permutation) and the block
+tables narrowed to documents (maxctx.attention.kernels.document_blocks), on the host: exact token counts, balance on a
 long-context mixture, the zig-zag as the one-document case, and the blocks splash computes on rows of documents
 against the blocks that hold a visible pair (benchmarks/packed_documents.py has the full tables)."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks.packed_documents import layout_blocks, mixture, row
-from maxctx.attention.load_balance import document_permutation, rank_work, reorder_batch, zigzag_permutation
+from maxctx.attention.cp.load_balance import document_permutation, rank_work, reorder_batch, zigzag_permutation
 
 
 @pytest.mark.parametrize("cp", [2, 8, 64, 128])
@@ -76,8 +76,8 @@ def test_narrowed_tables_run_only_blocks_that_hold_a_visible_pair():
 def test_splash_tables_are_narrowed_in_every_pass():
     """The tables a splash kernel runs (forward, dQ, dK/dV) narrowed on the host the way each call narrows them on
     the device: documents of one block each keep the diagonal only; one document keeps every causal block."""
-    from maxctx.attention import splash
-    from maxctx.attention.document_blocks import computed_blocks, host_tables
+    from maxctx.attention.kernels import splash
+    from maxctx.attention.kernels.document_blocks import computed_blocks, host_tables
 
     seq, block = 4096, 512
     kernel = splash.make_kernel(np.arange(seq), np.arange(seq), 1, block, block, save_residuals=False,

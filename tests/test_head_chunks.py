@@ -30,7 +30,7 @@ SMALL = ["dtype=float32", "attention=flash", "flash_block_q=16", "flash_block_kv
          "base_num_decoder_layers=2", "base_emb_dim=64", "base_mlp_dim=128", "vocab_size=256", "head_dim=16"]
 # 8 query and 4 kv heads at C = 4: two groups of 4 query and 2 kv heads, so each group's kv heads are repeated for
 # a2a's all-to-all just as the whole layer's are (4 -> 4 and 2 -> 4 would not hold bytes equal; module doc of
-# maxctx.attention.a2a).
+# maxctx.attention.cp.a2a).
 HEADS = ["base_num_query_heads=8", "base_num_kv_heads=4"]
 
 

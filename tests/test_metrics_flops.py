@@ -165,7 +165,7 @@ def test_measured_peak_is_the_best_of_several_timings(monkeypatch):
 def test_document_pairs_from_positions_equal_the_area_of_the_segment_ids():
     """The train step's `attention_pairs` (from positions, on the device) is the documents' own area that
     attention_pairs counts from segment ids: padding left out, each layer's window applied, any token order."""
-    from maxctx.attention.load_balance import document_permutation
+    from maxctx.attention.cp.load_balance import document_permutation
     from maxctx.loader import load_config
     from maxctx.metrics.flops import document_pairs, needed_flops
 

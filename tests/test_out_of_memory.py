@@ -4,7 +4,7 @@ which limit, and the key to change; and tpu_scoped_vmem_limit_kib reaches the TP
 tests/fixtures/libtpu/*.txt are libtpu 0.0.42.1's messages (jax 0.10.2) for splash's forward at 2048-token blocks,
 head_dim 256, printed whole: over the 16 MiB scoped limit (tpu_scoped_vmem_limit_kib=0), and over v5p's 63.94 MiB
 of VMEM (the default limit), the latter recorded when splash still loaded its partial blocks (an s32 window of
-2048 x 2048, double-buffered); they are now computed in the kernel (maxctx.attention.splash_masks) and that
+2048 x 2048, double-buffered); they are now computed in the kernel (maxctx.attention.kernels.splash_masks) and that
 compile fits.
 """
 

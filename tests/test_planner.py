@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.attention import strategies
-from maxctx.attention.cost import AttentionShape, Collective
+from maxctx.attention.cp import strategies
+from maxctx.attention.cp.cost import AttentionShape, Collective
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.config import ConfigError
 from maxctx.loader import load, load_config, parse_config
@@ -220,7 +220,7 @@ def test_train_prints_the_table_and_records_it(tmp_path):
 
 def test_local_layers_are_costed_by_their_halo():
     # Mistral 7B v0.1 (every layer a 4,096-token window) at 128K over C = 16: all_gather, p2p and usp exchange only
-    # the band (maxctx.attention.halo) and cost the same; a2a still moves every token's q, k, v and out.
+    # the band (maxctx.attention.cp.halo) and cost the same; a2a still moves every token's q, k, v and out.
     plan = planner.plan(load_config(["configs/base.yml", "compile_topology=v5p-128", "model_name=mistral-7b-v0.1",
                                      "max_target_length=131072", "ici_context_parallelism=16",
                                      "ici_fsdp_parallelism=4", "per_device_batch_size=0.25", "attention=splash",

@@ -121,7 +121,7 @@ def test_blockwise_forward_counted_once_or_twice_on_cpu():
     import jax
     import jax.numpy as jnp
 
-    from maxctx.attention.flash import flash_attention
+    from maxctx.attention.kernels.flash import flash_attention
 
     q, kv = jnp.ones((1, 256, 2, 32)), jnp.ones((1, 256, 1, 32))
     pos, seg = jnp.arange(256)[None], jnp.ones((1, 256), jnp.int32)

@@ -1,7 +1,7 @@
 """Sliding-window (local) attention: every strategy x load balance x C in {2, 4, 8} x window (within a chunk, and
 spanning several) against the single-device dense reference with the band mask, outputs and dQ/dK/dV within 1e-5
 (fp32); row 0 of the batch is one document, row 1 packed. The communication of a local layer from the compiled
-HLO against the strategies' formulas (maxctx.attention.halo), independent of C; the keys, the pattern and the
+HLO against the strategies' formulas (maxctx.attention.cp.halo), independent of C; the keys, the pattern and the
 model's grouped scan.
 """
 
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.attention import halo, strategies
-from maxctx.attention.cost import AttentionShape, by_kind
+from maxctx.attention.cp import halo, strategies
+from maxctx.attention.cp.cost import AttentionShape, by_kind
+from maxctx.attention.cp.load_balance import restore_order, zigzag_permutation
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.dot_product import dot_product_attention
-from maxctx.attention.load_balance import restore_order, zigzag_permutation
+from maxctx.attention.kernels.dot_product import dot_product_attention
 from maxctx.config import ConfigError, layer_windows
 from maxctx.loader import load_config
 from tests.support.meshes import FAST_COMPILE, make_mesh
@@ -46,7 +46,7 @@ def reference(window: int):
 
 def test_reference_is_the_band():
     """The reference itself: query i sees exactly keys i - W < j <= i of its document."""
-    from maxctx.attention.dot_product import mask_from_positions
+    from maxctx.attention.kernels.dot_product import mask_from_positions
 
     pos = jnp.arange(8)[None]
     seg = jnp.asarray([[1, 1, 1, 1, 1, 2, 2, 2]])

@@ -1,13 +1,13 @@
-"""The strategy registry: every registered strategy is a whole unit (maxctx.attention.base.Strategy), names
+"""The strategy registry: every registered strategy is a whole unit (maxctx.attention.cp.base.Strategy), names
 resolve with MaxText's aliases, and the memory formulas scale as each docstring says."""
 
 from __future__ import annotations
 
 import pytest
 
-from maxctx.attention import strategies
-from maxctx.attention.base import Strategy
-from maxctx.attention.cost import KINDS, AttentionShape
+from maxctx.attention.cp import strategies
+from maxctx.attention.cp.base import Strategy
+from maxctx.attention.cp.cost import KINDS, AttentionShape
 from maxctx.config import ConfigError
 
 # What a strategy must define itself: the base class has no default for these.

@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from maxctx.attention import strategies
-from maxctx.attention.p2p import P2P
+from maxctx.attention.cp import strategies
+from maxctx.attention.cp.p2p import P2P
 from maxctx.config import Config, ConfigError
 from maxctx.loader import load_config
 from maxctx.mesh import create_mesh

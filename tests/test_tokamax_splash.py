@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxctx.attention import tokamax_splash
+from maxctx.attention.cp.load_balance import restore_order, zigzag_permutation
 from maxctx.attention.dispatch import AttentionSpec, attend
-from maxctx.attention.dot_product import dot_product_attention
-from maxctx.attention.load_balance import restore_order, zigzag_permutation
+from maxctx.attention.kernels import tokamax_splash
+from maxctx.attention.kernels.dot_product import dot_product_attention
 from maxctx.loader import load_config
 from tests.support.meshes import make_mesh
 
@@ -66,7 +66,7 @@ def require_tokamax():
     ("all_gather", 2, 1, 128),  # a local layer's band kernel (halo exchange)
     ("p2p", 2, 1, 0)])  # ring hops: lse merge and tokamax's fused backward from the merged out and lse
 def test_tokamax_matches_reference(strategy, ring, a2a, window, monkeypatch):
-    from maxctx.attention import flash
+    from maxctx.attention.kernels import flash
 
     require_tokamax()
     monkeypatch.setattr(flash, "flash_backward", None)  # no hop may take the blockwise backward

@@ -1,11 +1,11 @@
 """The one attention entry point the model calls: picks the kernel and the context-parallel strategy.
 
 Layouts: q[B_(data,fsdp), S_(context,context_a2a), H_tensor, D], k/v[B, S, K_tensor, D], positions and segment ids
-[B, S]; out like q. With a mesh, the call goes to the registered strategy (maxctx.attention.strategies; every
+[B, S]; out like q. With a mesh, the call goes to the registered strategy (maxctx.attention.cp.strategies; every
 strategy's attend takes the same arguments: the arrays, the mesh and this spec with its kernel resolved), which
 shard_maps over the mesh (C = 1 runs all_gather, whose gathers are then no-ops); without a mesh the kernel runs on
 the arrays as they are. A local (sliding-window) layer under a strategy with `local_by_halo` runs as
-maxctx.attention.halo's exchange instead, where that moves less.
+maxctx.attention.cp.halo's exchange instead, where that moves less.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import halo, splash, strategies, tokamax_splash
-from maxctx.attention.kernels import make_local
+from maxctx.attention.cp import halo, strategies
+from maxctx.attention.kernels import splash, tokamax_splash
+from maxctx.attention.kernels.local import make_local
 from maxctx.config import AttentionKernel, Config, ConfigError
 from maxctx.parallelism import mesh_context_degree
 
@@ -35,8 +36,8 @@ class AttentionSpec:
     window: int = 0  # this layer's sliding window (0: global); the model sets it per layer from the pattern
     splash_blocks: splash.Blocks = splash.Blocks()  # splash's other block sizes (flash_block_*_dkv, ...)
     tokamax: bool = Config.use_tokamax_splash  # splash runs as tokamax's kernel (tokamax_splash.resolve)
-    # Rings (p2p, usp): the software-pipelined backward (maxctx.attention.ring). No config key: it costs memory and no
-    # measurement shows it faster (docs/long_context.md); benchmarks and tests set it here.
+    # Rings (p2p, usp): the software-pipelined backward (maxctx.attention.cp.ring). No config key: it costs memory
+    # and no measurement shows it faster (docs/long_context.md); benchmarks and tests set it here.
     ring_backward_overlap: bool = False
 
     @classmethod

@@ -25,7 +25,7 @@ import numpy as np
 
 from maxctx.config import Config, ConfigError
 from maxctx.data import DataError
-from maxctx.data.registry import DATASETS
+from maxctx.datasets import DATASETS
 from maxctx.errors import article
 from maxctx.files import expand_files, local_copies, tfds_local_dir
 
@@ -267,7 +267,7 @@ class TfdsSource:
 
 def make_source(config: Config, split: str):
     """The document source of `split` ('train' or 'eval') for a non-synthetic config: the class
-    maxctx.data.registry names for its dataset_type, opened on the split's key."""
+    maxctx.datasets names for its dataset_type, opened on the split's key."""
     dataset = DATASETS[config.dataset_type]
     if not dataset.source:
         raise ConfigError(f"dataset_type={config.dataset_type} has no file source")

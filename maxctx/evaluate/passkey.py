@@ -16,15 +16,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from maxctx.attention.load_balance import reorder_batch
+from maxctx.attention.cp.load_balance import reorder_batch
 from maxctx.config import Config
 from maxctx.data import passkey
 from maxctx.data.global_batch import host_layout, to_global_arrays
 from maxctx.data.pipeline import padding_rows
-from maxctx.data.registry import DATASETS
 from maxctx.data.sources import make_source
 from maxctx.data.synthetic import BOS, chain_vocab, make_document, transition_table
 from maxctx.data.tokenizer import EncodeDocument, load_tokenizer
+from maxctx.datasets import DATASETS
 from maxctx.parallelism import mesh_context_degree
 from maxctx.train_step import TrainSetup
 

@@ -115,7 +115,7 @@ class Attention(nnx.Module):
     bytes in N times as many messages of 1 / N the size; what moves more (tests/test_head_chunks.py): the int32
     positions and segment ids (up to N times), a2a/usp's all-to-all of q, k, v (once more: the group's backward
     recomputes them), a2a/usp's kv heads where K / N must be repeated for the all-to-all and K need not
-    (maxctx.attention.a2a), and under tensor parallelism the output projection's all-reduce (once per group).
+    (maxctx.attention.cp.a2a), and under tensor parallelism the output projection's all-reduce (once per group).
     With tensor parallelism T, group g takes heads g H/(TN) .. (g+1) H/(TN) - 1 of every tensor shard, so each
     device still computes only its own heads."""
 

@@ -1,6 +1,6 @@
 """Documents per row in the step-time model (planner_document_lengths): the attention pairs the rows' documents
 need, and how unevenly the context ranks share them under each context_parallel_load_balance
-(maxctx.attention.load_balance), for maxctx.plan.step_time's attention term and the planner's header.
+(maxctx.attention.cp.load_balance), for maxctx.plan.step_time's attention term and the planner's header.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def document_work(spec: str, seq: int, cp: int, load_balance, window: int, group
     attend to every query for their heads; 0: cp)."""
     import numpy as np
 
-    from maxctx.attention.load_balance import document_permutation, zigzag_permutation
+    from maxctx.attention.cp.load_balance import document_permutation, zigzag_permutation
 
     lengths = document_lengths(spec, seq)
     pos = np.concatenate([np.arange(n) for n in lengths])

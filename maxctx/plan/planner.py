@@ -3,7 +3,7 @@ length and the topology, before JAX starts (maxctx.loader.load calls `resolve_au
 also (or, with the strategy given, only) the remat placement of each named tensor (maxctx.plan.remat), each
 strategy costed at every placement within the HBM and host budgets.
 
-Candidates: every registered strategy (maxctx.attention.strategies) at each A2A degree its `planner_degrees`
+Candidates: every registered strategy (maxctx.attention.cp.strategies) at each A2A degree its `planner_degrees`
 gives (all_gather and p2p U = 1, a2a U = C, usp every divisor 1 < U < C of the CP degree C). Each is checked
 with the same rules as a hand-written config (the strategy's `check`, the mesh split, splash's 128 rows);
 an invalid one is dropped with the rule's message. For each valid one, per device:
@@ -52,8 +52,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from maxctx.attention import strategies
-from maxctx.attention.cost import AttentionShape
+from maxctx.attention.cp import strategies
+from maxctx.attention.cp.cost import AttentionShape
 from maxctx.config import Config, ConfigError
 from maxctx.model import families
 from maxctx.parallelism import mesh_sizes, num_processes, num_slices

@@ -12,7 +12,7 @@ which the load-balanced ring never takes). A loop whose trips cannot be read cou
 
 - attention forwards per layer: executions of the attention forward kernel (Pallas: a `tpu_custom_call` whose
   kernel is a forward, splash's `splash_mqa_fwd*`; blockwise: the matmuls of the computations holding ops of
-  maxctx.attention.flash's `attention_forward` scope, since a fused matmul may carry no op_name) over those in
+  maxctx.attention.kernels.flash's `attention_forward` scope, since a fused matmul may carry no op_name) over those in
   the forward pass (op_name outside autodiff's `transpose(...)`): 1 when the backward reuses the forward's
   outputs, 2 when it recomputes them (remat). The ratio holds with the layer scan rolled or unrolled, and with a
   ring's conditional hops, since both passes run the same structure.
@@ -22,9 +22,9 @@ which the load-balanced ring never takes). A loop whose trips cannot be read cou
 - collective bytes per kind, counted as the strategies' docstrings count them: the result of all-gather,
   all-to-all and collective-permute, the operand of reduce-scatter, all-reduce by its result.
 - executed FLOPs: 2 x result x contraction of every dot, plus the Pallas kernels' own from the block tables
-  maxctx.attention.splash states in each call's scope (`pallas_macs=N`: query-key products of the visited blocks,
-  times the head dim) x the kernel's matmuls (forward 2: QK and PV; dQ 3; dK/dV 4; the fused backward 5), 2 FLOPs
-  per product. XLA's own cost analysis (reported beside) leaves out custom calls and, for a loop, its trips.
+  maxctx.attention.kernels.splash states in each call's scope (`pallas_macs=N`: query-key products of the visited
+  blocks, times the head dim) x the kernel's matmuls (forward 2: QK and PV; dQ 3; dK/dV 4; the fused backward 5),
+  2 FLOPs per product. XLA's own cost analysis (reported beside) leaves out custom calls and, for a loop, its trips.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import math
 import re
 from collections import Counter, defaultdict
 
-from maxctx.attention.cost import ATTENTION_FORWARD_SCOPE, PALLAS_MACS_SCOPE
+from maxctx.attention.kernels.scopes import ATTENTION_FORWARD_SCOPE, PALLAS_MACS_SCOPE
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
 _BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1,

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 
-from maxctx.attention import strategies
-from maxctx.attention.cost import AttentionShape, Collective
+from maxctx.attention.cp import strategies
+from maxctx.attention.cp.cost import AttentionShape, Collective
 from maxctx.config import Config
 from maxctx.model import families
 from maxctx.parallelism import A2A_AXIS, mesh_context_degree, mesh_sizes, num_slices
@@ -42,7 +42,7 @@ def _cp_comm_volume(config: Config, mesh: dict[str, int], t: float, b: int
 
 def cp_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: int) -> tuple[float, float]:
     """(forward, backward) bytes one device sends for attention per layer, t = tokens per device (B S / C): the
-    strategy's `comm_volume` formulas (maxctx.attention.base), counted on the wire."""
+    strategy's `comm_volume` formulas (maxctx.attention.cp.base), counted on the wire."""
     fwd, bwd = _cp_comm_volume(config, mesh, t, b)
     return sum(x.sent_bytes for x in fwd), sum(x.sent_bytes for x in bwd)
 

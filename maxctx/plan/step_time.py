@@ -46,8 +46,8 @@ import dataclasses
 import math
 import os
 
-from maxctx.attention import strategies
-from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
+from maxctx.attention.cp import strategies
+from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
 from maxctx.model import families
 from maxctx.parallelism import mesh_sizes, num_slices
@@ -153,7 +153,7 @@ def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
 def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
                       forward_passes: int, ring_overlap: bool = True) -> float:
     """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
-    keys come by halo exchange (maxctx.attention.halo) waits for its permutes. `ring_overlap`: the ring backward's
+    keys come by halo exchange (maxctx.attention.cp.halo) waits for its permutes. `ring_overlap`: the ring backward's
     sends overlap its hops' kernels, as the software-pipelined backward does (AttentionSpec.ring_backward_overlap);
     False: each waits in full, as in the program (plan passes its `ring_overlap`)."""
     attn_fwd = 4 * s.batch * (s.seq / s.cp) * causal_keys(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
@@ -202,7 +202,7 @@ def placement(config: Config) -> dict[str, str]:
 
 def per_token(config: Config, tp: int) -> dict[str, float]:
     """Per token and device: each named projection's forward FLOPs (`flops`) and each named tensor's bytes."""
-    # The ring's log-sum-exp (fp32) goes with the attention output: maxctx.attention.ring names both `context`.
+    # The ring's log-sum-exp (fp32) goes with the attention output: maxctx.attention.cp.ring names both `context`.
     # Under usp the ring's output (heads split over the all-to-all) and the layer's output after the all-to-all
     # back are two arrays, both named `context`, so a policy that keeps it keeps both: the program compiled for
     # v5p-128 at 10,485,760 tokens moves 120.31 GiB per chip to the host with context and the layer input
@@ -236,7 +236,7 @@ def kept_layer_inputs(config: Config) -> int:
 def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]) -> bool:
     """Whether the backward reuses the attention forward's outputs: always without remat; with `context` kept only
     through the ring (p2p, usp over a ring of 2 or more), whose out and log-sum-exp are named `context`
-    (maxctx.attention.ring). Splash's and the blockwise kernel's own VJPs keep residuals no policy names, so their
+    (maxctx.attention.cp.ring). Splash's and the blockwise kernel's own VJPs keep residuals no policy names, so their
     forward runs again (the compiled program's count says so: maxctx.plan.program)."""
     if config.remat_policy == "none":
         return True

@@ -17,7 +17,7 @@ bytes and a sublane tile 8 x 4 bytes per query:
              logsumexp, di: bq 4 each (one row); kv segment ids: 8 bkv 4
 
 plus the partial mask: a loaded block is s32 bq bkv (4 bytes per entry: splash takes booleans and the compiled
-operand is 32-bit), a computed one (maxctx.attention.splash_masks) only the query values, bq 128 4 (forward,
+operand is 32-bit), a computed one (maxctx.attention.kernels.splash_masks) only the query values, bq 128 4 (forward,
 dQ) or 8 bq 4 (dK/dV). Temporaries (score and probability tiles of bq x block_kv_compute fp32, and the register
 allocator's spill slots) are the compiler's; libtpu's report names them. benchmarks/splash_vmem.md checks the
 windows against libtpu's own allocation list, where a compile overflows the chip.

@@ -1,9 +1,9 @@
-"""The registered CP strategies as test cases: tests loop over the registry (maxctx.attention.strategies), so a
+"""The registered CP strategies as test cases: tests loop over the registry (maxctx.attention.cp.strategies), so a
 strategy registered there is tested like the others without a list to edit."""
 
 from __future__ import annotations
 
-from maxctx.attention import strategies
+from maxctx.attention.cp import strategies
 from maxctx.config import Config
 
 

@@ -1,9 +1,9 @@
-"""What a context-parallel strategy is: an instance of `Strategy`, registered once in maxctx.attention.strategies.
+"""What a context-parallel strategy is: an instance of `Strategy`, registered once in maxctx.attention.cp.strategies.
 One module per strategy (all_gather.py, a2a.py, p2p.py, usp.py) subclasses it and overrides what differs from the
 defaults:
 
     name, aliases                     the config value and MaxText's other names for it
-    local_by_halo                     True: a local (sliding-window) layer runs as maxctx.attention.halo's exchange
+    local_by_halo                     True: a local (sliding-window) layer runs as maxctx.attention.cp.halo's exchange
                                       where that moves less; default False (the strategy's own path)
     a2a_degree(config, cp)            the all-to-all part U of the CP degree C; default 1 (the ring part is C / U)
     check(config, cp, tensor)         the strategy's own config rules (raise ConfigError), run before JAX starts;
@@ -18,7 +18,7 @@ defaults:
     attend(q, k, v, positions, segment_ids, mesh, spec) -> out    the shard_map'd attention
 
 `comm_volume(shape)` is what the roofline and the planner read: a local layer's halo traffic where the halo applies,
-else `global_comm_volume`. Formulas are functions of maxctx.attention.cost.AttentionShape, the single statement of
+else `global_comm_volume`. Formulas are functions of maxctx.attention.cp.cost.AttentionShape, the single statement of
 the strategy's cost; tests/test_attention_comm.py checks them against the compiled HLO. A strategy imports JAX only
 inside `attend`, so config validation and the planner read the registry without starting JAX.
 
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxctx.attention import halo
-from maxctx.attention.cost import AttentionShape, Collective
+from maxctx.attention.cp import halo
+from maxctx.attention.cp.cost import AttentionShape, Collective
 from maxctx.config import Config
 
 CommVolume = tuple[list[Collective], list[Collective]]  # (forward, backward) collectives of one layer

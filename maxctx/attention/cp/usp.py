@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxctx.attention.a2a import a2a_activation_bytes, a2a_comm_volume, a2a_transient_bytes, check_heads
-from maxctx.attention.base import CommVolume, Strategy
-from maxctx.attention.cost import AttentionShape, replicated_kv_heads
-from maxctx.attention.p2p import ring_comm_volume, ring_transient_bytes
+from maxctx.attention.cp.a2a import a2a_activation_bytes, a2a_comm_volume, a2a_transient_bytes, check_heads
+from maxctx.attention.cp.base import CommVolume, Strategy
+from maxctx.attention.cp.cost import AttentionShape, replicated_kv_heads
+from maxctx.attention.cp.p2p import ring_comm_volume, ring_transient_bytes
 from maxctx.config import Config, ConfigError
 from maxctx.parallelism import A2A_AXIS, RING_AXIS, balanced_a2a_degree
 
@@ -26,7 +26,7 @@ from maxctx.parallelism import A2A_AXIS, RING_AXIS, balanced_a2a_degree
 @dataclasses.dataclass(frozen=True)
 class USP(Strategy):
     name: str = "usp"
-    local_by_halo: bool = True  # local layers: maxctx.attention.halo over all C devices, where it moves less
+    local_by_halo: bool = True  # local layers: maxctx.attention.cp.halo over all C devices, where it moves less
 
     def a2a_degree(self, config: Config, cp: int) -> int:
         """context_parallel_a2a_degree when set (> 0). Default: across slices (dcn_context_parallelism > 1)
@@ -75,11 +75,12 @@ class USP(Strategy):
         return dataclasses.replace(config, context_parallel_strategy=self.name, context_parallel_a2a_degree=a2a)
 
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
-        from maxctx.attention.document_blocks import sort_keys
-        from maxctx.attention.kernels import make_local, stored_order
-        from maxctx.attention.ring import check_ring_local, ring_attention
-        from maxctx.attention.seq_to_heads import a2a_attention
-        from maxctx.attention.sharded import context_shard_map
+        from maxctx.attention.cp.load_balance import stored_order
+        from maxctx.attention.cp.ring import check_ring_local, ring_attention
+        from maxctx.attention.cp.seq_to_heads import a2a_attention
+        from maxctx.attention.cp.sharded import context_shard_map
+        from maxctx.attention.kernels.document_blocks import sort_keys
+        from maxctx.attention.kernels.local import make_local
 
         u, r = mesh.shape[A2A_AXIS], mesh.shape[RING_AXIS]
         seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxctx.attention.base import CommVolume, Strategy
-from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
+from maxctx.attention.cp.base import CommVolume, Strategy
+from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import Config, ConfigError
 from maxctx.parallelism import A2A_AXIS, RING_AXIS
 
@@ -86,9 +86,10 @@ class A2A(Strategy):
         return (cp,)
 
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
-        from maxctx.attention.kernels import make_local, stored_order
-        from maxctx.attention.seq_to_heads import a2a_attention
-        from maxctx.attention.sharded import context_shard_map
+        from maxctx.attention.cp.load_balance import stored_order
+        from maxctx.attention.cp.seq_to_heads import a2a_attention
+        from maxctx.attention.cp.sharded import context_shard_map
+        from maxctx.attention.kernels.local import make_local
 
         if mesh.shape[RING_AXIS] > 1:
             raise ConfigError(f"context_parallel_strategy=a2a puts the whole context degree on the all-to-all, but "

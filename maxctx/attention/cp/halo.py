@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from maxctx.attention.cost import Collective
+from maxctx.attention.cp.cost import Collective
 
 if TYPE_CHECKING:
     import numpy as np
@@ -128,7 +128,7 @@ def layout_plan(seq: int, devices: int, load_balance: bool, window: int) -> Halo
     with the window in its kernel's mask, is used)."""
     import numpy as np
 
-    from maxctx.attention.load_balance import zigzag_permutation
+    from maxctx.attention.cp.load_balance import zigzag_permutation
 
     if window <= 0 or window >= seq or devices <= 1 or load_balance == "documents":
         return None  # documents: the stored order changes with every batch (the strategy's path masks from ids)
@@ -197,9 +197,9 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
     """A local layer over the context axes by halo exchange (any strategy's token layout but a2a's), or None when
     `layout_plan` says the strategy's own path moves no more. `spec`: as a strategy's attend takes it
-    (maxctx.attention.base)."""
-    from maxctx.attention.kernels import make_band
-    from maxctx.attention.sharded import CONTEXT, context_shard_map
+    (maxctx.attention.cp.base)."""
+    from maxctx.attention.cp.sharded import CONTEXT, context_shard_map
+    from maxctx.attention.kernels.local import make_band
     from maxctx.parallelism import mesh_context_degree
 
     cp = mesh_context_degree(mesh.shape)

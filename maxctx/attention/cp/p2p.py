@@ -3,7 +3,7 @@
 Legend (per device): B batch per device, S the whole sequence, C the CP degree (ring size R = C for p2p), H and K
 heads per tensor shard, D head dim, b bytes per activation element; positions and segment ids are int32.
 
-The ring itself (hops, merging, the custom backward, skipping) is maxctx.attention.ring.
+The ring itself (hops, merging, the custom backward, skipping) is maxctx.attention.cp.ring.
 
 Cost (the formulas below): R - 1 hops of the local K/V block and ids in the forward, the same again plus the
 travelling fp32 dK/dV accumulators in the backward; memory O(S/C). During a hop the fp32 out accumulator B s H D 4
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxctx.attention.base import CommVolume, Strategy
-from maxctx.attention.cost import AttentionShape, Collective, replicated_kv_heads
+from maxctx.attention.cp.base import CommVolume, Strategy
+from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.parallelism import mesh_context_degree
 
 
@@ -44,7 +44,7 @@ def ring_transient_bytes(s: AttentionShape, ring_overlap: bool) -> float:
 class P2P(Strategy):
     name: str = "p2p"
     aliases: tuple[str, ...] = ("ring",)
-    local_by_halo: bool = True  # local layers: maxctx.attention.halo, where it moves less
+    local_by_halo: bool = True  # local layers: maxctx.attention.cp.halo, where it moves less
 
     def global_comm_volume(self, s: AttentionShape) -> CommVolume:
         """The ring over all C devices, S / C tokens each (`ring_comm_volume`). A local layer: the halo's where it
@@ -62,9 +62,10 @@ class P2P(Strategy):
         return ring_transient_bytes(s, ring_overlap)
 
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
-        from maxctx.attention.kernels import make_local, stored_order
-        from maxctx.attention.ring import check_ring_local, ring_attention
-        from maxctx.attention.sharded import CONTEXT, context_shard_map
+        from maxctx.attention.cp.load_balance import stored_order
+        from maxctx.attention.cp.ring import check_ring_local, ring_attention
+        from maxctx.attention.cp.sharded import CONTEXT, context_shard_map
+        from maxctx.attention.kernels.local import make_local
 
         cp = mesh_context_degree(mesh.shape)
         seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from maxctx.attention.base import CommVolume, Strategy
-from maxctx.attention.cost import AttentionShape, Collective
+from maxctx.attention.cp.base import CommVolume, Strategy
+from maxctx.attention.cp.cost import AttentionShape, Collective
 from maxctx.parallelism import mesh_context_degree
 
 
 @dataclasses.dataclass(frozen=True)
 class AllGather(Strategy):
     name: str = "all_gather"
-    local_by_halo: bool = True  # local layers: maxctx.attention.halo, where it moves less
+    local_by_halo: bool = True  # local layers: maxctx.attention.cp.halo, where it moves less
 
     def global_comm_volume(self, s: AttentionShape) -> CommVolume:
         """forward: all-gather of K, V (2 B S K D b) and of positions, segment ids (2 B S 4); backward:
@@ -45,8 +45,9 @@ class AllGather(Strategy):
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
         import jax
 
-        from maxctx.attention.kernels import make_local, stored_order
-        from maxctx.attention.sharded import CONTEXT, context_shard_map
+        from maxctx.attention.cp.load_balance import stored_order
+        from maxctx.attention.cp.sharded import CONTEXT, context_shard_map
+        from maxctx.attention.kernels.local import make_local
 
         cp = mesh_context_degree(mesh.shape)
         seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxctx.attention.kernels import LocalKernel
-from maxctx.attention.sharded import ring_shift
+from maxctx.attention.cp.sharded import ring_shift
+from maxctx.attention.kernels.local import LocalKernel
 from maxctx.config import ConfigError
 
 

@@ -26,7 +26,7 @@ import functools
 
 import numpy as np
 
-from maxctx.attention.index_runs import runs
+from maxctx.attention.kernels.index_runs import runs
 
 # The most runs of key indices a mask computes in the kernel (one select per run past the first, per score).
 COMPUTED_RUNS = 4

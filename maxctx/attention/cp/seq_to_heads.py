@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxctx.attention.cost import replicated_kv_heads
+from maxctx.attention.cp.cost import replicated_kv_heads
 from maxctx.parallelism import A2A_AXIS
 
 

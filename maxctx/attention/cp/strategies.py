@@ -1,11 +1,11 @@
 """The registry of context-parallel strategies, keyed by the config value: the one list of them (what a strategy
-is: maxctx.attention.base.Strategy). A new strategy is one module defining a Strategy plus one `register` line below;
+is: maxctx.attention.cp.base.Strategy). A new strategy is one module defining a Strategy plus one `register` line below;
 the planner, the roofline, validation and the dispatch read the registry and need no change."""
 
 from __future__ import annotations
 
-from maxctx.attention import a2a, all_gather, p2p, usp
-from maxctx.attention.base import Strategy
+from maxctx.attention.cp import a2a, all_gather, p2p, usp
+from maxctx.attention.cp.base import Strategy
 from maxctx.config import Config
 from maxctx.errors import ConfigError, did_you_mean
 

@@ -27,17 +27,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import cudnn, document_blocks, flash, splash, splash_backward, splash_masks, tokamax_splash
-from maxctx.attention.dot_product import dot_product_attention, dot_product_block_backward
-from maxctx.attention.index_runs import expand, ranked, runs, shifted
-from maxctx.attention.load_balance import zigzag_permutation
+from maxctx.attention.kernels import (
+    cudnn,
+    document_blocks,
+    flash,
+    splash,
+    splash_backward,
+    splash_masks,
+    tokamax_splash,
+)
+from maxctx.attention.kernels.dot_product import dot_product_attention, dot_product_block_backward
+from maxctx.attention.kernels.index_runs import expand, ranked, runs, shifted
 from maxctx.config import ConfigError
-
-
-def stored_order(seq_len: int, cp: int, load_balance) -> np.ndarray:
-    """Original index of every stored token (the zig-zag permutation, or the identity; with documents, which
-    changes per batch, the identity: only its length is read, make_local's `documents`)."""
-    return zigzag_permutation(seq_len, cp) if load_balance is True and cp > 1 else np.arange(seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ class LocalKernel:
             branches = [functools.partial(tokamax_splash.call, kern, save_residuals=save_residuals)
                         for kern in self.splash_kernels]
             return self._pick(hop, branches, q, k, v, q_seg, kv_seg)
-        # Each call's tables are narrowed to the documents of its rows (maxctx.attention.document_blocks).
+        # Each call's tables are narrowed to the documents of its rows (maxctx.attention.kernels.document_blocks).
         if not self.documents:
             branches = [functools.partial(splash.splash_call, kern, save_residuals=save_residuals,
                                           ids=(q_pos, kv_pos, self.window, None)) for kern in self.splash_kernels]
@@ -166,8 +167,8 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     (masks then compare by offset, not rank). `splash_blocks`: splash's other block sizes (splash.Blocks; None:
     all derived from block_q / block_kv). cuDNN: a call whose queries and keys are the whole sequence in natural
     order (one query shard, one key block, `order` the identity: no CP split, no zig-zag) may take cuDNN's own
-    mask types (maxctx.attention.cudnn). `documents`: the stored order is the batch's (`order` then only gives the
-    length): splash gets one kernel for every call (_documents_kernel) and derives its masks per call from
+    mask types (maxctx.attention.kernels.cudnn). `documents`: the stored order is the batch's (`order` then only
+    gives the length): splash gets one kernel for every call (_documents_kernel) and derives its masks per call from
     the ids; `sort_keys`: the calls' keys are gathered from all ranks (all_gather, a2a) and are sorted first.
     `name` tokamax_splash: the same kernels and tables from tokamax (tokamax_splash.make_kernel)."""
     if name not in ("splash", tokamax_splash.NAME):
@@ -194,7 +195,7 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
 
 def make_band(name: str, block_q: int, block_kv: int, *, mesh=None, chunk: int, halo: int, window: int,
               group: int = 1, splash_blocks: splash.Blocks | None = None) -> LocalKernel:
-    """The kernel of a local layer's chunk (maxctx.attention.halo): `chunk` queries against the `halo` keys before
+    """The kernel of a local layer's chunk (maxctx.attention.cp.halo): `chunk` queries against the `halo` keys before
     them and themselves, all in original order; splash gets the one static sliding-window mask they share."""
     if name not in ("splash", tokamax_splash.NAME):
         return LocalKernel(name, block_q, block_kv, window=window)

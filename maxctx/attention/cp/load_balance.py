@@ -36,6 +36,13 @@ def zigzag_permutation(seq_len: int, cp: int) -> np.ndarray:
     return chunks[order].reshape(-1)
 
 
+def stored_order(seq_len: int, cp: int, load_balance) -> np.ndarray:
+    """Original index of every stored token (the zig-zag permutation, or the identity; with documents, which
+    changes per batch, the identity: only its length is read, maxctx.attention.kernels.local.make_local's
+    `documents`)."""
+    return zigzag_permutation(seq_len, cp) if load_balance is True and cp > 1 else np.arange(seq_len)
+
+
 def reorder_batch(batch: dict[str, np.ndarray], cp: int, mode=True) -> dict[str, np.ndarray]:
     """Applies the zig-zag order (`mode` true) or the documents' placement (`mode` 'documents') to every [B, S]
     array of a batch."""

@@ -153,7 +153,7 @@ def computed_blocks(info) -> int:
 
 # --- context_parallel_load_balance=documents: splash calls whose token order changes with every batch ---------------
 #
-# Under the documents placement (maxctx.attention.load_balance) the stored order is the batch's, so no static mask
+# Under the documents placement (maxctx.attention.cp.load_balance) the stored order is the batch's, so no static mask
 # over token order exists. A call's kernel then has a static all-visible table and the in-kernel mask
 # `key place <= q_sequence[i]` (splash_masks.KeyRuns over one run: a key's value is its place), and each call
 # derives from its ids: q_sequence[i] = the place of the last key of query i's document at or before its

@@ -1,6 +1,6 @@
 """What attention costs, as formulas: the shape of one attention layer on one device (`AttentionShape`) and the
 collective ops a strategy's layer runs (`Collective`, of one of the HLO `KINDS`). A strategy
-(maxctx.attention.base) states its traffic and memory as functions of `AttentionShape`; the roofline
+(maxctx.attention.cp.base) states its traffic and memory as functions of `AttentionShape`; the roofline
 (maxctx.plan.roofline) and the planner (maxctx.plan.planner) sum them, and tests/test_attention_comm.py checks them
 against the compiled HLO. No JAX.
 """
@@ -13,10 +13,6 @@ import math
 # The HLO ops the strategies use. Counted per device as XLA shows them: the result of all-gather, all-to-all and
 # collective-permute, the operand of reduce-scatter.
 KINDS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
-# The name scope in which a Pallas attention call states its visited query-key products x head dim (for query
-# heads and batch together), `pallas_macs=N`: maxctx.attention.splash writes it, maxctx.plan.program reads it.
-PALLAS_MACS_SCOPE = "pallas_macs="
-ATTENTION_FORWARD_SCOPE = "attention_forward"  # the blockwise kernel's forward (maxctx.attention.flash)
 
 
 @dataclasses.dataclass(frozen=True)

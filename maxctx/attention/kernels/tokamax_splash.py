@@ -3,7 +3,7 @@
 Legend: B batch, S query rows, T keys, H query heads, K kv heads, G = H // K, D head dim.
 
 tokamax (`pip install maxctx[tokamax]`) ships its own copy of splash, which differs from JAX's
-(maxctx.attention.splash) in what it is given and what it keeps:
+(maxctx.attention.kernels.splash) in what it is given and what it keeps:
 - one 2-D mask per call ([S, T]) and MQA kernels over the G query heads of a kv head, vmapped over K and B as
   splash.py does; the masks are maxctx's own (splash_masks.ordered_causal_mask: causal on original indices, a
   sliding window, partial blocks computed in the kernel from `q_sequence` and a mask function, which tokamax reads
@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import splash
-from maxctx.attention.flash import block_size
-from maxctx.attention.index_runs import runs
-from maxctx.attention.splash_masks import ordered_causal_mask, sees_a_key
+from maxctx.attention.kernels import splash
+from maxctx.attention.kernels.flash import block_size
+from maxctx.attention.kernels.index_runs import runs
+from maxctx.attention.kernels.splash_masks import ordered_causal_mask, sees_a_key
 
 NAME = "tokamax_splash"  # the kernel name dispatch resolves splash to under use_tokamax_splash=true
 _log = logging.getLogger(__name__)

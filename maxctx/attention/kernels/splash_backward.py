@@ -1,4 +1,4 @@
-"""A ring hop's backward through splash's own dQ and dK/dV kernels (maxctx.attention.ring calls it through
+"""A ring hop's backward through splash's own dQ and dK/dV kernels (maxctx.attention.cp.ring calls it through
 kernels.LocalKernel.block_backward), for the kernels splash.make_kernel built with their tables: one call, or row
 chunks looped as one kernel per pass (splash.RowLoop: dQ per chunk, dK/dV summed over the chunks). The kernels are
 private functions of JAX's splash module: splash.backward_kernels_available checks their signatures; without
@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxctx.attention import document_blocks, splash
+from maxctx.attention.kernels import document_blocks, splash
 
 
 def has_backward(kernels) -> bool:

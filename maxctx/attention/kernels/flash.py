@@ -25,9 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxctx.attention.cost import ATTENTION_FORWARD_SCOPE
-from maxctx.attention.document_blocks import block_ranges, pair_visible
-from maxctx.attention.dot_product import mask_from_positions
+from maxctx.attention.kernels.document_blocks import block_ranges, pair_visible
+from maxctx.attention.kernels.dot_product import mask_from_positions
+from maxctx.attention.kernels.scopes import ATTENTION_FORWARD_SCOPE
 
 
 def block_size(n: int, want: int) -> int:

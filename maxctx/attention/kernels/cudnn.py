@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention.dot_product import mask_from_positions
+from maxctx.attention.kernels.dot_product import mask_from_positions
 
 MASKED, CAUSAL, PACKED = 0, 1, 2
 PATHS = ("masked", "causal", "packed")

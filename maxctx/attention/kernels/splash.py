@@ -25,7 +25,7 @@ Ring hops' backward: every hop, in row chunks or not, runs splash's own dQ and d
 lse of all hops (splash_backward; private functions of JAX's splash module, checked by signature). Without them
 (backward_kernels_available), or with Blocks.ring_backward=False (no config key: benchmarks/compiled_schedule.py
 compares the two; docs/long_context.md has the one row where it needed less memory), hops build forward tables
-only and take the blockwise backward (maxctx.attention.flash: XLA fusions whose fp32 score tiles go through HBM,
+only and take the blockwise backward (maxctx.attention.kernels.flash: XLA fusions whose fp32 score tiles go through HBM,
 which splash's kernels avoid; docs/choosing_a_strategy.md compares the two).
 
 Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
@@ -43,11 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxctx.attention import document_blocks
-from maxctx.attention.cost import PALLAS_MACS_SCOPE
-from maxctx.attention.flash import block_size
-from maxctx.attention.index_runs import expand, ranked, runs, shifted
-from maxctx.attention.splash_masks import ordered_causal_mask, sees_a_key
+from maxctx.attention.kernels import document_blocks
+from maxctx.attention.kernels.flash import block_size
+from maxctx.attention.kernels.index_runs import expand, ranked, runs, shifted
+from maxctx.attention.kernels.scopes import PALLAS_MACS_SCOPE
+from maxctx.attention.kernels.splash_masks import ordered_causal_mask, sees_a_key
 
 COMPUTE_BLOCK = 512
 # Block-table entries (query blocks x key blocks) one kernel call may have: the largest size that compiled within
