@@ -8,6 +8,7 @@
     program.py        what a compiled step runs, read from its HLO: attention forwards, host and collective bytes,
                       executed FLOPs
     vmem.py           splash's VMEM per pass
+    documents.py      documents per row (planner_document_lengths): their attention pairs and the ranks' shares
     out_of_memory.py  XLA's out-of-memory errors read, the fit verdict, and what to change
 
 Nothing is imported here: the planner runs while the config loads, before JAX starts.
