@@ -203,6 +203,11 @@ class Config:
     checkpoint_period: int = 100
     max_num_checkpoints_to_keep: int = 3
     checkpoint_failure_policy: CheckpointFailurePolicy = "exit"
+    # The local tier beside the persistent one (MaxText's keys): each host's copy of its own shards, on its own
+    # fast disk, every local_checkpoint_period steps (maxctx.checkpoint.local_tier).
+    enable_emergency_checkpoint: bool = False
+    local_checkpoint_directory: str = ""
+    local_checkpoint_period: int = 0
     # Orbax's storage of the state's arrays (MaxText's keys): TensorStore's OCDBT key-value store (one database per
     # item instead of a directory per array), and the zarr v3 chunk format instead of zarr v2.
     checkpoint_storage_use_ocdbt: bool = True

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,33 +67,21 @@ from maxctx.checkpoint.compatibility import check_resume_record, check_shapes, r
 from maxctx.checkpoint.data_position import data_filename, load_data_state
 from maxctx.checkpoint.divergence import DivergenceWatch, KeepLastGood
 from maxctx.checkpoint.integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
+from maxctx.checkpoint.local_tier import LocalTier, check_keys
 from maxctx.checkpoint.preemption import PreemptionWatch
+from maxctx.checkpoint.steps import (
+    DATA,
+    ITEMS,
+    META,
+    STATE,
+    CheckpointError,
+    resolve_step_dir,
+    set_aside,
+    state_metadata,
+    step_dirs,
+)
 from maxctx.config import Config, ConfigError
 from maxctx.train_step import TrainSetup, init_state
-
-STATE, DATA, META = "state", "data", "meta"
-ITEMS = (STATE, DATA, META)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (damaged, or no good one left); the message says which and what to do."""
-
-
-def step_dirs(directory: epath.Path) -> list[epath.Path]:
-    """The step directories (`<step>/`, whatever they hold) of a checkpoints directory, newest first."""
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), key=lambda p: -int(p.name))
-
-
-def set_aside(step_dir: epath.Path, suffix: str) -> epath.Path:
-    """Renames `<step>` to `<step>.<suffix>` (or `.<suffix>2`, ...: never over an earlier one); returns the new path."""
-    target, n = step_dir.parent / f"{step_dir.name}.{suffix}", 1
-    while target.exists():
-        n += 1
-        target = step_dir.parent / f"{step_dir.name}.{suffix}{n}"
-    step_dir.rename(target)
-    return target
 
 
 def _from_primary(value: int) -> int:
@@ -113,33 +100,6 @@ def _any_process(flag: bool) -> bool:
 def rng_key(seed: int, step: int) -> jax.Array:
     """The run's key for `step`: every per-step random draw derives from it (none in the step today)."""
     return jax.random.fold_in(jax.random.key(seed), step)
-
-
-def resolve_step_dir(path: str, key: str) -> epath.Path:
-    """A load path (a step directory, or a checkpoints directory: its latest complete step) -> the step directory."""
-    where = epath.Path(path)
-    if not where.exists():
-        raise ConfigError(f"{key}='{path}' does not exist; give a checkpoint step directory "
-                          f"(<run>/checkpoints/<step>) or a run's checkpoints directory")
-    if not (where / STATE).is_dir():
-        steps = [p for p in step_dirs(where) if (p / STATE).is_dir()]
-        if not steps:
-            raise ConfigError(f"{key}='{path}' holds no complete maxctx checkpoint (no <step>/{STATE} directory); "
-                              f"give a checkpoint step directory (<run>/checkpoints/<step>) or a run's checkpoints "
-                              f"directory")
-        where = steps[0]
-    if not ocp.utils.is_checkpoint_finalized(where):
-        raise ConfigError(f"{key}='{path}' is an incomplete checkpoint (its save was cut off); give a "
-                          f"complete step directory")
-    problem = check_step(where, (STATE,))
-    if problem:
-        raise CheckpointError(f"{key}='{path}': checkpoint {where} is damaged: {problem}; give another step "
-                              f"directory (<run>/checkpoints/<step>)")
-    return where
-
-
-def _state_metadata(state_dir: epath.Path) -> Any:
-    return ocp.StandardCheckpointHandler().metadata(state_dir).tree
 
 
 class Checkpointer:
@@ -161,19 +121,21 @@ class Checkpointer:
         self.manager: ocp.CheckpointManager | None = None
         self.source, self.source_dir = "init", None
         self.directory = directory = epath.Path(config.checkpoint_dir)
-        if config.enable_checkpointing and step_dirs(directory):
-            self.source, self.source_dir = "resume", self._newest_good()
-            self._check_resume(self.source_dir)
-        elif config.load_full_state_path:
+        check_keys(config)
+        self.local = (LocalTier(config, setup.mesh, self._say)
+                      if config.enable_checkpointing and config.enable_emergency_checkpoint else None)
+        self._local_step: int | None = None
+        resumed = config.enable_checkpointing and self._resumes()
+        if not resumed and config.load_full_state_path:
             self.source = "full_state"
             self.source_dir = resolve_step_dir(config.load_full_state_path, "load_full_state_path")
-            check_shapes(_state_metadata(self.source_dir / STATE), setup.abstract_state,
+            check_shapes(state_metadata(self.source_dir / STATE), setup.abstract_state,
                          f"load_full_state_path='{config.load_full_state_path}'",
                          "give a checkpoint of this model (load_parameters_path also takes another optimizer's)")
-        elif config.load_parameters_path:
+        elif not resumed and config.load_parameters_path:
             self.source = "parameters"
             self.source_dir = resolve_step_dir(config.load_parameters_path, "load_parameters_path")
-            check_shapes(_state_metadata(self.source_dir / STATE), setup.abstract_state,
+            check_shapes(state_metadata(self.source_dir / STATE), setup.abstract_state,
                          f"load_parameters_path='{config.load_parameters_path}'", "give a checkpoint of this model",
                          prefix="params/")
         self.watch = None
@@ -185,6 +147,20 @@ class Checkpointer:
             failures.quiet_abandoned_writes()
             self.watch = PreemptionWatch()
             atexit.register(self.close)
+
+    def _resumes(self) -> bool:
+        """Picks this run's own newest intact step of either tier, if any (the local one when it is newer and every
+        process can serve it, maxctx.checkpoint.local_tier); True when there is one."""
+        persistent = self._newest_good() if step_dirs(self.directory) else None
+        newest = int(persistent.name) if persistent is not None else -1
+        self._local_step = self.local.newest_common(newest) if self.local is not None else None
+        if self._local_step is not None:
+            self.source, self.source_dir = "local", self.local.directory / str(self._local_step)
+            self._check_meta(self.local.meta(self._local_step), str(self.source_dir), self._local_step)
+        elif persistent is not None:
+            self.source, self.source_dir = "resume", persistent
+            self._check_resume(persistent)
+        return self.source != "init"
 
     def _newest_good(self) -> epath.Path:
         """The newest step that verifies; newer ones are set aside, each reported in one line. Process 0 checks
@@ -211,15 +187,18 @@ class Checkpointer:
                   f"deleted)")
 
     def _check_resume(self, step_dir: epath.Path) -> None:
-        meta = ocp.JsonCheckpointHandler().restore(step_dir / META)
-        check_resume_record(meta.get("config"), self.config, self.setup.global_batch, str(step_dir))
-        check_shapes(_state_metadata(step_dir / STATE), self.setup.abstract_state, f"checkpoint {step_dir}",
+        check_shapes(state_metadata(step_dir / STATE), self.setup.abstract_state, f"checkpoint {step_dir}",
                      "use a new run_name for the new model")
-        if meta.get("seed") != self.config.seed:
-            raise ConfigError(f"checkpoint {step_dir} was saved with seed={meta.get('seed')} but seed="
-                              f"{self.config.seed}; resume with seed={meta.get('seed')}, or use a new run_name")
+        self._check_meta(ocp.JsonCheckpointHandler().restore(step_dir / META), str(step_dir), int(step_dir.name))
         self._data_state = load_data_state(step_dir / DATA, jax.process_index(), jax.process_count(), str(step_dir))
-        for notice in resume_notices(meta.get("config"), self.config, self.setup.global_batch, int(step_dir.name)):
+
+    def _check_meta(self, meta: dict, where: str, step: int) -> None:
+        """The resume record and seed of a step of either tier against this config; one line per notice."""
+        check_resume_record(meta.get("config"), self.config, self.setup.global_batch, where)
+        if meta.get("seed") != self.config.seed:
+            raise ConfigError(f"checkpoint {where} was saved with seed={meta.get('seed')} but seed="
+                              f"{self.config.seed}; resume with seed={meta.get('seed')}, or use a new run_name")
+        for notice in resume_notices(meta.get("config"), self.config, step, self.setup.global_batch):
             self._say(notice)
 
     def _make_manager(self, directory: epath.Path) -> ocp.CheckpointManager:
@@ -249,6 +228,10 @@ class Checkpointer:
         abstract = self.setup.abstract_state
         if self.source == "resume":
             state = self._restore_own(data)
+        elif self.source == "local":
+            state, record = self.local.restore(self._local_step, abstract)
+            data.set_state(record["data"])
+            self._say(f"resuming from local checkpoint step {self._local_step} ({self.source_dir})")
         elif self.source == "full_state":
             state = ocp.StandardCheckpointer().restore(self.source_dir / STATE, abstract)
             self._say(f"loaded the full training state of step {int(state['step'])} from {self.source_dir}; "
@@ -303,18 +286,26 @@ class Checkpointer:
             return False
         if self.watch.reached(step):
             self.preempted = True
+        return self._persistent_due(step) or (self.local is not None and self.local.due(step))
+
+    def _persistent_due(self, step: int) -> bool:
         return self.preempted or step % self.config.checkpoint_period == 0 or step == self.config.steps
 
     def save(self, step: int, state: dict, data) -> None:
-        """Starts saving `state` after `step` steps (returns once the arrays are copied off the device when
-        async_checkpointing is on); after a preemption, waits until the save has committed. A failed save (this
-        one, or the previous asynchronous one) is handled per checkpoint_failure_policy."""
-        self.wait()
+        """Saves the local tier when due (synchronously: it is a local disk), then starts saving `state` after
+        `step` steps to the persistent tier when due (returns once the arrays are copied off the device when
+        async_checkpointing is on); after a preemption, waits until the save has committed. A failed persistent
+        save (this one, or the previous asynchronous one) is handled per checkpoint_failure_policy."""
         meta = {"step": step, "seed": self.config.seed,
                 "rng_key": jax.random.key_data(rng_key(self.config.seed, step)).tolist(),
                 "mesh": dict(self.setup.mesh.shape), "process_count": jax.process_count(),
                 "learning_rate": self.config.learning_rate,
                 "config": resume_record(self.config, self.setup.global_batch)}
+        if self.local is not None and self.local.due(step):
+            self.local.save(step, state, meta, data.get_state())
+        if not self._persistent_due(step):
+            return
+        self.wait()
         self._pending = step
         error = failures.storage_error(lambda: self.manager.save(step, force=True, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(state), DATA: ocp.args.JsonSave(data.get_state()),
@@ -360,6 +351,8 @@ class Checkpointer:
             return f"{since}no checkpoints (enable_checkpointing=false); start over with a lower learning rate:", lower
         failures.storage_error(self.manager.wait_until_finished)  # a failed save left no step behind
         suspect = [p for p in step_dirs(self.directory) if int(p.name) > watch.good_until]
+        if self.local is not None:
+            self.local.set_aside_after(watch.good_until)
         if self.primary:
             for step_dir in suspect:
                 set_aside(step_dir, "suspect")
