@@ -16,7 +16,8 @@ from maxctx.attention.cp.p2p import P2P
 from maxctx.config import Config, ConfigError
 from maxctx.loader import load_config
 from maxctx.mesh import create_mesh
-from maxctx.plan import planner
+from maxctx.parallelism import RING_AXIS
+from maxctx.plan import planner, step_time
 from maxctx.train_step import compile_train_step, make_setup
 
 NAME = "toy_ring"
@@ -58,6 +59,17 @@ def test_planned(toy):
     dropped = planner.plan(load_config(SMALL + ["context_parallel_strategy=auto",
                                                 "context_parallel_load_balance=false"]))
     assert "needs context_parallel_load_balance=true" in {c.label: c for c in dropped.ranked}[NAME].dropped
+
+
+def test_priced_as_the_ring_it_is(toy):
+    # The time model asks the strategy (Strategy.ring, output_copies), never its name: under a policy that keeps
+    # `context` the toy's ring output is kept for the backward, as p2p's is, and its estimate is p2p's.
+    keep = SMALL + ["remat_policy=minimal_with_context"]
+    for name in (NAME, "p2p"):
+        config = load_config(keep + [f"context_parallel_strategy={name}"])
+        assert step_time._keeps_attention(config, {RING_AXIS: 8}, step_time.placement(config)), name
+        assert step_time.per_token(config, 1)["bytes"]["context"] == step_time.per_token(
+            load_config(keep + ["context_parallel_strategy=p2p"]), 1)["bytes"]["context"]
 
 
 def test_validated(toy):

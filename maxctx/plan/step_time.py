@@ -50,7 +50,7 @@ from maxctx.attention.cp import strategies
 from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
 from maxctx.model import families
-from maxctx.parallelism import mesh_sizes, num_slices
+from maxctx.parallelism import RING_AXIS, mesh_sizes, num_slices
 from maxctx.plan import topology
 from maxctx.plan.documents import attention_pairs_per_token, causal_keys
 from maxctx.plan.roofline import traffic
@@ -203,11 +203,11 @@ def placement(config: Config) -> dict[str, str]:
 def per_token(config: Config, tp: int) -> dict[str, float]:
     """Per token and device: each named projection's forward FLOPs (`flops`) and each named tensor's bytes."""
     # The ring's log-sum-exp (fp32) goes with the attention output: maxctx.attention.cp.ring names both `context`.
-    # Under usp the ring's output (heads split over the all-to-all) and the layer's output after the all-to-all
-    # back are two arrays, both named `context`, so a policy that keeps it keeps both: the program compiled for
+    # A strategy may name more than one array `context` (Strategy.output_copies; usp's two), and a policy that keeps
+    # it keeps all: for usp, the program compiled for
     # v5p-128 at 10,485,760 tokens moves 120.31 GiB per chip to the host with context and the layer input
     # offloaded, 2 x 40.0 + 0.31 + 40.0 (docs/long_context.md); p2p's ring output is the layer's (80.31 GiB).
-    outputs = 2 if strategies.resolve(config.context_parallel_strategy) == "usp" else 1
+    outputs = strategies.for_config(config).output_copies
     family = families.for_config(config)
     tensors = family.tensors(family.shape(config), tp, outputs)
     return {"bytes": {name: t.bytes for name, t in tensors.items()},
@@ -240,7 +240,8 @@ def _keeps_attention(config: Config, mesh: dict[str, int], where: dict[str, str]
     forward runs again (the compiled program's count says so: maxctx.plan.program)."""
     if config.remat_policy == "none":
         return True
-    return where["context"] != "remat" and config.context_parallel_strategy in ("p2p", "usp") and mesh["context"] > 1
+    strategy = strategies.for_config(config)
+    return where["context"] != "remat" and strategy.keeps_output_for_backward(mesh[RING_AXIS])
 
 
 def scoped_vmem_bytes(chip: topology.Chip) -> int:

@@ -5,6 +5,10 @@ defaults:
     name, aliases                     the config value and MaxText's other names for it
     local_by_halo                     True: a local (sliding-window) layer runs as maxctx.attention.cp.halo's exchange
                                       where that moves less; default False (the strategy's own path)
+    ring                              True: the layer runs maxctx.attention.cp.ring over the `context` mesh axis, whose
+                                      out and log-sum-exp are named `context` (remat keeps them for the backward);
+                                      default False
+    output_copies                     arrays of the attention output's size one layer names `context`; default 1
     a2a_degree(config, cp)            the all-to-all part U of the CP degree C; default 1 (the ring part is C / U)
     check(config, cp, tensor)         the strategy's own config rules (raise ConfigError), run before JAX starts;
                                       default none
@@ -46,6 +50,14 @@ class Strategy:
     name: str
     aliases: tuple[str, ...] = ()
     local_by_halo: bool = False
+    ring: bool = False
+    output_copies: int = 1
+
+    def keeps_output_for_backward(self, ring_degree: int) -> bool:
+        """Whether a remat policy that keeps `context` keeps this strategy's attention output and log-sum-exp, so
+        that the backward does not run the forward again: only a ring of 2 or more names them (the kernels' own
+        VJPs keep residuals no policy names)."""
+        return self.ring and ring_degree > 1
 
     def a2a_degree(self, config: Config, cp: int) -> int:
         return 1

@@ -45,6 +45,7 @@ class P2P(Strategy):
     name: str = "p2p"
     aliases: tuple[str, ...] = ("ring",)
     local_by_halo: bool = True  # local layers: maxctx.attention.cp.halo, where it moves less
+    ring: bool = True
 
     def global_comm_volume(self, s: AttentionShape) -> CommVolume:
         """The ring over all C devices, S / C tokens each (`ring_comm_volume`). A local layer: the halo's where it

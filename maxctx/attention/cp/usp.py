@@ -27,6 +27,10 @@ from maxctx.parallelism import A2A_AXIS, RING_AXIS, balanced_a2a_degree
 class USP(Strategy):
     name: str = "usp"
     local_by_halo: bool = True  # local layers: maxctx.attention.cp.halo over all C devices, where it moves less
+    ring: bool = True
+    # The ring's output (heads split over the all-to-all) and the layer's output after the all-to-all back: two
+    # arrays, both named `context`.
+    output_copies: int = 2
 
     def a2a_degree(self, config: Config, cp: int) -> int:
         """context_parallel_a2a_degree when set (> 0). Default: across slices (dcn_context_parallelism > 1)
