@@ -14,13 +14,15 @@ synthetic data and any future per-step randomness.
 
 Where the starting state comes from, first match wins:
   1. this run's own latest complete checkpoint (re-running the same command resumes; own checkpoints win over
-     the load paths, so a preempted fine-tune continues from its own progress),
+     the load paths, so a preempted fine-tune continues from its own progress): the newest intact step of either
+     tier, the persistent one here or, with enable_emergency_checkpoint, each host's local one
+     (maxctx.checkpoint.local_tier) when it is newer and every process can serve it,
   2. `load_full_state_path`: step, parameters and optimizer state of another run (its data-iterator state is
      not taken: this run reads its own data from its start),
   3. `load_parameters_path`: parameters only; fresh optimizer state, step 0,
   4. fresh initialisation.
 A load path is a checkpoint step directory (`<run>/checkpoints/<step>`) or a checkpoints directory (its latest
-complete step). Paths, shapes, seed, process count and, on resume, the data source (maxctx.checkpoint.compatibility) are
+complete step). Paths, shapes, seed and, on resume, the data source (maxctx.checkpoint.compatibility) are
 checked when the Checkpointer is built, before anything is restored; errors are ConfigErrors naming the path,
 the key and both values, or the parameter and both shapes.
 
@@ -302,7 +304,10 @@ class Checkpointer:
                 "learning_rate": self.config.learning_rate,
                 "config": resume_record(self.config, self.setup.global_batch)}
         if self.local is not None and self.local.due(step):
-            self.local.save(step, state, meta, data.get_state())
+            error = failures.storage_error(lambda: self.local.save(step, state, meta, data.get_state()))
+            if error is not None:  # this host's own disk: the persistent tier goes on as before
+                print(f"local checkpoint step {step} of process {jax.process_index()} not saved: "
+                      f"{failures.storage_problem(error)}; the persistent tier goes on", flush=True)
         if not self._persistent_due(step):
             return
         self.wait()
