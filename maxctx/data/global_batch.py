@@ -1,11 +1,12 @@
 """Which rows of the global batch each process loads, and per-host rows -> global arrays.
 
 Batch arrays are laid out x[B_(data,fsdp), S_(context,context_a2a)]. A process loads, whole, exactly the rows its
-own devices hold (whole rows because packing, the target shift and the zig-zag reorder need the full sequence),
-and never the rest of the global batch. Processes whose devices hold the same rows (a context or tensor axis
-spanning processes) form one loading group and read the same part of the data, so their copies agree; distinct
-groups read disjoint parts (`shard_index` of `shard_count`). `jax.make_array_from_process_local_data` then takes
-each device's column block from the host's whole rows.
+own devices hold (whole rows because packing, the target shift and the zig-zag reorder need the full sequence):
+its `row_blocks` of each global batch of the one row stream (maxctx.data.pipeline: the data position is global).
+Processes whose devices hold the same rows (a context or tensor axis spanning processes) form one loading group
+and load the same rows, so their copies agree. (`shard_index` of `shard_count`: the group, which an older version
+read its own disjoint part of the documents by; a state it saved resumes on that pipeline.)
+`jax.make_array_from_process_local_data` then takes each device's column block from the host's whole rows.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ class HostLayout:
 
     global_shape: tuple[int, int]
     row_blocks: tuple[tuple[int, int], ...]  # [start, stop) rows of the global batch this process loads, sorted
-    shard_index: int  # the part of the data this process's loading group reads
-    shard_count: int  # the number of loading groups (disjoint parts of the data)
+    shard_index: int  # this process's loading group
+    shard_count: int  # the number of loading groups
 
     @property
     def local_rows(self) -> int:
