@@ -25,7 +25,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from maxctx.loader import load_config  # noqa: E402
 from maxctx.parallelism import split_context  # noqa: E402
-from maxctx.plan import planner, step_time  # noqa: E402
+from maxctx.plan import planner, step_time, topology  # noqa: E402
 
 # MaxText's measurements, v5p-128 (64 chips), bf16, 2M tokens per step: PR #4687 (step times, llama2-7b) and, as
 # issue 17 summarises them, PRs #4836 / #4893 (the fastest USP split per length, llama3-8b).
@@ -80,7 +80,7 @@ def num_params() -> dict[str, int]:
 
 
 def roofline_step(config, cand, params: int) -> float:
-    n = planner.num_devices(config)
+    n = topology.num_devices(config)
     cfg = planner.candidate_config(config, cand.strategy, cand.a2a)
     mesh = split_context(cfg, n, cand.a2a)
     return step_time.estimate(cfg, mesh, cfg.global_batch_size(n), step_time.hardware(cfg, n)).step_s

@@ -36,8 +36,8 @@ import time
 
 from maxctx.config import Config, ConfigError
 from maxctx.loader import load, usage
-from maxctx.parallelism import A2A_AXIS
-from maxctx.plan import documents, planner, program, step_time
+from maxctx.parallelism import A2A_AXIS, mesh_context_degree
+from maxctx.plan import documents, planner, program, step_time, topology
 from maxctx.plan.out_of_memory import fit, onchip_advice, xla_out_of_memory
 from maxctx.validate import check_devices
 
@@ -99,7 +99,7 @@ def _estimate(config: Config, mesh: dict[str, int], global_batch: int, report: d
     est = step_time.estimate(config, mesh, global_batch, hw, forwards_per_layer=report.get(
         "attention_forwards_per_layer"), host_bytes=host if "host_to_device_bytes" in report else None)
     out = step_time.report(est, hw, global_batch * config.max_target_length)
-    out["estimate_attention_counted"] = documents.attention_counted(config, mesh["context"] * mesh["context_a2a"])
+    out["estimate_attention_counted"] = documents.attention_counted(config, mesh_context_degree(mesh))
     if report.get("attention") == "splash":
         from maxctx.plan import topology as topo
 
@@ -193,7 +193,7 @@ FLAGS = ("--plan", "--verify")  # --verify=N: compile the N best (3 by default)
 
 def make_plan(config: Config) -> planner.Plan:
     """The planner's table, its candidates checked by the same device rules as a loaded config."""
-    n = planner.num_devices(config)
+    n = topology.num_devices(config)
     return planner.plan(config, None if n is None else lambda c: check_devices(c, n))
 
 

@@ -27,7 +27,7 @@ from maxctx.attention.cp import strategies
 from maxctx.config import FIELD_TYPES, MODEL_KEYS, Config, choices
 from maxctx.errors import ConfigError, article, did_you_mean
 from maxctx.files import REMOTE_KEYS
-from maxctx.plan import planner
+from maxctx.plan import planner, topology
 from maxctx.validate import check_devices, validate
 
 # The repo's configs/ (a source checkout, `pip install -e`), or the copy a wheel carries in the package.
@@ -59,7 +59,7 @@ def load(argv: list[str]) -> Loaded:
     config, plan = parse_config(argv), None
     # the planner's choice (strategy, remat placement or both), checked by the same rules as any other
     if config.context_parallel_strategy == "auto" or config.remat_policy == "auto":
-        n = planner.num_devices(config)
+        n = topology.num_devices(config)
         config, plan = planner.resolve_auto(config, None if n is None else lambda c: check_devices(c, n))
     config = dataclasses.replace(config,
                                  context_parallel_strategy=strategies.resolve(config.context_parallel_strategy))

@@ -1,4 +1,5 @@
-"""Device mesh from the ici_*/dcn_* sizes, and the one table mapping logical axis names to mesh axes.
+"""The JAX device mesh built from a MeshPlan (maxctx.parallelism), and PartitionSpecs from logical axis names
+through maxctx.parallelism.LOGICAL_RULES.
 
 Mesh axes (maxctx.parallelism.MESH_AXES): data, fsdp, context, context_a2a, tensor. The context-parallel degree C
 is split as context (ring part R, outer) x context_a2a (all-to-all part U, inner): a2a uses U = C, p2p and
@@ -18,64 +19,28 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxctx.attention.cp import strategies
 from maxctx.config import Config
-from maxctx.parallelism import (
-    A2A_AXIS,
-    BATCH_AXES,
-    CONTEXT_AXES,
-    MESH_AXES,
-    RING_AXIS,
-    context_degree,
-    mesh_sizes,
-    split_context,
-)
-
-# Logical name -> mesh axes. Weights shard their embed dimension over fsdp and the context axes too (as MaxText
-# does): CP devices would otherwise hold replicas. Activations use the `activation_*` names.
-LOGICAL_RULES: dict[str, tuple[str, ...]] = {
-    "batch": BATCH_AXES,
-    "length": CONTEXT_AXES,
-    "embed": ("fsdp", *CONTEXT_AXES),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "mlp": ("tensor",),
-    "vocab": ("tensor",),
-    "head_dim": (),
-    "layers": (),
-    "norm": (),
-    "activation_embed": (),
-    "activation_heads": ("tensor",),
-    "activation_kv_heads": ("tensor",),
-    "activation_mlp": ("tensor",),
-    "activation_vocab": ("tensor",),
-}
+from maxctx.parallelism import BATCH_AXES, CONFIGURED_AXES, CONTEXT_AXES, LOGICAL_RULES, MESH_AXES, MeshPlan
 
 
 def axis_sizes(config: Config, num_devices: int) -> dict[str, int]:
     """Mesh axis sizes (ici x dcn) for `num_devices`, with context split into ring x a2a parts (MESH_AXES)."""
-    return split_context(config, num_devices, _a2a_degree(config, num_devices))
+    return strategies.mesh_plan(config, num_devices).sizes
 
 
-def _a2a_degree(config: Config, num_devices: int) -> int:
-    cp = context_degree(config, num_devices)
-    return strategies.a2a_degree(config, cp) if cp > 1 else 1
-
-
-def create_mesh(config: Config, devices: list | None = None) -> Mesh:
-    """Builds the mesh over `devices` (default: all of JAX's) for a config already checked against their count."""
+def create_mesh(config: Config, devices: list | None = None, plan: MeshPlan | None = None) -> Mesh:
+    """Builds the mesh over `devices` (default: all of JAX's) for a config already checked against their count;
+    `plan`: its MeshPlan, when the caller has built it (strategies.mesh_plan)."""
     devices = list(jax.devices()) if devices is None else list(devices)
-    ici, dcn = mesh_sizes(config, len(devices))
-    u = axis_sizes(config, len(devices))[A2A_AXIS]
-    ici_shape = (ici["data"], ici["fsdp"], ici[RING_AXIS] // u, u, ici["tensor"])
-    dcn_shape = (dcn["data"], dcn["fsdp"], dcn[RING_AXIS], 1, dcn["tensor"])
-    if math.prod(dcn_shape) > 1:
-        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
+    plan = plan or strategies.mesh_plan(config, len(devices))
+    if math.prod(plan.dcn_shape) > 1:
+        grid = mesh_utils.create_hybrid_device_mesh(plan.ici_shape, plan.dcn_shape, devices)
     elif devices[0].platform == "cpu":
-        grid = np.asarray(devices).reshape(ici_shape)
+        grid = np.asarray(devices).reshape(plan.ici_shape)
     else:
         # The physical mapping is chosen for context unsplit (its ring and A2A parts together); splitting it
         # afterwards keeps each A2A group on adjacent devices of that axis.
-        merged = (ici["data"], ici["fsdp"], ici[RING_AXIS], ici["tensor"])
-        grid = mesh_utils.create_device_mesh(merged, devices).reshape(ici_shape)
+        grid = mesh_utils.create_device_mesh(tuple(plan.ici[a] for a in CONFIGURED_AXES), devices)
+        grid = grid.reshape(plan.ici_shape)
     return Mesh(grid, MESH_AXES)
 
 
@@ -102,11 +67,6 @@ def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None
         used.update(keep)
         spec.append(tuple(keep) if len(keep) > 1 else (keep[0] if keep else None))
     return P(*spec)
-
-
-def named_sharding(mesh: Mesh, names: tuple[str | None, ...], shape: tuple[int, ...] | None = None
-                   ) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

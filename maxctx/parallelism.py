@@ -1,25 +1,134 @@
-"""The parallelism arithmetic, without JAX: the mesh axis names, axis sizes from the ici_*/dcn_* keys, the
-context-parallel degree and its split, the process count. Every other module takes these names from here.
+"""The parallelism arithmetic, without JAX: the table of mesh axes, the logical rules, axis sizes from the
+ici_*/dcn_* keys, the context-parallel degree and its split, the mesh as a value (`MeshPlan`), the process count.
+Every other module takes the axis names from here; maxctx.mesh builds the JAX mesh from a MeshPlan.
 
-Configured axes (CONFIGURED_AXES): data, fsdp, context, tensor, one ici_* and one dcn_* key each. The context degree
+The table (AXES): data, fsdp, context, tensor, one ici_* and one dcn_* key each. The context degree
 C = ici x dcn context parallelism is split into a ring part R (mesh axis RING_AXIS, `context`, outer) and an
 all-to-all part U (A2A_AXIS, `context_a2a`, inner), C = R x U, so the mesh has MESH_AXES. Which U a strategy uses
-is the strategy's rule (maxctx.attention.<strategy>.a2a_degree); this module only does the arithmetic.
+is the strategy's rule (maxctx.attention.cp.<strategy>.a2a_degree; maxctx.attention.cp.strategies.mesh_plan);
+this module only does the arithmetic.
+
+Experts have no axis of their own: they borrow the devices of fsdp and context (EXPERT_AXES), as torchtitan's
+expert parallelism borrows all of context parallelism and some of data-parallel sharding, so an expert degree E
+must divide fsdp x C (MeshPlan.check_expert_degree).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
 
 from maxctx.config import Config, ConfigError
 
+DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 RING_AXIS, A2A_AXIS = "context", "context_a2a"
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
 CONTEXT_AXES = (RING_AXIS, A2A_AXIS)  # the sequence's shards: index = ring rank x U + a2a rank
-CONFIGURED_AXES = (*BATCH_AXES, RING_AXIS, "tensor")
-MESH_AXES = (*BATCH_AXES, *CONTEXT_AXES, "tensor")
+EXPERT_AXES = (FSDP_AXIS, *CONTEXT_AXES)  # the devices experts borrow (module doc)
+
+# Logical name -> mesh axes. Weights shard their embed dimension over fsdp and the context axes too (as MaxText
+# does): CP devices would otherwise hold replicas. Activations use the `activation_*` names.
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    "batch": BATCH_AXES,
+    "length": CONTEXT_AXES,
+    "embed": (FSDP_AXIS, *CONTEXT_AXES),
+    "heads": (TENSOR_AXIS,),
+    "kv_heads": (TENSOR_AXIS,),
+    "mlp": (TENSOR_AXIS,),
+    "vocab": (TENSOR_AXIS,),
+    "expert": EXPERT_AXES,
+    "head_dim": (),
+    "layers": (),
+    "norm": (),
+    "activation_embed": (),
+    "activation_heads": (TENSOR_AXIS,),
+    "activation_kv_heads": (TENSOR_AXIS,),
+    "activation_mlp": (TENSOR_AXIS,),
+    "activation_vocab": (TENSOR_AXIS,),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """One configured parallelism: `name` (its ici_<name>_parallelism and dcn_<name>_parallelism keys) and the mesh
+    axes it splits into, outer first."""
+
+    name: str
+    mesh_axes: tuple[str, ...]
+
+    @property
+    def keys(self) -> tuple[str, str]:
+        return f"ici_{self.name}_parallelism", f"dcn_{self.name}_parallelism"
+
+    @property
+    def serves(self) -> tuple[str, ...]:
+        """The logical names that shard over this axis (LOGICAL_RULES)."""
+        return tuple(name for name, axes in LOGICAL_RULES.items() if set(axes) & set(self.mesh_axes))
+
+
+AXES = (Axis(DATA_AXIS, (DATA_AXIS,)), Axis(FSDP_AXIS, (FSDP_AXIS,)), Axis(RING_AXIS, CONTEXT_AXES),
+        Axis(TENSOR_AXIS, (TENSOR_AXIS,)))
+CONFIGURED_AXES = tuple(axis.name for axis in AXES)
+MESH_AXES = tuple(mesh_axis for axis in AXES for mesh_axis in axis.mesh_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """The mesh as a value, built once (`mesh_plan`) and read by mesh creation, validation, the planner, the time
+    model and data: `ici` and `dcn` per configured axis (CONFIGURED_AXES, context unsplit), and the A2A degree U."""
+
+    ici: Mapping[str, int]
+    dcn: Mapping[str, int]
+    a2a: int = 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Total size (ici x dcn) of each of MESH_AXES, context split into R (RING_AXIS) and U (A2A_AXIS)."""
+        total = {a: self.ici[a] * self.dcn[a] for a in CONFIGURED_AXES}
+        total.update({RING_AXIS: total[RING_AXIS] // self.a2a, A2A_AXIS: self.a2a})
+        return {a: total[a] for a in MESH_AXES}
+
+    def _split(self, sizes: Mapping[str, int], a2a: int) -> tuple[int, ...]:
+        return tuple(s for axis in AXES for s in ((sizes[axis.name] // a2a, a2a) if axis.name == RING_AXIS
+                                                   else (sizes[axis.name],)))
+
+    @property
+    def ici_shape(self) -> tuple[int, ...]:
+        """Devices per slice along MESH_AXES (the A2A part always inside a slice)."""
+        return self._split(self.ici, self.a2a)
+
+    @property
+    def dcn_shape(self) -> tuple[int, ...]:
+        """Slices along MESH_AXES."""
+        return self._split(self.dcn, 1)
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree C = R x U."""
+        return self.ici[RING_AXIS] * self.dcn[RING_AXIS]
+
+    @property
+    def ring(self) -> int:
+        return self.cp // self.a2a
+
+    @property
+    def batch_shards(self) -> int:
+        """Shards of the batch dimension (data x fsdp)."""
+        return math.prod(self.sizes[a] for a in BATCH_AXES)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def check_expert_degree(self, experts: int) -> None:
+        """An expert-parallel degree E borrows devices from EXPERT_AXES, so it must divide their product."""
+        borrowed = math.prod(self.sizes[a] for a in EXPERT_AXES)
+        if borrowed % experts:
+            raise ConfigError(f"an expert-parallel degree of {experts} does not divide fsdp x context = "
+                              f"{self.sizes[FSDP_AXIS]} x {self.cp} = {borrowed}, the devices experts borrow; "
+                              f"choose a divisor of {borrowed}")
 
 
 def num_slices(config: Config) -> int:
@@ -33,8 +142,8 @@ def mesh_sizes(config: Config, num_devices: int) -> tuple[dict[str, int], dict[s
 
     Single-slice runs have dcn product 1: a -1 there becomes 1.
     """
-    dcn = {a: getattr(config, f"dcn_{a}_parallelism") for a in CONFIGURED_AXES}
-    ici = {a: getattr(config, f"ici_{a}_parallelism") for a in CONFIGURED_AXES}
+    ici = {axis.name: getattr(config, axis.keys[0]) for axis in AXES}
+    dcn = {axis.name: getattr(config, axis.keys[1]) for axis in AXES}
     slices = num_slices(config)
     dcn = _fill(dcn, slices, "dcn", "number of slices")
     per_slice, rem = divmod(num_devices, slices)
@@ -81,8 +190,8 @@ def mesh_context_degree(shape: Mapping[str, int]) -> int:
     return shape[RING_AXIS] * shape[A2A_AXIS]
 
 
-def split_context(config: Config, num_devices: int, a2a: int) -> dict[str, int]:
-    """Sizes of MESH_AXES, with context split into the ring part R (RING_AXIS) and the A2A part U (A2A_AXIS).
+def mesh_plan(config: Config, num_devices: int, a2a: int) -> MeshPlan:
+    """The MeshPlan of `config` on `num_devices` with A2A degree `a2a` (the strategy's: strategies.mesh_plan).
 
     All-to-all runs inside a slice, so U must divide ici_context_parallelism (and so C).
     """
@@ -91,9 +200,12 @@ def split_context(config: Config, num_devices: int, a2a: int) -> dict[str, int]:
         raise ConfigError(f"the A2A degree {a2a} (context_parallel_a2a_degree, or the strategy's default) does not "
                           f"divide ici_context_parallelism={ici[RING_AXIS]}; all-to-all runs inside a slice, so "
                           f"choose a divisor of {ici[RING_AXIS]}")
-    sizes = {a: ici[a] * dcn[a] for a in CONFIGURED_AXES}
-    sizes.update({RING_AXIS: sizes[RING_AXIS] // a2a, A2A_AXIS: a2a})
-    return {a: sizes[a] for a in MESH_AXES}
+    return MeshPlan(ici, dcn, a2a)
+
+
+def split_context(config: Config, num_devices: int, a2a: int) -> dict[str, int]:
+    """Sizes of MESH_AXES, with context split into the ring part R (RING_AXIS) and the A2A part U (A2A_AXIS)."""
+    return mesh_plan(config, num_devices, a2a).sizes
 
 
 def balanced_a2a_degree(cp: int, heads: int) -> int:

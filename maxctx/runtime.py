@@ -34,7 +34,7 @@ import jax
 from maxctx.config import Config, ConfigError
 from maxctx.parallelism import num_processes
 from maxctx.peers import PeerLink
-from maxctx.plan.planner import num_devices
+from maxctx.plan.topology import num_devices
 from maxctx.validate import check_devices
 
 

@@ -1,7 +1,7 @@
 """The pure, jitted training step and everything it needs: abstract state, shardings, init, AOT compile.
 
 State: {"step": int32[], "params": nested dict of arrays, "opt_state": optax state}, parameters sharded by their
-logical axes (maxctx.mesh.LOGICAL_RULES), optimiser moments like their parameters, scalars replicated.
+logical axes (maxctx.parallelism.LOGICAL_RULES), optimiser moments like their parameters, scalars replicated.
 Batch: dict of [B, S] arrays x[B_(data,fsdp), S_(context,context_a2a)] (see maxctx.data).
 
 The loss is the weighted mean of token cross-entropy over every token of the global batch (all micro-batches of

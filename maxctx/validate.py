@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 
 from maxctx import storage
@@ -18,8 +19,8 @@ from maxctx.config import REMAT_NAMES, Config, ConfigError, choices, layer_windo
 from maxctx.datasets import DATASETS
 from maxctx.files import REMOTE_KEYS, check_tokenizer_path, expand_files
 from maxctx.model import families
-from maxctx.parallelism import RING_AXIS, configured_sizes, split_context
-from maxctx.plan import planner
+from maxctx.parallelism import BATCH_AXES, RING_AXIS, TENSOR_AXIS, configured_sizes
+from maxctx.plan import topology
 
 
 def _check_eval_batch(config: Config, num_devices: int, batch_shards: int) -> None:
@@ -52,7 +53,7 @@ def check_devices(config: Config, num_devices: int) -> None:
     if abs(batch - round(batch)) > 1e-9 or round(batch) < 1:
         raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = {batch} "
                           f"is not a whole number of sequences; choose a per_device_batch_size that makes it one")
-    batch_shards = axis["data"] * axis["fsdp"]
+    batch_shards = math.prod(axis[a] for a in BATCH_AXES)
     if round(batch) % batch_shards:
         raise ConfigError(f"per_device_batch_size={config.per_device_batch_size} x {num_devices} devices = "
                           f"{round(batch)} sequences is not divisible by data x fsdp = {batch_shards}; change "
@@ -72,7 +73,7 @@ def check_devices(config: Config, num_devices: int) -> None:
             raise ConfigError(f"{key}={n} does not divide the {per_shard} tokens each of the {cp} context shards "
                               f"holds (max_target_length={config.max_target_length}); choose a divisor of "
                               f"{per_shard}")
-    tp = axis["tensor"]
+    tp = axis[TENSOR_AXIS]
     if config.base_num_query_heads % tp or config.base_num_kv_heads % tp and tp % config.base_num_kv_heads:
         raise ConfigError(f"ici/dcn tensor parallelism {tp} must divide base_num_query_heads="
                           f"{config.base_num_query_heads} and divide or be a multiple of base_num_kv_heads="
@@ -80,7 +81,7 @@ def check_devices(config: Config, num_devices: int) -> None:
     if cp > 1:
         strategy = strategies.for_config(config)
         strategy.check(config, cp, tp)
-        split_context(config, num_devices, strategy.a2a_degree(config, cp))
+        strategies.mesh_plan(config, num_devices)  # the A2A part inside a slice
     _check_head_chunks(config, tp, strategies.for_config(config).a2a_degree(config, cp) if cp > 1 else 1)
     _check_host_layers(config)
     # splash: asked for, or what auto/flash pick when compiling for a TPU topology
@@ -252,7 +253,7 @@ def validate(config: Config) -> None:
     _check_data(config)
     _check_passkey(config)
     _check_files(config)
-    num_devices = planner.num_devices(config)  # cpu_devices, or a compile_topology's devices
+    num_devices = topology.num_devices(config)  # cpu_devices, or a compile_topology's devices
     if num_devices is not None:
         check_devices(config, num_devices)
 

@@ -25,7 +25,7 @@ from maxctx.data.sources import make_source
 from maxctx.data.synthetic import BOS, chain_vocab, make_document, transition_table
 from maxctx.data.tokenizer import EncodeDocument, load_tokenizer
 from maxctx.datasets import DATASETS
-from maxctx.parallelism import mesh_context_degree
+from maxctx.parallelism import BATCH_AXES, mesh_context_degree
 from maxctx.train_step import TrainSetup
 
 
@@ -84,7 +84,7 @@ class PasskeyEval:
         self.fmt = passkey_format(config)
         self.filler = filler_tokens(config, 2 * max(self.lengths))
         self.cp = mesh_context_degree(setup.mesh.shape) if config.context_parallel_load_balance else 1
-        self.shards = int(np.prod([setup.mesh.shape[a] for a in ("data", "fsdp")]))
+        self.shards = int(np.prod([setup.mesh.shape[a] for a in BATCH_AXES]))
         self._rows: dict[int, dict[str, np.ndarray]] = {}
 
     def batch_rows(self, length: int) -> int:

@@ -56,8 +56,17 @@ from maxctx.attention.cp import strategies
 from maxctx.attention.cp.cost import AttentionShape
 from maxctx.config import Config, ConfigError
 from maxctx.model import families
-from maxctx.parallelism import mesh_sizes, num_processes, num_slices
+from maxctx.parallelism import (
+    A2A_AXIS,
+    AXES,
+    DATA_AXIS,
+    FSDP_AXIS,
+    RING_AXIS,
+    TENSOR_AXIS,
+    mesh_sizes,
+)
 from maxctx.plan import documents, remat, step_time, topology
+from maxctx.plan.roofline import attention_shape
 
 # The device and the collectives' timing live in the step-time model; named here for the planner's readers.
 from maxctx.plan.step_time import (  # noqa: F401
@@ -140,11 +149,8 @@ class Plan:
 
 
 def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> AttentionShape:
-    model = families.shape(config)
-    return AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
-                          heads=model.num_heads // tp, kv_heads=max(1, model.num_kv_heads // tp),
-                          head_dim=model.head_dim, itemsize=model.itemsize,
-                          cp=cp, a2a=a2a, window=window, load_balance=config.context_parallel_load_balance)
+    mesh = {RING_AXIS: cp // a2a, A2A_AXIS: a2a, TENSOR_AXIS: tp}
+    return attention_shape(config, mesh, config.per_device_batch_size * cp * tp, window)
 
 
 def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
@@ -190,25 +196,17 @@ def candidate_config(config: Config, strategy: str, a2a: int, placement: dict[st
     return out
 
 
-def num_devices(config: Config) -> int | None:
-    """Devices the config says it runs on before JAX starts, or None when only JAX can tell."""
-    if config.cpu_devices:
-        return config.cpu_devices * max(1, num_processes(config))
-    if config.compile_topology:
-        return topology.parse(config.compile_topology).num_devices * num_slices(config)
-    return None
-
-
 def _mesh(config: Config, n: int | None) -> tuple[dict[str, int], dict[str, int]]:
     if n is not None:
         return mesh_sizes(config, n)
-    keys = [f"{g}_{a}_parallelism" for g in ("ici", "dcn") for a in ("context", "tensor")]
+    keys = [key for axis in AXES if axis.name in (RING_AXIS, TENSOR_AXIS) for key in axis.keys]
     if any(getattr(config, k) == -1 for k in keys):
         raise ConfigError(f"context_parallel_strategy=auto needs the context and tensor degrees before JAX starts, "
                           f"but one of {', '.join(keys)} is -1; give them as numbers, or set cpu_devices or "
                           f"compile_topology")
-    return ({a: getattr(config, f"ici_{a}_parallelism") for a in ("fsdp", "context", "tensor")},
-            {a: getattr(config, f"dcn_{a}_parallelism") for a in ("fsdp", "context", "tensor")})
+    configured = [axis for axis in AXES if axis.name != DATA_AXIS]
+    return ({axis.name: getattr(config, axis.keys[0]) for axis in configured},
+            {axis.name: getattr(config, axis.keys[1]) for axis in configured})
 
 
 def plan(config: Config, check: Callable[[Config], None] | None = None, ring_overlap: bool = False,
@@ -219,11 +217,11 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
     compare it; the program does not run it). `only`: (strategy, U), the config's own strategy (remat_policy=auto
     with a strategy given). Under remat_policy=auto each strategy is costed at every placement of
     maxctx.plan.remat and the table keeps its PLACEMENTS_SHOWN best."""
-    n = num_devices(config)
+    n = topology.num_devices(config)
     ici, dcn = _mesh(config, n)
-    cp, tp = ici["context"] * dcn["context"], ici["tensor"] * dcn["tensor"]
+    cp, tp = ici[RING_AXIS] * dcn[RING_AXIS], ici[TENSOR_AXIS] * dcn[TENSOR_AXIS]
     hw = hardware(config, n)
-    fsdp = ici["fsdp"] * dcn["fsdp"] if ici["fsdp"] > 0 and dcn["fsdp"] > 0 else 1
+    fsdp = ici[FSDP_AXIS] * dcn[FSDP_AXIS] if ici[FSDP_AXIS] > 0 and dcn[FSDP_AXIS] > 0 else 1
     data = max(1, n // (fsdp * cp * tp)) if n else 1
     host_budget = remat.host_budget_per_device(config)
     pairs = [only] if only else candidates(cp) if cp > 1 else [("all_gather", 1)]
@@ -235,16 +233,16 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
                 check(remat.apply(cand, {}))
             elif cp > 1:
                 strategies.get(name).check(cand, cp, tp)
-                if ici["context"] % u:
+                if ici[RING_AXIS] % u:
                     raise ConfigError(f"the A2A degree {u} does not divide ici_context_parallelism="
-                                      f"{ici['context']}; all-to-all runs inside a slice")
+                                      f"{ici[RING_AXIS]}; all-to-all runs inside a slice")
         except ConfigError as e:
             out.append(Candidate(name, u, cp, dropped=str(e), valid=False))
             continue
         s = _shape(config, cp, tp, u)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
         attn = saved + strategies.get(name).transient_bytes(s, ring_overlap) if cp > 1 else 0.0
-        mesh = {"data": data, "fsdp": fsdp, "context": cp // u, "context_a2a": u, "tensor": tp}
+        mesh = {DATA_AXIS: data, FSDP_AXIS: fsdp, RING_AXIS: cp // u, A2A_AXIS: u, TENSOR_AXIS: tp}
         costed = [_cost(remat.apply(cand, where), Candidate(name, u, cp, saved, attn), mesh, hw, fsdp * cp * tp,
                         host_budget, ring_overlap) for where in remat.placements(cand)]
         out += _shown(costed) if remat.is_auto(config) else costed
@@ -256,10 +254,10 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
 def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, shards: int, host_budget: float,
           ring_overlap: bool) -> Candidate:
     """`cand` (strategy and attention memory) with `config`'s remat placement estimated: memory, host bytes, step."""
-    tp = mesh["tensor"]
+    tp = mesh[TENSOR_AXIS]
     base_bytes, tiles = _base(config, tp, shards)
     memory = base_bytes + max(cand.attention_bytes, tiles)
-    est = step_time.estimate(config, mesh, config.per_device_batch_size * shards * mesh["data"], hw,
+    est = step_time.estimate(config, mesh, config.per_device_batch_size * shards * mesh[DATA_AXIS], hw,
                              ring_overlap=ring_overlap)
     held = remat.held_host_bytes(config, tp)
     budget = FIT_FRACTION * hw.hbm_bytes
@@ -315,8 +313,8 @@ def resolve_auto(config: Config, check: Callable[[Config], None] | None = None) 
     only = None
     if config.context_parallel_strategy != "auto":
         name = strategies.resolve(config.context_parallel_strategy)
-        ici, dcn = _mesh(config, num_devices(config))
-        only = (name, strategies.get(name).a2a_degree(config, ici["context"] * dcn["context"]))
+        ici, dcn = _mesh(config, topology.num_devices(config))
+        only = (name, strategies.get(name).a2a_degree(config, ici[RING_AXIS] * dcn[RING_AXIS]))
     if remat.is_auto(config):
         remat.check_auto(config)
     p = plan(config, check, only=only)

@@ -23,28 +23,50 @@ import math
 
 from maxctx.attention.cp import strategies
 from maxctx.attention.cp.cost import AttentionShape, Collective
-from maxctx.config import Config
+from maxctx.config import Config, layer_windows
 from maxctx.model import families
-from maxctx.parallelism import A2A_AXIS, mesh_context_degree, mesh_sizes, num_slices
+from maxctx.parallelism import (
+    A2A_AXIS,
+    DATA_AXIS,
+    FSDP_AXIS,
+    RING_AXIS,
+    TENSOR_AXIS,
+    mesh_context_degree,
+    mesh_sizes,
+    num_slices,
+)
+
+
+def attention_shape(config: Config, mesh: dict[str, int], batch: float, window: int = 0,
+                    itemsize: int | None = None) -> AttentionShape:
+    """The one AttentionShape the planner, the time model and the roofline build: one attention layer of
+    `config` on one device of `mesh` (sizes by mesh axis; the context and tensor ones are read), `batch` rows per
+    device, a layer of sliding `window` (0: global), the config's load balance."""
+    model, tp = families.shape(config), mesh[TENSOR_AXIS]
+    return AttentionShape(batch=batch, seq=config.max_target_length, heads=model.num_heads // tp,
+                          kv_heads=max(1, model.num_kv_heads // tp), head_dim=model.head_dim,
+                          itemsize=model.itemsize if itemsize is None else itemsize, cp=mesh_context_degree(mesh),
+                          a2a=mesh[A2A_AXIS], window=window, load_balance=config.context_parallel_load_balance)
 
 
 def _cp_comm_volume(config: Config, mesh: dict[str, int], t: float, b: int
-                    ) -> tuple[list[Collective], list[Collective]]:
+                    ) -> list[tuple[list[Collective], list[Collective]]]:
+    """(forward, backward) collectives of each layer of the layer pattern (a local layer's halo where it applies)."""
     c = mesh_context_degree(mesh)
     if c == 1:
-        return [], []
-    tp, seq, model = mesh["tensor"], config.max_target_length, families.shape(config)
-    shape = AttentionShape(batch=t * c / seq, seq=seq, heads=model.num_heads // tp,
-                           kv_heads=max(1, model.num_kv_heads // tp), head_dim=model.head_dim, itemsize=b,
-                           cp=c, a2a=mesh[A2A_AXIS])
-    return strategies.for_config(config).comm_volume(shape)
+        return [([], [])]
+    strategy = strategies.for_config(config)
+    return [strategy.comm_volume(attention_shape(config, mesh, t * c / config.max_target_length, w, b))
+            for w in layer_windows(config)]
 
 
 def cp_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: int) -> tuple[float, float]:
-    """(forward, backward) bytes one device sends for attention per layer, t = tokens per device (B S / C): the
-    strategy's `comm_volume` formulas (maxctx.attention.cp.base), counted on the wire."""
-    fwd, bwd = _cp_comm_volume(config, mesh, t, b)
-    return sum(x.sent_bytes for x in fwd), sum(x.sent_bytes for x in bwd)
+    """(forward, backward) bytes one device sends for attention per layer, averaged over the layer pattern,
+    t = tokens per device (B S / C): the strategy's `comm_volume` formulas (maxctx.attention.cp.base), counted on
+    the wire."""
+    layers = _cp_comm_volume(config, mesh, t, b)
+    return (sum(x.sent_bytes for fwd, _ in layers for x in fwd) / len(layers),
+            sum(x.sent_bytes for _, bwd in layers for x in bwd) / len(layers))
 
 
 def cp_dcn_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: int, dcn_context: int
@@ -58,8 +80,9 @@ def cp_dcn_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: in
         return sum(x.sent_bytes if x.kind == "collective-permute" else
                    x.bytes * (dcn_context - 1) / dcn_context if x.group == cp else 0.0 for x in ops)
 
-    fwd, bwd = _cp_comm_volume(config, mesh, t, b)
-    return crossing(fwd), crossing(bwd)
+    layers = _cp_comm_volume(config, mesh, t, b)
+    return (sum(crossing(fwd) for fwd, _ in layers) / len(layers),
+            sum(crossing(bwd) for _, bwd in layers) / len(layers))
 
 
 def traffic(config: Config, mesh: dict[str, int], global_batch: float, forward_passes: int) -> dict[str, float]:
@@ -71,7 +94,7 @@ def traffic(config: Config, mesh: dict[str, int], global_batch: float, forward_p
     model = family.shape(config)
     num_params = model.num_params
     b, wb = model.itemsize, model.weight_itemsize
-    layers, dim, tp, dp = model.num_layers, model.emb_dim, mesh["tensor"], mesh["data"]
+    layers, dim, tp, dp = model.num_layers, model.emb_dim, mesh[TENSOR_AXIS], mesh[DATA_AXIS]
     t = global_batch * config.max_target_length / n  # tokens per device per step
 
     weights = num_params / tp  # a device's slice of every weight, once gathered
@@ -86,9 +109,9 @@ def traffic(config: Config, mesh: dict[str, int], global_batch: float, forward_p
     dcn_bytes = 0.0
     if num_slices(config) > 1:
         dcn = mesh_sizes(config, n)[1]
-        across = dcn["fsdp"] * dcn["context"]  # slices a weight is sharded across
-        dcn_fwd, dcn_bwd = cp_dcn_bytes_per_layer(config, mesh, t, b, dcn["context"])
+        across = dcn[FSDP_AXIS] * dcn[RING_AXIS]  # slices a weight is sharded across
+        dcn_fwd, dcn_bwd = cp_dcn_bytes_per_layer(config, mesh, t, b, dcn[RING_AXIS])
         grads = num_params / (shards * tp) * 4
-        dcn_bytes = (fsdp * (across - 1) / across + 2 * (dcn["data"] - 1) / dcn["data"] * grads
+        dcn_bytes = (fsdp * (across - 1) / across + 2 * (dcn[DATA_AXIS] - 1) / dcn[DATA_AXIS] * grads
                      + layers * (forward_passes * dcn_fwd + dcn_bwd))
     return {"hbm": hbm_bytes, "ici": fsdp + data + tensor, "dcn": dcn_bytes}

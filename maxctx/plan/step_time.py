@@ -50,10 +50,10 @@ from maxctx.attention.cp import strategies
 from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
 from maxctx.model import families
-from maxctx.parallelism import RING_AXIS, mesh_sizes, num_slices
+from maxctx.parallelism import RING_AXIS, TENSOR_AXIS, mesh_context_degree, mesh_sizes, num_slices
 from maxctx.plan import topology
 from maxctx.plan.documents import attention_pairs_per_token, causal_keys
-from maxctx.plan.roofline import traffic
+from maxctx.plan.roofline import attention_shape, traffic
 
 GIB = 1024 ** 3
 # Calibrated on MaxText's measured v5p-128 rows (benchmarks/step_time_model.py --fit; docs/step_time_model.md).
@@ -309,12 +309,12 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     counts (maxctx.plan.program), else the policy's."""
     n = math.prod(mesh.values())
     shape = families.shape(config)
-    tp, seq, layers = mesh["tensor"], config.max_target_length, shape.num_layers
+    tp, seq, layers = mesh[TENSOR_AXIS], config.max_target_length, shape.num_layers
     t = global_batch * seq / n  # tokens per device
     windows = layer_windows(config)
     matmul_flops = shape.matmul_flops(t)
-    cp = mesh["context"] * mesh["context_a2a"]
-    pairs = [attention_pairs_per_token(config, w, cp, mesh["context"]) for w in windows]
+    cp = mesh_context_degree(mesh)
+    pairs = [attention_pairs_per_token(config, w, cp, mesh[RING_AXIS]) for w in windows]
     model_flops = matmul_flops + shape.attention_flops(t * layers * sum(c for c, _ in pairs) / len(windows))
     # What the busiest rank's kernels run: the causal count, or the documents' own (planner_document_lengths).
     attention_flops = shape.attention_flops(t * layers * sum(r for _, r in pairs) / len(windows))
@@ -352,20 +352,16 @@ def _cp_seconds(config: Config, mesh: dict[str, int], hw: Hardware, attention_ra
                 ring_overlap: bool) -> tuple[float, float]:
     """(time on the links, exposed time) of one layer's CP collectives (exposed_per_layer, the ring's hops hidden
     behind the attention at its calibrated rate)."""
-    cp = mesh["context"] * mesh["context_a2a"]
+    cp = mesh_context_degree(mesh)
     if cp == 1:
         return 0.0, 0.0
-    n, tp = math.prod(mesh.values()), mesh["tensor"]
-    dcn_cp = mesh_sizes(config, n)[1]["context"] if num_slices(config) > 1 else 1
+    n, tp = math.prod(mesh.values()), mesh[TENSOR_AXIS]
+    dcn_cp = mesh_sizes(config, n)[1][RING_AXIS] if num_slices(config) > 1 else 1
     strategy, windows = config.context_parallel_strategy, layer_windows(config)
     effective = dataclasses.replace(hw, peak_flops=attention_rate)
     on_links = exposed = 0.0
-    model = families.shape(config)
     for window in windows:  # averaged over the layer pattern
-        s = AttentionShape(batch=config.per_device_batch_size * cp * tp, seq=config.max_target_length,
-                           heads=model.num_heads // tp, kv_heads=max(1, model.num_kv_heads // tp),
-                           head_dim=model.head_dim, itemsize=model.itemsize, cp=cp,
-                           a2a=mesh["context_a2a"], window=window, load_balance=config.context_parallel_load_balance)
+        s = attention_shape(config, mesh, config.per_device_batch_size * cp * tp, window)
         exposed += exposed_per_layer(strategy, s, effective, cp // dcn_cp, dcn_cp, round(forwards), ring_overlap)
         fwd, bwd = strategies.get(strategy).comm_volume(s)
         on_links += (forwards * sum(c.sent_bytes for c in fwd) + sum(c.sent_bytes for c in bwd)) / hw.link_bytes_per_s

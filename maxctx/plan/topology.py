@@ -20,7 +20,8 @@ import math
 import os
 import re
 
-from maxctx.config import ConfigError
+from maxctx.config import Config, ConfigError
+from maxctx.parallelism import num_processes, num_slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,3 +201,12 @@ def topology_devices(topology: Topology, num_slices: int = 1) -> list:
         raise RuntimeError(f"libtpu gave {len(devices)} devices for {topology.libtpu_name} x {num_slices} slices, "
                            f"expected {expected}")
     return list(devices)
+
+
+def num_devices(config: Config) -> int | None:
+    """Devices the config says it runs on before JAX starts, or None when only JAX can tell."""
+    if config.cpu_devices:
+        return config.cpu_devices * max(1, num_processes(config))
+    if config.compile_topology:
+        return parse(config.compile_topology).num_devices * num_slices(config)
+    return None

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from maxctx.parallelism import BATCH_AXES as BATCH, CONTEXT_AXES as CONTEXT
+from maxctx.parallelism import BATCH_AXES as BATCH, CONTEXT_AXES as CONTEXT, TENSOR_AXIS
 
 try:  # jax >= 0.6: jax.shard_map with check_vma
     from jax import shard_map as _shard_map
@@ -42,16 +42,16 @@ def context_shard_map(body: Callable, mesh: Mesh, q_BSHD, k_BSKD, v_BSKD, positi
     With fewer kv heads than the tensor axis (kv replicated over it), each device keeps the one kv head its
     local query heads use, so GQA grouping is the same locally as globally.
     """
-    tp = mesh.shape["tensor"]
+    tp = mesh.shape[TENSOR_AXIS]
     h, kv_heads = q_BSHD.shape[2], k_BSKD.shape[2]
     kv_sharded = kv_heads % tp == 0
-    q_spec = P(BATCH, CONTEXT, "tensor", None)
-    kv_spec = P(BATCH, CONTEXT, "tensor" if kv_sharded else None, None)
+    q_spec = P(BATCH, CONTEXT, TENSOR_AXIS, None)
+    kv_spec = P(BATCH, CONTEXT, TENSOR_AXIS if kv_sharded else None, None)
     bs_spec = P(BATCH, CONTEXT)
 
     def wrapped(q, k, v, pos, seg):
         if not kv_sharded:
-            head = jax.lax.axis_index("tensor") * (h // tp) // (h // kv_heads)
+            head = jax.lax.axis_index(TENSOR_AXIS) * (h // tp) // (h // kv_heads)
             k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=2)
             v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=2)
         return body(q, k, v, pos, seg)

@@ -4,10 +4,12 @@ the planner, the roofline, validation and the dispatch read the registry and nee
 
 from __future__ import annotations
 
+from maxctx import parallelism
 from maxctx.attention.cp import a2a, all_gather, p2p, usp
 from maxctx.attention.cp.base import Strategy
 from maxctx.config import Config
 from maxctx.errors import ConfigError, did_you_mean
+from maxctx.parallelism import MeshPlan, context_degree
 
 STRATEGIES: dict[str, Strategy] = {}
 ALIASES: dict[str, str] = {}
@@ -51,6 +53,13 @@ def for_config(config: Config) -> Strategy:
 def a2a_degree(config: Config, cp: int) -> int:
     """The all-to-all part U of the CP degree C under the configured strategy (1 for all_gather and p2p)."""
     return for_config(config).a2a_degree(config, cp)
+
+
+def mesh_plan(config: Config, num_devices: int) -> MeshPlan:
+    """The mesh the configured strategy runs on over `num_devices`: context split by its A2A degree U (1 without
+    context parallelism)."""
+    cp = context_degree(config, num_devices)
+    return parallelism.mesh_plan(config, num_devices, a2a_degree(config, cp) if cp > 1 else 1)
 
 
 register(all_gather.STRATEGY)
