@@ -256,6 +256,24 @@ def test_roofline_counts_what_crosses_slices():
     assert traffic(one_slice, split_context(one_slice, 8, 1), 1, 2)["dcn"] == 0
 
 
+def test_roofline_prices_the_layer_pattern_as_the_planner_does():
+    # One AttentionShape constructor (roofline.attention_shape): the roofline's CP bytes take the windows of the
+    # layer pattern (a local layer's halo) and the load balance, as the planner's and the time model's shapes do.
+    from maxctx.plan.roofline import attention_shape, cp_bytes_per_layer
+
+    base = ["configs/base.yml", "cpu_devices=8", "ici_context_parallelism=8", "ici_fsdp_parallelism=1",
+            "context_parallel_strategy=p2p", "max_target_length=8192", "per_device_batch_size=0.125"]
+    mesh = {"data": 1, "fsdp": 1, "context": 8, "context_a2a": 1, "tensor": 1}
+    full = cp_bytes_per_layer(load_config(base), mesh, 1024, 2)
+    local = cp_bytes_per_layer(load_config(base + ["sliding_window_size=256"]), mesh, 1024, 2)
+    mixed = cp_bytes_per_layer(load_config(base + ["sliding_window_size=256", "attention_layer_pattern=LG"]),
+                               mesh, 1024, 2)
+    assert local[0] < full[0] and mixed[0] == pytest.approx((local[0] + full[0]) / 2)
+    shape = attention_shape(load_config(base + ["context_parallel_load_balance=false"]), mesh, 1.0, 256)
+    assert (shape.window, shape.load_balance, shape.cp, shape.a2a) == (256, False, 8, 1)
+    assert planner._shape(load_config(base), 8, 1, 1) == attention_shape(load_config(base), mesh, 1.0)
+
+
 def test_memory_estimate_against_the_fit_tables_compiles():
     # The working-set constants (planner.LAYER_WORK_BYTES*, one per place of the layer inputs) were calibrated on the
     # llama3-8b p2p and usp compiles for v5p-128 (benchmarks/fit_table.jsonl: XLA's memory for the TPU topology).
