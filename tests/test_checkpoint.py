@@ -56,7 +56,7 @@ def test_straight_run_keeps_last_checkpoints(reference):
     meta = json.loads((reference / "straight/checkpoints/20/meta/metadata").read_text())
     assert meta["step"] == 20 and meta["seed"] == 0 and len(meta["rng_key"]) == 2
     data = json.loads((reference / "straight/checkpoints/20/data/process_0-of-1.json").read_text())
-    assert data["step"] == 20
+    assert data["position"] == "global" and data["rows"] == 20 * data["block"]  # the rows of 20 global batches
 
 
 def test_exact_resume_with_context_parallelism(env, reference, tmp_path):

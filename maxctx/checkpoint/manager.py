@@ -189,14 +189,17 @@ class Checkpointer:
                   f"deleted)")
 
     def _check_resume(self, step_dir: epath.Path) -> None:
-        check_shapes(state_metadata(step_dir / STATE), self.setup.abstract_state, f"checkpoint {step_dir}",
-                     "use a new run_name for the new model")
-        self._check_meta(ocp.JsonCheckpointHandler().restore(step_dir / META), str(step_dir), int(step_dir.name))
+        meta = ocp.JsonCheckpointHandler().restore(step_dir / META)
+        self._check_meta(meta, str(step_dir), int(step_dir.name), step_dir / STATE)
         self._data_state = load_data_state(step_dir / DATA, jax.process_index(), jax.process_count(), str(step_dir))
 
-    def _check_meta(self, meta: dict, where: str, step: int) -> None:
-        """The resume record and seed of a step of either tier against this config; one line per notice."""
+    def _check_meta(self, meta: dict, where: str, step: int, state_dir: epath.Path | None = None) -> None:
+        """The resume record, the shapes in `state_dir` (a persistent step's) and the seed of a step of either
+        tier against this config; one line per notice."""
         check_resume_record(meta.get("config"), self.config, self.setup.global_batch, where)
+        if state_dir is not None:
+            check_shapes(state_metadata(state_dir), self.setup.abstract_state, f"checkpoint {where}",
+                         "use a new run_name for the new model")
         if meta.get("seed") != self.config.seed:
             raise ConfigError(f"checkpoint {where} was saved with seed={meta.get('seed')} but seed="
                               f"{self.config.seed}; resume with seed={meta.get('seed')}, or use a new run_name")
