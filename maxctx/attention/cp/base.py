@@ -9,6 +9,8 @@ defaults:
                                       out and log-sum-exp are named `context` (remat keeps them for the backward);
                                       default False
     output_copies                     arrays of the attention output's size one layer names `context`; default 1
+    keeps_output_for_backward(ring)   whether a policy keeping `context` spares the backward the forward's rerun
+                                      (maxctx.plan.step_time); default: a ring of 2 or more
     a2a_degree(config, cp)            the all-to-all part U of the CP degree C; default 1 (the ring part is C / U)
     check(config, cp, tensor)         the strategy's own config rules (raise ConfigError), run before JAX starts;
                                       default none
