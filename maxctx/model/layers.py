@@ -1,7 +1,7 @@
 """Llama-family building blocks in Flax NNX: RMSNorm, grouped-query attention (RoPE: maxctx.model.rope), SwiGLU.
 
 Legend: B batch, S sequence, D model width, H query heads, K kv heads, E head dim, F mlp width, V vocab.
-Every parameter carries logical axis names (metadata `axes`), mapped to mesh axes by maxctx.mesh.LOGICAL_RULES.
+Every parameter carries logical axis names (metadata `axes`), mapped to mesh axes by maxctx.parallelism.LOGICAL_RULES.
 Parameters are stored in `weight_dtype` and cast to the compute `dtype` where used.
 """
 
@@ -22,7 +22,7 @@ from maxctx.mesh import logical_to_spec
 from maxctx.model.rope import RopeSpec, rotary
 from maxctx.model.shape import ModelShape
 from maxctx.model.tiling import map_chunks
-from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ class Attention(nnx.Module):
         if n == 1:
             out_BSD = self._heads(x_BSD, positions_BS, segment_ids_BS, spec, *weights)
             return checkpoint_name(out_BSD, "out_proj")
-        tensor = self.mesh.shape.get("tensor", 1) if self.mesh is not None else 1
+        tensor = self.mesh.shape.get(TENSOR_AXIS, 1) if self.mesh is not None else 1
         groups = [_head_groups(w, axis, n, tensor) for w, axis in zip(weights, (1, 1, 1, 0))]
         saved, offloaded = remat_names(self.cfg)
         keep = saved if "context" in offloaded else (*saved, "context")
