@@ -55,22 +55,22 @@ def test_layer_inputs_split_or_strided_give_the_same_gradients():
     everything = loss_and_grads(*keys)
     assert_same(everything, loss_and_grads(*keys, "decoder_layer_input_host_layers=1"))
     assert_same(everything, loss_and_grads(*keys, "decoder_layer_input_stride=2"))
-    # attention's output offloaded too: a run's layers are unrolled (maxctx.model.decoder._strided_scan)
+    # attention's output offloaded too: a run's layers are unrolled (maxctx.model.stacks._strided_scan)
     assert_same(everything, loss_and_grads(*keys, "context=offload", "decoder_layer_input_stride=2"))
 
 
 def test_a_large_layer_input_goes_to_the_host_in_pieces(monkeypatch):
-    """Past maxctx.model.decoder.HOST_TRANSFER_ELEMENTS per device (lowered here to half of one device's x) the
+    """Past maxctx.model.stacks.HOST_TRANSFER_ELEMENTS per device (lowered here to half of one device's x) the
     offloaded layer input is named in 4 pieces along D: the loss and gradients are unchanged, and the step names
     [.., D / 4] arrays decoder_layer_input instead of [.., D] ones (what the policy offloads; the TPU compile
     below shows the transfers)."""
-    from maxctx.model import decoder
+    from maxctx.model import stacks
     from tests.test_head_chunks import assert_same, config, loss_and_grads
 
     keys = ("ici_context_parallelism=4", "per_device_batch_size=0.5", "context_parallel_strategy=p2p",
             "remat_policy=custom", "decoder_layer_input=offload")
     whole, whole_names = loss_and_grads(*keys), named_layer_inputs(config(*keys))
-    monkeypatch.setattr(decoder, "HOST_TRANSFER_ELEMENTS", 2048)  # one device's x: 4 x 128 x 64 / 8 = 4096 elements
+    monkeypatch.setattr(stacks, "HOST_TRANSFER_ELEMENTS", 2048)  # one device's x: 4 x 128 x 64 / 8 = 4096 elements
     assert_same(whole, loss_and_grads.__wrapped__(*keys))
     assert whole_names == {"f32[4,128,64]"}, whole_names
     assert named_layer_inputs(config(*keys)) == {"f32[4,128,16]"}
@@ -91,7 +91,7 @@ def named_layer_inputs(cfg) -> set[str]:
 LARGE_INPUT_COMPILE = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from maxctx.model.decoder import name_layer_input
+from maxctx.model.stacks import name_layer_input
 from maxctx.plan import topology
 devices = topology.topology_devices(topology.parse("v5p-8"), 1)
 mesh = Mesh(np.array(devices).reshape(1, 1, len(devices), 1), ("data", "fsdp", "context", "context_a2a"))

@@ -19,6 +19,11 @@ def register(family: ModelFamily, *names: str) -> ModelFamily:
     return family
 
 
+def unregister(*names: str) -> None:
+    for name in names:
+        _FAMILIES.pop(name, None)
+
+
 def names() -> tuple[str, ...]:
     return tuple(_FAMILIES)
 
@@ -32,6 +37,17 @@ def get(decoder_block: str) -> ModelFamily:
 
 def for_config(config: Config) -> ModelFamily:
     return get(config.decoder_block)
+
+
+def for_hf(hf_config: dict) -> ModelFamily:
+    """The family whose HF layout names this config.json's architecture (`architectures`, else `model_type`);
+    Llama's when none does, so its layout's refusal names what maxctx converts."""
+    names = hf_config.get("architectures") or [hf_config.get("model_type")]
+    for family in _FAMILIES.values():
+        known = family.hf_layout.ARCHITECTURES
+        if any(name in known or name in known.values() for name in names):
+            return family
+    return LLAMA
 
 
 def shape(config: Config) -> ModelShape:

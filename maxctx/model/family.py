@@ -11,7 +11,7 @@ below the layers themselves (tests/test_layering.py). A family states:
     tile          bytes of the largest per-layer tile besides attention and the loss (the SwiGLU's [t, 3F / T])
     work          the layer's working set per token and model width, calibrated (maxctx.plan.planner)
     check         its config checks (a ConfigError naming the key), run by maxctx.validate
-    layers        the name of its layer kind in maxctx.model.stacks, the JAX side
+    stacks        its layers as stacks (layer kind, count, window pattern), which maxctx.model.stacks runs
     hf_layout     its Hugging Face layout module (maxctx.convert reads it)
 
 maxctx.model.families is the registry keyed by `decoder_block`.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from types import ModuleType
+from typing import Any, Protocol
 
 from maxctx.config import Config
 from maxctx.model.shape import ModelShape
@@ -37,12 +37,38 @@ class Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stack:
+    """`count` layers of one kind (a name maxctx.model.stacks builds), scanned together; layer i attends with
+    window `windows[i % len(windows)]` (0: global), so `count` is a multiple of the pattern's length."""
+
+    kind: str
+    count: int
+    windows: tuple[int, ...] = (0,)
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerWork:
     """The layer's working set per token and byte of model width, fitted on compiled programs
     (maxctx.plan.planner's module doc): with the layer inputs offloaded (`offloaded`) or kept in HBM (`on_device`)."""
 
     offloaded: float
     on_device: float
+
+
+class HfLayout(Protocol):
+    """A family's Hugging Face layout (a module, such as maxctx.model.llama.hf_layout): config.json <-> model keys,
+    HF tensor names <-> maxctx parameters."""
+
+    ARCHITECTURES: dict[str, str]  # HF `architectures` entry -> its short name (config.json's model_type)
+    DECODER_BLOCKS: dict[str, str]  # short name -> maxctx's decoder_block
+
+    def tensors(self, keys: dict[str, Any]) -> tuple: ...
+
+    def architecture(self, hf_config: dict, where: str) -> str: ...
+
+    def model_keys(self, hf_config: dict, where: str) -> dict[str, Any]: ...
+
+    def hf_config(self, keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]) -> dict[str, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +82,6 @@ class ModelFamily:
     tile: Callable[[ModelShape, int], float]  # (shape, T) -> bytes per token of the largest non-attention tile
     work: LayerWork
     check: Callable[[Config], None]
-    layers: str
-    hf_layout: ModuleType
+    stacks: Callable[[Config], tuple[Stack, ...]]
+    hf_layout: HfLayout
     logical_axes: tuple[str, ...] = ()

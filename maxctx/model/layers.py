@@ -1,4 +1,5 @@
-"""Llama-family building blocks in Flax NNX: RMSNorm, grouped-query attention (RoPE: maxctx.model.rope), SwiGLU.
+"""Shared building blocks in Flax NNX: RMSNorm, grouped-query attention (RoPE: maxctx.model.rope), SwiGLU; a
+family's layer kind (maxctx.model.llama.layers) puts them together.
 
 Legend: B batch, S sequence, D model width, H query heads, K kv heads, E head dim, F mlp width, V vocab.
 Every parameter carries logical axis names (metadata `axes`), mapped to mesh axes by maxctx.parallelism.LOGICAL_RULES.
@@ -19,6 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.config import NAMED_POLICIES, REMAT_NAMES, Config, layer_windows
 from maxctx.mesh import logical_to_spec
+from maxctx.model import families
+from maxctx.model.family import Stack
 from maxctx.model.rope import RopeSpec, rotary
 from maxctx.model.shape import ModelShape
 from maxctx.model.tiling import map_chunks
@@ -46,12 +49,14 @@ class ModelConfig(ModelShape):
     attention: AttentionSpec = AttentionSpec()
     # The sliding window of each layer of one repeating group (0: global); maxctx.config.layer_windows.
     layer_windows: tuple[int, ...] = (0,)
+    # The family's layer stacks (maxctx.model.family.Stack); () is one `llama` stack of num_layers, layer_windows.
+    stacks: tuple[Stack, ...] = ()
 
     @classmethod
     def from_config(cls, config: Config) -> ModelConfig:
         # `attention=auto` stays unresolved here: `attend` picks the kernel from the mesh's platform, so a step
         # compiled for a TPU topology on a CPU host gets splash.
-        shape = ModelShape.from_config(config)
+        shape = families.shape(config)
         return cls(
             **{f.name: getattr(shape, f.name) for f in dataclasses.fields(ModelShape)},
             rope=RopeSpec.from_config(config), norm_eps=config.normalization_layer_epsilon,
@@ -62,7 +67,12 @@ class ModelConfig(ModelShape):
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
             attention_head_chunks=config.attention_head_chunks,
             attention=AttentionSpec.from_config(config), layer_windows=layer_windows(config),
+            stacks=families.for_config(config).stacks(config),
         )
+
+    @property
+    def layer_stacks(self) -> tuple[Stack, ...]:
+        return self.stacks or (Stack("llama", self.num_layers, self.layer_windows),)
 
 
 def param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
@@ -210,16 +220,3 @@ class MLP(nnx.Module):
 
         return map_chunks(swiglu, self.chunks, self.mesh, x_BSD)
 
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); `window` > 0 makes the attention local."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
-        self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.attn = Attention(cfg, rngs, mesh)
-        self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.mlp = MLP(cfg, rngs, mesh)
-
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, window)
-        return x_BSD + self.mlp(self.mlp_norm(x_BSD))

@@ -14,8 +14,8 @@ Per token and device, each remat name (maxctx.config.REMAT_NAMES; maxctx.model.l
 
 from __future__ import annotations
 
-from maxctx.config import Config, ConfigError
-from maxctx.model.family import LayerWork, ModelFamily, Tensor
+from maxctx.config import Config, ConfigError, layer_windows
+from maxctx.model.family import LayerWork, ModelFamily, Stack, Tensor
 from maxctx.model.llama import hf_layout
 from maxctx.model.shape import ModelShape
 
@@ -51,6 +51,11 @@ def check(config: Config) -> None:
         raise ConfigError(f"head_dim={config.head_dim} must be even for rotary embeddings")
 
 
+def stacks(config: Config) -> tuple[Stack, ...]:
+    """One stack: every layer the same block, local or global by the attention layer pattern."""
+    return (Stack("llama", config.base_num_decoder_layers, layer_windows(config)),)
+
+
 # The layer's working set in its backward (norms, projections, residuals and their fp32 gradients), calibrated on
 # the fit table's llama3-8b p2p and usp rows on v5p-128 (compiled memory minus the rest of this model;
 # docs/choosing_a_strategy.md): 38 with the layer inputs offloaded (remat_policy=custom decoder_layer_input=offload;
@@ -63,6 +68,6 @@ LLAMA = ModelFamily(
     remat_groups=(("input", ("decoder_layer_input",)), ("qkv", ("query_proj", "key_proj", "value_proj")),
                   ("context", ("context",)), ("out_proj", ("out_proj",)), ("mlpwi", ("mlpwi",)),
                   ("mlpwo", ("mlpwo",))),
-    activation=activation, tile=tile, work=WORK, check=check, layers="llama", hf_layout=hf_layout,
+    activation=activation, tile=tile, work=WORK, check=check, stacks=stacks, hf_layout=hf_layout,
     logical_axes=("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers"),
 )

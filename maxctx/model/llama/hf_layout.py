@@ -19,6 +19,7 @@ from maxctx.config import Config
 from maxctx.errors import ConfigError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+DECODER_BLOCKS = {"llama": "llama2", "mistral": "mistral"}  # architecture -> maxctx's decoder_block
 # Shape letters -> the maxctx key that sets them.
 DIM_KEYS = {"D": "base_emb_dim", "H": "base_num_query_heads", "K": "base_num_kv_heads", "E": "head_dim",
             "F": "base_mlp_dim", "V": "vocab_size"}
