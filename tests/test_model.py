@@ -72,6 +72,16 @@ def test_published_parameter_counts(name, expected):
     assert cfg.num_params == expected  # the formula the planner uses (maxctx.model.shape)
 
 
+def test_the_family_names_every_logical_axis_its_parameters_use():
+    from maxctx.model import families
+    from maxctx.model.decoder import param_axes
+
+    config, cfg = _model_config(model_name="mistral-7b")
+    axes = param_axes(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    used = {name for names in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)) for name in names}
+    assert used == set(families.for_config(config).logical_axes)
+
+
 def test_tied_embedding_has_no_output_projection():
     _, untied = _model_config()
     _, tied = _model_config(logits_via_embedding="true")

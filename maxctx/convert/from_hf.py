@@ -30,7 +30,7 @@ from maxctx.convert import safetensors
 from maxctx.convert.streaming import Deferred, save_deferred, save_json
 from maxctx.errors import ConfigError
 from maxctx.loader import parse_config
-from maxctx.model.llama import hf_layout
+from maxctx.model import families
 from maxctx.model.llama.hf_layout import DIM_KEYS, Tensor
 from maxctx.validate import validate
 
@@ -91,7 +91,7 @@ def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list
     keys = {k: getattr(config, k) for k in MODEL_KEYS}
     files = safetensors.model_tensors(hf_path)
     used, result = set(), []
-    for t in hf_layout.tensors(keys):
+    for t in families.get(keys["decoder_block"]).hf_layout.tensors(keys):
         infos = []
         for i in range(keys["base_num_decoder_layers"]) if t.per_layer else [None]:
             name = t.name(i)
@@ -147,8 +147,9 @@ def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -
     """Converts; returns the step directory written."""
     hf = read_hf_config(hf_path)
     where = os.path.join(hf_path, "config.json")
-    arch = hf_layout.architecture(hf, where)
-    hf_keys = hf_layout.model_keys(hf, where)
+    layout = families.for_hf(hf).hf_layout
+    arch = layout.architecture(hf, where)
+    hf_keys = {**layout.model_keys(hf, where), "decoder_block": layout.DECODER_BLOCKS[arch]}
     config = target_config(hf_keys, overrides)
     keys = {k: getattr(config, k) for k in MODEL_KEYS}
     for key, value in hf_keys.items():

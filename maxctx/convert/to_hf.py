@@ -31,7 +31,8 @@ from maxctx.convert.from_hf import key_values, read_hf_config
 from maxctx.convert.streaming import open_arrays, shapes
 from maxctx.errors import ConfigError
 from maxctx.loader import parse_config
-from maxctx.model.llama import hf_layout
+from maxctx.model import families
+from maxctx.model.llama.hf_layout import Tensor
 from maxctx.validate import validate
 
 OUT_DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32)}
@@ -49,7 +50,8 @@ def _meta(step_dir: epath.Path, hf_base: str) -> dict[str, Any]:
         meta = ocp.JsonCheckpointHandler().restore(step_dir / META) or {}
     if hf_base:
         meta = {**meta, "hf_config": read_hf_config(hf_base)}
-        meta["architecture"] = hf_layout.architecture(meta["hf_config"], os.path.join(hf_base, "config.json"))
+        layout = families.for_hf(meta["hf_config"]).hf_layout
+        meta["architecture"] = layout.architecture(meta["hf_config"], os.path.join(hf_base, "config.json"))
     return meta
 
 
@@ -70,7 +72,7 @@ def _tensor_plan(step_dir: epath.Path, keys: dict[str, Any]) -> list[tuple]:
     saved = shapes(step_dir / STATE)
     layers = keys["base_num_decoder_layers"]
     plan = []
-    for t in hf_layout.tensors(keys):
+    for t in families.get(keys["decoder_block"]).hf_layout.tensors(keys):
         path = ("params", *t.path)
         want = ((layers,) if t.per_layer else ()) + t.mx_shape(keys)
         if path not in saved:
@@ -104,10 +106,11 @@ class _Reader:
 
     def __init__(self, step_dir: epath.Path, keys: dict[str, Any], out_dtype: np.dtype):
         self.keys, self.out_dtype = keys, out_dtype
-        self.opened = open_arrays(step_dir / STATE, [("params", *t.path) for t in hf_layout.tensors(keys)])
+        self.opened = open_arrays(step_dir / STATE, [("params", *t.path) for t in
+                                                          families.get(keys["decoder_block"]).hf_layout.tensors(keys)])
         self.whole: dict[tuple, np.ndarray] = {}
 
-    def __call__(self, t: hf_layout.Tensor, layer: int | None) -> np.ndarray:
+    def __call__(self, t: Tensor, layer: int | None) -> np.ndarray:
         path = ("params", *t.path)
         array = self.opened[path]
         if t.per_layer and array.chunk_layout.read_chunk.shape[0] == 1:  # layer chunks (from_hf): one layer
@@ -185,7 +188,8 @@ def export_hf(checkpoint_path: str, output_path: str, dtype: str = "bf16", overr
     meta = _meta(step_dir, hf_base)
     keys = _model_keys(step_dir, meta, overrides)
     arch = architecture or meta.get("architecture") or "llama"
-    hf_config = hf_layout.hf_config(keys, arch, TORCH_NAMES[dtype], meta.get("hf_config") or {})
+    layout = families.get(keys["decoder_block"]).hf_layout
+    hf_config = layout.hf_config(keys, arch, TORCH_NAMES[dtype], meta.get("hf_config") or {})
     plan = _tensor_plan(step_dir, keys)
     out_dtype = OUT_DTYPES[dtype]
     staged = _staging(out)
