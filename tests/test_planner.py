@@ -17,7 +17,7 @@ from maxctx.attention.cp.cost import AttentionShape, Collective
 from maxctx.attention.dispatch import AttentionSpec, attend
 from maxctx.config import ConfigError
 from maxctx.loader import load, load_config, parse_config
-from maxctx.plan import planner, remat, step_time
+from maxctx.plan import memory, planner, remat, step_time
 from tests.support.meshes import FAST_COMPILE, make_mesh
 
 SMALL = ["configs/base.yml", "cpu_devices=8", "ici_context_parallelism=8", "ici_fsdp_parallelism=1",
@@ -319,7 +319,7 @@ def test_remat_auto_keeps_attention_at_10m_within_hbm_and_host():
     assert best.fits and best.forwards_per_layer == 1 and best.recomputed == "qkv, out_proj, mlpwi, mlpwo"
     assert (config.remat_policy, config.context, config.decoder_layer_input) == ("custom", "offload", "offload")
     assert config.context_parallel_strategy == best.strategy in ("p2p", "usp")
-    assert best.host_bytes <= remat.HOST_FRACTION * 112e9 and best.memory_bytes <= 0.9 * 95 * planner.GIB
+    assert best.host_bytes <= memory.HOST_FRACTION * 112e9 and best.memory_bytes <= 0.9 * 95 * planner.GIB
     # usp keeps two attention outputs (its ring's and the layer's): 120.31 GiB per chip in the compiled program
     # with both offloaded, over the host budget, so usp keeps attention only past a budget
     tokens = 32 * 163840
@@ -347,7 +347,7 @@ def test_remat_auto_at_16m_recomputes_when_the_host_is_short():
     assert plan.keys == "remat_policy=auto" and {c.label for c in plan.ranked} == {"p2p"}
     assert plan.choice.forwards_per_layer == 2 and config.decoder_layer_input == "offload"
     both = load_config([*argv[:-1], "remat_policy=custom", "context=offload", "decoder_layer_input=offload"])
-    assert remat.held_host_bytes(both, 1) == 32 * 262144 * (4096 * 2 + 4128 * 2)  # 128.5 GiB
+    assert memory.held_host_bytes(both, 1) == 32 * 262144 * (4096 * 2 + 4128 * 2)  # 128.5 GiB
     # the table shows the nearest to fitting of the faster placements: every other layer's input on the host,
     # 96.5 GiB, still over 90% of the chip's 104.3
     kept = next(c for c in plan.ranked if c.forwards_per_layer == 1)
@@ -386,8 +386,8 @@ def test_remat_auto_chooses_every_tensor_and_offloads_only_to_a_known_host():
     with pytest.raises(ConfigError, match="remat_policy=auto chooses each tensor's placement itself, but "
                                           "context=device is given"):
         load(SMALL + ["remat_policy=auto", "context=device"])
-    assert remat.host_budget_per_device(load_config(RECIPE + ["max_target_length=1048576"])) == 0.9 * 448e9 / 4
-    assert remat.host_budget_per_device(load_config(SMALL)) == 0  # local devices: no host figure, no offload
+    assert memory.host_budget_per_device(load_config(RECIPE + ["max_target_length=1048576"])) == 0.9 * 448e9 / 4
+    assert memory.host_budget_per_device(load_config(SMALL)) == 0  # local devices: no host figure, no offload
     config, plan = load(SMALL + ["context_parallel_strategy=p2p", "remat_policy=auto"])
     assert config.remat_policy == "custom" and config.context_parallel_strategy == "p2p"
     assert all("offload" not in dict(c.placement).values() for c in plan.ranked)

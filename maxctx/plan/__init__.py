@@ -2,7 +2,9 @@
 
     topology.py       TPU slices by name (v5p-128, ...) for ahead-of-time compiles; their HBM and links
     planner.py        context_parallel_strategy=auto: candidates ranked by memory and step time (no JAX)
-    remat.py          remat_policy=auto: each named tensor's placement (remat / device / offload) and the host budget
+    remat.py          remat_policy=auto: each named tensor's placement (remat / device / offload)
+    memory.py         the memory estimates per device: HBM besides attention, the host the offloaded tensors hold
+                      and its budget
     step_time.py      the one step-time model (planner, maxctx.compile), calibrated on MaxText's measured rows
     roofline.py       the bytes a step moves through HBM, ICI and DCN (the model's memory and collective terms)
     program.py        what a compiled step runs, read from its HLO: attention forwards, host and collective bytes,

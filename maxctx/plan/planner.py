@@ -12,7 +12,7 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       against the compiled program), plus the backward's transient buffers (its `transient_bytes`)
     memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
                       the saved layer inputs L t D b (none when offloaded) and every other tensor the remat policy
-                      keeps on the device (step_time.placement: L t x its bytes per token x remat.KEPT_ON_DEVICE)
+                      keeps on the device (step_time.placement: L t x its bytes per token x memory.KEPT_ON_DEVICE)
                       + the layer's working set, the family's (maxctx.model.family.LayerWork, calibrated)
                       t D, one figure with the inputs offloaded and one with them in HBM + the larger of the
                       attention memory and the loss / the family's tile (the SwiGLU's); a candidate above
@@ -65,7 +65,7 @@ from maxctx.parallelism import (
     TENSOR_AXIS,
     mesh_sizes,
 )
-from maxctx.plan import documents, remat, step_time, topology
+from maxctx.plan import documents, memory, remat, step_time, topology
 from maxctx.plan.roofline import attention_shape
 
 # The device and the collectives' timing live in the step-time model; named here for the planner's readers.
@@ -101,7 +101,7 @@ class Candidate:
     # (name, remat | device | offload) for each of REMAT_NAMES, and ("decoder_layer_input_stride", N)
     placement: tuple[tuple[str, str | int], ...] = ()
     remat_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()  # the family's (label, names) placed together
-    host_bytes: float = 0.0  # what the offloaded tensors hold in host memory per device (remat.held_host_bytes)
+    host_bytes: float = 0.0  # what the offloaded tensors hold in host memory per device (memory.held_host_bytes)
     forwards_per_layer: float = 0.0  # attention forwards per layer the estimate assumes (2: recomputed)
     headroom: float = 0.0  # the larger of HBM / its budget and host / its budget (remat's tie-break)
 
@@ -153,29 +153,6 @@ def _shape(config: Config, cp: int, tp: int, a2a: int, window: int = 0) -> Atten
     return attention_shape(config, mesh, config.per_device_batch_size * cp * tp, window)
 
 
-def _base(config: Config, tp: int, shards: int) -> tuple[float, float]:
-    """(memory per device besides attention, the loss / MLP tiles' bytes)."""
-    family = families.for_config(config)
-    shape = family.shape(config)
-    seq, layers, b, dim = config.max_target_length, shape.num_layers, shape.itemsize, shape.emb_dim
-    params, wb = shape.num_params, shape.weight_itemsize
-    tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
-    offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
-    saved_inputs = 0 if offloaded else step_time.kept_layer_inputs(config) * tokens * dim * b
-    work = (family.work.offloaded if offloaded else family.work.on_device) * tokens * dim
-    # a strided run's recomputed inputs, held through its backward
-    work += (config.decoder_layer_input_stride - 1) * tokens * dim * b
-    # What else the policy keeps in HBM for the backward (the attention output under context=device, ...)
-    kept = step_time.per_token(config, tp)["bytes"]
-    saved_inputs += remat.KEPT_ON_DEVICE * layers * tokens * sum(
-        kept[name] for name, where in step_time.placement(config).items()
-        if where == "device" and name != "decoder_layer_input")
-    state = params * (wb + 12) / shards + params / layers * wb / max(1, tp)
-    tiles = max(2 * tokens / config.num_vocab_tiling * shape.vocab_size / tp * 4,
-                tokens / config.mlp_sequence_chunks * family.tile(shape, tp))
-    return state + saved_inputs + work, tiles
-
-
 def _placement(config: Config) -> tuple:
     """Where the policy puts each named tensor, and the layer input's stride (so a candidate applied to a config
     resolved with another stride gets its own: --verify)."""
@@ -223,7 +200,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
     hw = hardware(config, n)
     fsdp = ici[FSDP_AXIS] * dcn[FSDP_AXIS] if ici[FSDP_AXIS] > 0 and dcn[FSDP_AXIS] > 0 else 1
     data = max(1, n // (fsdp * cp * tp)) if n else 1
-    host_budget = remat.host_budget_per_device(config)
+    host_budget = memory.host_budget_per_device(config)
     pairs = [only] if only else candidates(cp) if cp > 1 else [("all_gather", 1)]
     out = []
     for name, u in pairs:
@@ -255,20 +232,20 @@ def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, s
           ring_overlap: bool) -> Candidate:
     """`cand` (strategy and attention memory) with `config`'s remat placement estimated: memory, host bytes, step."""
     tp = mesh[TENSOR_AXIS]
-    base_bytes, tiles = _base(config, tp, shards)
-    memory = base_bytes + max(cand.attention_bytes, tiles)
+    base_bytes, tiles = memory.device_bytes(config, tp, shards)
+    hbm = base_bytes + max(cand.attention_bytes, tiles)
     est = step_time.estimate(config, mesh, config.per_device_batch_size * shards * mesh[DATA_AXIS], hw,
                              ring_overlap=ring_overlap)
-    held = remat.held_host_bytes(config, tp)
+    held = memory.held_host_bytes(config, tp)
     budget = FIT_FRACTION * hw.hbm_bytes
-    over = [f"needs ~{memory / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of {hw.hbm_bytes / GIB:.0f} GiB HBM"
-            ] if memory > budget else []
+    over = [f"needs ~{hbm / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of {hw.hbm_bytes / GIB:.0f} GiB HBM"
+            ] if hbm > budget else []
     if held > host_budget and held:
-        over.append(f"holds ~{held / GIB:.1f} GiB of host memory per device, over {remat.HOST_FRACTION:.0%} of "
-                    f"its {host_budget / remat.HOST_FRACTION / GIB:.1f} GiB" if host_budget else
+        over.append(f"holds ~{held / GIB:.1f} GiB of host memory per device, over {memory.HOST_FRACTION:.0%} of "
+                    f"its {host_budget / memory.HOST_FRACTION / GIB:.1f} GiB" if host_budget else
                     "offloads to a host whose memory is not known (maxctx.plan.topology)")
-    headroom = max(memory / budget, held / host_budget if host_budget else 0.0)
-    return dataclasses.replace(cand, memory_bytes=memory, compute_s=est.compute_s,
+    headroom = max(hbm / budget, held / host_budget if host_budget else 0.0)
+    return dataclasses.replace(cand, memory_bytes=hbm, compute_s=est.compute_s,
                                exposed_s=est.exposed_collective_s + est.exposed_host_s, fits=not over,
                                dropped="; ".join(over), placement=_placement(config),
                                remat_groups=families.for_config(config).remat_groups,

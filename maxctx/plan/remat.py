@@ -1,10 +1,10 @@
 """`remat_policy=auto`: where each named tensor of `remat_policy=custom` goes (`remat`, `device` or `offload`),
 chosen by the planner (maxctx.plan.planner) to minimise the step-time model's predicted step within two budgets:
 
-    HBM   the planner's memory estimate per device (planner._base: kept tensors at KEPT_ON_DEVICE x their bytes)
+    HBM   the planner's memory estimate per device (maxctx.plan.memory: kept tensors at KEPT_ON_DEVICE x their bytes)
           within FIT_FRACTION of the device's HBM
     host  what the offloaded tensors hold in pinned host memory per device while the step runs (every layer's,
-          L t x their bytes per token) within HOST_FRACTION of the host DRAM per device: the topology's VM
+          L t x their bytes per token) within memory.HOST_FRACTION of the host DRAM per device: the topology's VM
           memory per chip (maxctx.plan.topology.Chip.host_bytes, from Google's machine-type pages) / devices per
           chip; host DRAM per process is that x the chips it drives. A topology without a sourced figure (v4,
           local devices) offloads nothing.
@@ -27,17 +27,8 @@ import itertools
 
 from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
 from maxctx.model import families
-from maxctx.plan import step_time, topology
+from maxctx.plan import memory, step_time
 
-# Of the host DRAM per device: the rest for the OS, the training process, the input pipeline and checkpoint
-# staging (an assumption).
-HOST_FRACTION = 0.9
-# HBM that a tensor kept on the device for the backward takes, per byte of the tensor (the layer input has its own
-# calibration, the family's LayerWork.on_device): fitted on the one compile that measured it, llama3.1-8b
-# (head_dim=256) at 10,485,760 tokens on v5p-128, p2p, context=device decoder_layer_input=offload: XLA needed
-# 102.54 GiB where the planner without this factor estimated 76.25 GiB for 40.31 GiB of kept `context`
-# (docs/long_context.md), 1 + 26.29 / 40.31 = 1.65.
-KEPT_ON_DEVICE = 1.65
 PLACES = ("remat", "device", "offload")
 
 
@@ -54,23 +45,12 @@ def check_auto(config: Config) -> None:
                           f"is given; drop it, or use remat_policy=custom to place the tensors by hand")
 
 
-def host_budget_per_device(config: Config) -> float:
-    """Bytes of host DRAM one device may fill with offloaded tensors (module doc); 0 when not known."""
-    try:
-        topo = topology.parse(config.compile_topology) if config.compile_topology else None
-    except ConfigError:
-        topo = None
-    if topo is None:
-        return 0.0
-    return HOST_FRACTION * topo.chip.host_bytes / topo.chip.devices_per_chip
-
-
 def placements(config: Config) -> list[dict[str, str]]:
     """The placements to search: every one of the module doc's under remat_policy=auto (none offloading when the
     host budget is unknown), else the config's own."""
     if not is_auto(config):
         return [step_time.placement(config)]
-    offload = host_budget_per_device(config) > 0
+    offload = memory.host_budget_per_device(config) > 0
     groups = [names for _, names in families.for_config(config).remat_groups]
     choices = [("device", "offload") if group[0] == "decoder_layer_input" else PLACES for group in groups]
     out = []
@@ -97,15 +77,6 @@ def apply(config: Config, where: dict[str, str]) -> Config:
     if not is_auto(config):
         return config
     return dataclasses.replace(config, remat_policy="custom", **where)
-
-
-def held_host_bytes(config: Config, tp: int) -> float:
-    """Bytes per device the offloaded tensors hold in host memory: each offloading layer's (every layer, but the
-    layer input of every decoder_layer_input_stride-th), tokens per device x bytes."""
-    per = step_time.per_token(config, tp)["bytes"]
-    tokens = config.per_device_batch_size * tp * config.max_target_length
-    where = step_time.placement(config)
-    return tokens * sum(per[n] * step_time.offloading_layers(config, n) for n, w in where.items() if w == "offload")
 
 
 def describe(where: dict[str, str], forwards_per_layer: float,
