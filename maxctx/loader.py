@@ -42,7 +42,7 @@ RETIRED_KEYS: dict[str, Any] = {"context_parallel_auto": None, "ring_backward_ov
 
 # The keys naming local files or folders: made absolute against the working directory when the config loads, so
 # Orbax (which refuses relative checkpoint paths) and every later use, and the run's config.yml, see one path.
-PATH_KEYS = (*REMOTE_KEYS, "metrics_file", "compiled_trainstep_file")
+PATH_KEYS = (*REMOTE_KEYS, "metrics_file", "compiled_trainstep_file", "local_checkpoint_directory")
 _GLOB_LISTS = ("grain_train_files", "grain_eval_files")  # comma-separated globs (maxctx.files.expand_files)
 
 

@@ -198,7 +198,7 @@ def test_fewer_documents_than_loading_groups(tmp_path, tok):
     path = F.write_jsonl(str(tmp_path / "two.jsonl"), ["a b", "c d"])
     config = load_config(["dataset_type=text", f"grain_train_files={path}", f"tokenizer_path={tok}"])
     with pytest.raises(DataError, match="has 2 documents, fewer than the 3 data-loading process groups"):
-        build_host_dataset(config, "train", HostLayout((3, 128), ((0, 1),), 0, 3), cp=1)
+        build_host_dataset(config, "train", HostLayout((3, 128), ((0, 1),), 0, 3), cp=1, per_group=True)
 
 
 def test_tfds_errors_name_dataset_split_and_dir(tfds_dir, tmp_path):

@@ -58,7 +58,8 @@ def test_relative_output_directory_checkpoints_and_writes_the_resolved_config(tm
     run_dir = tmp_path / "outputs" / "default_run"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "3"]
     saved = yaml.safe_load(open(run_dir / "config.yml"))
-    assert saved["steps"] == 3 and saved["base_emb_dim"] == 128 and saved["base_output_directory"] == "outputs"
+    assert saved["steps"] == 3 and saved["base_emb_dim"] == 128
+    assert saved["base_output_directory"] == str(tmp_path / "outputs")
 
 
 @pytest.mark.parametrize("message,expected", [
