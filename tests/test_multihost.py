@@ -22,10 +22,7 @@ COMMON = ["dtype=float32", "log_period=1", "per_device_batch_size=0.25", "max_ta
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
-    docs = F.make_documents(200, seed=5)
-    tokenizer = F.tiny_tokenizer(str(root / "sp.model"), docs)
-    F.write_jsonl(str(root / "train.jsonl"), docs)
-    data = ["dataset_type=text", f"grain_train_files={root}/train.jsonl", f"tokenizer_path={tokenizer}"]
+    data = F.text_dataset_keys(root)
     return root, [*COMMON, *data, f"base_output_directory={root}"], cpu_env(MAXCTX_PYTHON=sys.executable)
 
 

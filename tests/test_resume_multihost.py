@@ -30,11 +30,7 @@ def launch(processes: int, devices: int, common: list[str], *keys: str, env: dic
 def saved(tmp_path_factory):
     """The straight 1 x 8 run's losses, and a 2 x 4 run stopped at step 2 (its run directory)."""
     root = tmp_path_factory.mktemp("resume_multihost")
-    docs = F.make_documents(200, seed=5)
-    tokenizer = F.tiny_tokenizer(str(root / "sp.model"), docs)
-    F.write_jsonl(str(root / "train.jsonl"), docs)
-    common = [*COMMON, "dataset_type=text", f"grain_train_files={root}/train.jsonl", f"tokenizer_path={tokenizer}",
-              f"base_output_directory={root}"]
+    common = [*COMMON, *F.text_dataset_keys(root), f"base_output_directory={root}"]
     env = cpu_env(compile_cache=root / "jax_cache", MAXCTX_PYTHON=sys.executable)
     single = run(train_command(*common, "run_name=single", "cpu_devices=8", f"steps={STEPS}"), env=env)
     assert single.returncode == 0, single.stderr[-3000:]

@@ -54,6 +54,15 @@ def tiny_tokenizer(path: str, documents: list[str], vocab_size: int = 200) -> st
     return path
 
 
+def text_dataset_keys(root) -> list[str]:
+    """The keys of a small jsonl dataset and its sentencepiece tokenizer written under `root` (the multi-process
+    tests' data: 200 documents, seed 5)."""
+    docs = make_documents(200, seed=5)
+    tokenizer = tiny_tokenizer(str(root / "sp.model"), docs)
+    write_jsonl(str(root / "train.jsonl"), docs)
+    return ["dataset_type=text", f"grain_train_files={root}/train.jsonl", f"tokenizer_path={tokenizer}"]
+
+
 def build_tfds(data_dir: str, splits: dict[str, list[str]], name: str = TFDS_NAME) -> str:
     """Prepares a TFDS dataset `name` (one Text feature 'text') with the given splits under `data_dir`, in
     ArrayRecord format, without TensorFlow; returns `name`."""
