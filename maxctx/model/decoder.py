@@ -10,10 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.model import stacks
 from maxctx.model.layers import ModelConfig, RMSNorm, constrain_activations, param
 from maxctx.model.tiling import map_chunks, sum_chunks
+from maxctx.parallelism import TENSOR_AXIS
 
 
 class Decoder(nnx.Module):
@@ -70,6 +72,11 @@ class Decoder(nnx.Module):
             one_hot_BSV = jax.nn.one_hot(inputs_BS, cfg.vocab_size, dtype=embed_VD.dtype)
             x = jnp.einsum("BSV,VD->BSD", one_hot_BSV, embed_VD, precision=jax.lax.Precision.HIGHEST)
         else:
+            if self.mesh is not None:
+                # The table gathered over its embed (fsdp) axis first, as the lookup needs it whole per row: XLA
+                # otherwise partitions the gather's operand and warns of an involuntary full rematerialization.
+                table = NamedSharding(self.mesh, P(TENSOR_AXIS, None))
+                embed_VD = jax.lax.with_sharding_constraint(embed_VD, table)
             x = jnp.take(embed_VD, inputs_BS, axis=0)
         x = constrain_activations(x.astype(cfg.dtype), self.mesh)
         first = 0

@@ -13,6 +13,7 @@ below the layers themselves (tests/test_layering.py). A family states:
     check         its config checks (a ConfigError naming the key), run by maxctx.validate
     stacks        its layers as stacks (layer kind, count, window pattern), which maxctx.model.stacks runs
     hf_layout     its Hugging Face layout module (maxctx.convert reads it)
+    options       its layers' own settings from the config (a frozen value it defines; ModelConfig.options)
 
 maxctx.model.families is the registry keyed by `decoder_block`.
 """
@@ -85,3 +86,6 @@ class ModelFamily:
     stacks: Callable[[Config], tuple[Stack, ...]]
     hf_layout: HfLayout
     logical_axes: tuple[str, ...] = ()
+    # config -> the family's own frozen layer settings (QK-norm, biases, soft-caps, ...), which its layer kinds
+    # read as cfg.options; None for a family that needs none.
+    options: Callable[[Config], Any] = lambda config: None

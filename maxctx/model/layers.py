@@ -51,12 +51,15 @@ class ModelConfig(ModelShape):
     layer_windows: tuple[int, ...] = (0,)
     # The family's layer stacks (maxctx.model.family.Stack); () is one `llama` stack of num_layers, layer_windows.
     stacks: tuple[Stack, ...] = ()
+    # The family's own layer settings (maxctx.model.family.ModelFamily.options), read by its layer kinds.
+    options: object = None
 
     @classmethod
     def from_config(cls, config: Config) -> ModelConfig:
         # `attention=auto` stays unresolved here: `attend` picks the kernel from the mesh's platform, so a step
         # compiled for a TPU topology on a CPU host gets splash.
-        shape = families.shape(config)
+        family = families.for_config(config)
+        shape = family.shape(config)
         return cls(
             **{f.name: getattr(shape, f.name) for f in dataclasses.fields(ModelShape)},
             rope=RopeSpec.from_config(config), norm_eps=config.normalization_layer_epsilon,
@@ -67,7 +70,7 @@ class ModelConfig(ModelShape):
             num_vocab_tiling=config.num_vocab_tiling, mlp_sequence_chunks=config.mlp_sequence_chunks,
             attention_head_chunks=config.attention_head_chunks,
             attention=AttentionSpec.from_config(config), layer_windows=layer_windows(config),
-            stacks=families.for_config(config).stacks(config),
+            stacks=family.stacks(config), options=family.options(config),
         )
 
     @property
@@ -164,14 +167,18 @@ class Attention(nnx.Module):
 
     def _heads(self, x_BSD, positions_BS, segment_ids_BS, spec, wq, wk, wv, wo):
         """The attention of the heads whose weights are given: projections, strategy, output projection [B, S, D]."""
+        q, k, v = self.qkv(x_BSD, positions_BS, spec, wq, wk, wv)
+        out_BSHE = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, spec, self.mesh), "context")
+        return jnp.einsum("BSHE,HED->BSD", out_BSHE, wo.astype(self.cfg.dtype))
+
+    def qkv(self, x_BSD, positions_BS, spec, wq, wk, wv):
+        """(q[B, S, H, E], k[B, S, K, E], v) of the heads whose weights are given, rotated: the step a family's
+        attention overrides (biases, QK-norm, a query scale) before the shared kernels and strategies."""
         dt = self.cfg.dtype
         q = checkpoint_name(jnp.einsum("BSD,DHE->BSHE", x_BSD, wq.astype(dt)), "query_proj")
         k = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, wk.astype(dt)), "key_proj")
         v = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, wv.astype(dt)), "value_proj")
-        q = rotary(q, positions_BS, self.cfg.rope)
-        k = rotary(k, positions_BS, self.cfg.rope)
-        out_BSHE = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, spec, self.mesh), "context")
-        return jnp.einsum("BSHE,HED->BSD", out_BSHE, wo.astype(dt))
+        return rotary(q, positions_BS, self.cfg.rope), rotary(k, positions_BS, self.cfg.rope), v
 
     def _gathered(self, w, axes):
         if self.mesh is None:
