@@ -15,18 +15,16 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
-from maxctx.attention.cp.load_balance import reorder_batch, restore_order
 from maxctx.checkpoint.manager import Checkpointer
 from maxctx.convert import safetensors
 from maxctx.convert.cli import main as convert_main
 from maxctx.convert.from_hf import import_hf
 from maxctx.convert.to_hf import export_hf
 from maxctx.errors import ConfigError
-from maxctx.loader import load_config
-from maxctx.mesh import batch_sharding, create_mesh
-from maxctx.train_step import jit_train_step, make_setup
+from maxctx.mesh import batch_sharding
+from maxctx.train_step import jit_train_step
+from tests.support.hf import logits as _logits, relative_error as _relative_error, setup as _setup, tensors as _tensors
 from tests.support.processes import python
 from tests.support.strategies import config_args, names as strategy_names
 
@@ -41,32 +39,6 @@ def imported(tmp_path_factory) -> dict[str, Path]:
     for name in MODELS:
         import_hf(str(FIXTURES / name), str(out / name), [], say=quiet)
     return {name: out / name for name in MODELS}
-
-
-def _setup(checkpoint: Path, devices: int, *overrides: str):
-    config = load_config([str(checkpoint / "model.yml"), f"load_parameters_path={checkpoint}", "dtype=float32",
-                          "enable_checkpointing=false", "per_device_batch_size=1", "max_target_length=128",
-                          *overrides])
-    setup = make_setup(config, create_mesh(config, jax.devices()[:devices]))
-    return config, setup, Checkpointer(config, setup).restore_or_init(None)
-
-
-def _logits(checkpoint: Path, tokens: np.ndarray, cp: int = 1, *overrides: str) -> np.ndarray:
-    config, setup, state = _setup(checkpoint, cp, f"ici_context_parallelism={cp}", *overrides)
-    seq = tokens.shape[1]
-    batch = {"inputs": tokens, "positions": np.arange(seq, dtype=np.int32)[None],
-             "segment_ids": np.ones_like(tokens)}
-    balanced = config.context_parallel_load_balance and cp > 1
-    if balanced:
-        batch = reorder_batch(batch, cp)
-    batch = {k: jax.device_put(v, batch_sharding(setup.mesh)) for k, v in batch.items()}
-    forward = jax.jit(lambda p, b: nnx.merge(setup.graphdef, p)(b["inputs"], b["positions"], b["segment_ids"]))
-    logits = np.asarray(forward(state["params"], batch))
-    return restore_order(logits, cp) if balanced else logits
-
-
-def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.abs(got - expected).max() / (expected.max() - expected.min()))
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -118,10 +90,6 @@ def test_mistral_sliding_window_exports(windowed, tmp_path):
     with pytest.raises(ConfigError, match="no Hugging Face LlamaForCausalLM equivalent"):
         export_hf(str(windowed / "ckpt"), str(tmp_path / "llama"), "fp32", architecture="llama", say=quiet)
     assert not (tmp_path / "llama").exists()
-
-
-def _tensors(directory: Path) -> dict[str, np.ndarray]:
-    return {name: safetensors.read(info) for name, info in safetensors.model_tensors(str(directory)).items()}
 
 
 @pytest.mark.parametrize("name", MODELS)
