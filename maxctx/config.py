@@ -119,6 +119,8 @@ class Config:
     attention_head_chunks: int = 1
     # Attention and context parallelism.
     attention: AttentionKernel = "auto"
+    # Gemma 2's attention logit soft-cap: scores -> cap * tanh(scores / cap) before the mask and softmax (0: off).
+    attn_logits_soft_cap: float = 0.0
     # One of maxctx.attention.cp.strategies (or an alias), checked there: the registry is its one list of names.
     context_parallel_strategy: str = "all_gather"
     context_parallel_load_balance: LoadBalance = True

@@ -246,6 +246,11 @@ def validate(config: Config) -> None:
     if config.attention == "cudnn" and config.dtype == "float32":
         raise ConfigError("attention=cudnn needs dtype=bfloat16 or float16 (cuDNN flash attention has no float32); "
                           "set dtype=bfloat16, or attention=blockwise")
+    cap = config.attn_logits_soft_cap
+    if cap < 0 or cap and config.attention == "cudnn":
+        raise ConfigError(f"attn_logits_soft_cap={cap} must be >= 0 (0: off)" if cap < 0 else
+                          f"attn_logits_soft_cap={cap} needs attention=auto, blockwise, dot_product or splash; "
+                          f"cudnn has no logit soft-cap")
     if config.context_parallel_a2a_degree < 0:
         raise ConfigError(f"context_parallel_a2a_degree={config.context_parallel_a2a_degree} must be >= 0 "
                           f"(0 picks the default)")

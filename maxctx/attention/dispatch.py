@@ -34,6 +34,9 @@ class AttentionSpec:
     block_q: int = Config.flash_block_q
     block_kv: int = Config.flash_block_kv
     window: int = 0  # this layer's sliding window (0: global); the model sets it per layer from the pattern
+    # Gemma 2's attention logit soft-cap (attn_logits_soft_cap): scores -> cap * tanh(scores / cap) before the
+    # mask, the online softmax's running max and the rings' merges; 0: off. Every kernel but cuDNN takes it.
+    logit_softcap: float = Config.attn_logits_soft_cap
     splash_blocks: splash.Blocks = splash.Blocks()  # splash's other block sizes (flash_block_*_dkv, ...)
     tokamax: bool = Config.use_tokamax_splash  # splash runs as tokamax's kernel (tokamax_splash.resolve)
     # Rings (p2p, usp): the software-pipelined backward (maxctx.attention.cp.ring). No config key: it costs memory
@@ -45,12 +48,12 @@ class AttentionSpec:
         return cls(kernel=config.attention, strategy=config.context_parallel_strategy,
                    load_balance=config.context_parallel_load_balance, block_q=config.flash_block_q,
                    block_kv=config.flash_block_kv, splash_blocks=splash.Blocks.from_config(config),
-                   tokamax=config.use_tokamax_splash)
+                   tokamax=config.use_tokamax_splash, logit_softcap=config.attn_logits_soft_cap)
 
 
-def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
+def resolve_kernel(name: str, platform: str | None = None, dtype=None, softcap: float = 0.0) -> str:
     """`auto` and `flash` (MaxText's meaning) -> the platform's fast kernel: splash on TPU, cuDNN on GPU for
-    bf16/fp16, the blockwise JAX kernel otherwise."""
+    bf16/fp16 without a logit soft-cap (cuDNN has none), the blockwise JAX kernel otherwise."""
     if name not in ("auto", "flash"):
         if name not in typing.get_args(AttentionKernel):
             raise ConfigError(f"attention='{name}' is not one of {', '.join(typing.get_args(AttentionKernel))}")
@@ -58,7 +61,7 @@ def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
     platform = platform or jax.default_backend()
     if platform == "tpu":
         return "splash"
-    if platform == "gpu" and dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    if platform == "gpu" and not softcap and dtype is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "blockwise"
 
@@ -66,7 +69,8 @@ def resolve_kernel(name: str, platform: str | None = None, dtype=None) -> str:
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh=None):
     """Causal, document-masked attention; returns out[B, S, H, D]."""
     platform = mesh.devices.flat[0].platform if mesh is not None else None  # abstract TPU devices say "tpu"
-    kernel = tokamax_splash.resolve(resolve_kernel(spec.kernel, platform=platform, dtype=q_BSHD.dtype), spec.tokamax)
+    kernel = tokamax_splash.resolve(resolve_kernel(spec.kernel, platform=platform, dtype=q_BSHD.dtype,
+                                                   softcap=spec.logit_softcap), spec.tokamax)
     if mesh is None:
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
