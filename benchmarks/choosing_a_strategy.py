@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from maxctx.attention.cp import strategies  # noqa: E402
 from maxctx.loader import load_config  # noqa: E402
 from maxctx.parallelism import split_context  # noqa: E402
 from maxctx.plan import planner, step_time, topology  # noqa: E402
@@ -147,8 +148,8 @@ def _fits(config, best, row: dict, compiled: dict | None) -> str:
 def maxtext_table(overlap: bool = True) -> list[str]:
     """auto's order on MaxText's shapes, and the same order among the candidates MaxText can run: its Ulysses
     (and USP's Ulysses part) needs the kv heads divisible by the A2A degree, so usp with U > K (maxctx repeats kv
-    heads there) has no MaxText measurement. `overlap`: cost the software-pipelined ring backward (planner.plan's
-    ring_overlap; False: maxctx's ring, whose backward sends wait)."""
+    heads there) has no MaxText measurement. `overlap`: cost the software-pipelined ring backward (MaxText's; the
+    ring strategies' overlapped_backward variants); False: maxctx's ring, whose backward sends wait."""
     lines = ["| model, S, C (fsdp) | auto's order (choice first), estimated step | among MaxText's candidates "
              "(U divides the kv heads) | p2p / all_gather (estimate) | MaxText measured |", "|---|---|---|---|---|"]
     for model, seq, cp, fsdp, measured in MAXTEXT:
@@ -156,7 +157,8 @@ def maxtext_table(overlap: bool = True) -> list[str]:
                               f"max_target_length={seq}", f"ici_context_parallelism={cp}",
                               f"ici_fsdp_parallelism={fsdp}", f"per_device_batch_size={2 ** 21 / 64 / seq}",
                               "remat_policy=full", "attention=splash", "context_parallel_strategy=auto"])
-        plan = planner.plan(config, ring_overlap=overlap)
+        with strategies.replaced(overlapped_backward=overlap):
+            plan = planner.plan(config)
         ranking = ", ".join(f"{i + 1}. {c.label} {c.step_s:.2f} s" for i, c in enumerate(c for c in plan.ranked
                                                                                        if c.fits))
         theirs = " < ".join(c.label for c in sorted((c for c in plan.ranked if c.fits and (
@@ -209,7 +211,7 @@ def main() -> None:
     print("\n".join(fit_table()))
     print("\n## auto's ranking on the shapes of MaxText's v5p measurements\n")
     print("\n".join(maxtext_table()))
-    print("\nThe same with maxctx's ring backward (its sends wait: ring_overlap=False):\n")
+    print("\nThe same with maxctx's ring backward (its sends wait: overlapped_backward=False):\n")
     print("\n".join(maxtext_table(overlap=False)))
     print("\n## The memory estimate against the compiled memory\n")
     print("\n".join(memory_table()))

@@ -9,10 +9,10 @@ every row. No compile, no TPU: the model's arithmetic only.
 The rows: tpu-recipes `training/v5p/Llama3.1-8B-LongContext-Maxtext/cluster_toolkit/README.md` (AI-Hypercomputer),
 llama3.1-8b with head_dim=256, 16 query heads, 4 KV heads (its variant), ring CP with causal load balance, tokamax
 splash at sa_block_*=1024, num_vocab_tiling=16, 459 TFLOP/s per device. MaxText's ring sends overlap the hops'
-kernels in the backward as well as the forward (`ring_overlap=True`; maxctx's own program sends its backward hops
-after their kernels, which the planner charges). Where the README gives two step times
-(a UBench run and a second run) the second, whose MFU is the range's upper end, is the row's; the UBench one is
-shown beside it.
+kernels in the backward as well as the forward (the ring strategies priced with `overlapped_backward=True`;
+maxctx's own program sends its backward hops after their kernels, which the planner charges). Where the README
+gives two step times (a UBench run and a second run) the second, whose MFU is the range's upper end, is the row's;
+the UBench one is shown beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from maxctx.attention.cp import strategies  # noqa: E402
 from maxctx.loader import load_config  # noqa: E402
 from maxctx.plan import planner, step_time, topology  # noqa: E402
 
@@ -59,7 +60,8 @@ def predict(row) -> step_time.StepTime:
     config = config_of(row)
     mesh = {"data": 1, "fsdp": row[2], "context": row[1], "context_a2a": 1, "tensor": 1}
     hw = step_time.hardware(config, DEVICES)
-    return step_time.estimate(config, mesh, row[3] * DEVICES, hw, ring_overlap=True)
+    with strategies.replaced(overlapped_backward=True):
+        return step_time.estimate(config, mesh, row[3] * DEVICES, hw)
 
 
 def _set(name: str, value: float) -> None:
@@ -153,7 +155,8 @@ def strategy_estimates(model: str, length: int, cp: int, fsdp: int) -> dict[str,
     from maxctx.loader import parse_config
 
     config = parse_config(argv)
-    plan = planner.plan(config, ring_overlap=True)
+    with strategies.replaced(overlapped_backward=True):
+        plan = planner.plan(config)
     out = {}
     for c in plan.ranked:
         if not c.valid or config.base_num_kv_heads % c.a2a:
@@ -161,7 +164,8 @@ def strategy_estimates(model: str, length: int, cp: int, fsdp: int) -> dict[str,
         cand = planner.candidate_config(config, c.strategy, c.a2a)
         mesh = {"data": 1, "fsdp": fsdp, "context": cp // c.a2a, "context_a2a": c.a2a, "tensor": 1}
         hw = step_time.hardware(cand, DEVICES)
-        out[c.label] = (c, step_time.estimate(cand, mesh, 2 ** 21 / length, hw, ring_overlap=True))
+        with strategies.replaced(overlapped_backward=True):
+            out[c.label] = (c, step_time.estimate(cand, mesh, 2 ** 21 / length, hw))
     return out
 
 

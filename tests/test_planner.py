@@ -122,12 +122,14 @@ def test_the_marked_row_says_which_rule_chose_it():
 def maxtext_plan(model: str, length: int, cp: int, fsdp: int
                  ) -> tuple[planner.Candidate, dict[str, planner.Candidate]]:
     """(auto's choice, the valid candidates by label) on the shape of MaxText's v5p-128 measurements (2M tokens per
-    step, splash; docs/choosing_a_strategy.md), the ring backward costed overlapped (planner.plan's ring_overlap)."""
-    plan = planner.plan(load_config(["configs/base.yml", "compile_topology=v5p-128", f"model_name={model}",
-                                     f"max_target_length={length}", f"ici_context_parallelism={cp}",
-                                     f"ici_fsdp_parallelism={fsdp}", f"per_device_batch_size={2 ** 21 / 64 / length}",
-                                     "remat_policy=full", "attention=splash", "context_parallel_strategy=auto"]),
-                        ring_overlap=True)
+    step, splash; docs/choosing_a_strategy.md), the ring backward costed overlapped as MaxText's program runs it
+    (ring strategies replaced by their overlapped_backward variants)."""
+    with strategies.replaced(overlapped_backward=True):
+        plan = planner.plan(load_config([
+            "configs/base.yml", "compile_topology=v5p-128", f"model_name={model}", f"max_target_length={length}",
+            f"ici_context_parallelism={cp}", f"ici_fsdp_parallelism={fsdp}",
+            f"per_device_batch_size={2 ** 21 / 64 / length}", "remat_policy=full", "attention=splash",
+            "context_parallel_strategy=auto"]))
     return plan.choice, {c.label: c for c in plan.ranked if c.valid}
 
 
@@ -164,6 +166,16 @@ def test_known_disagreements_with_maxtext(case):
         assert by["all_gather"].step_s <= by["a2a"].step_s * (1 + planner.TIE)
 
 
+def _plan_with_overlap(config, overlapped: bool) -> planner.Plan:
+    with strategies.replaced(overlapped_backward=overlapped):
+        return planner.plan(config)
+
+
+def _exposed_with_overlap(shape, hw, overlapped: bool) -> float:
+    with strategies.replaced(overlapped_backward=overlapped):
+        return planner.exposed_per_layer("p2p", shape, hw, 16, 1, 2)
+
+
 def test_ring_backward_overlap_costs_a_dkv_block_and_its_absence_exposes_the_sends():
     # The overlapped ring backward holds one more fp32 dK/dV block per device; without it (the program) the backward's
     # sends follow each hop's kernel (the compiled TPU program's schedule, tests/test_attention_tpu_compile.py) and
@@ -171,7 +183,7 @@ def test_ring_backward_overlap_costs_a_dkv_block_and_its_absence_exposes_the_sen
     argv = ["configs/base.yml", "compile_topology=v5p-128", "model_name=llama2-7b", "max_target_length=32768",
             "ici_context_parallelism=16", "ici_fsdp_parallelism=4", "per_device_batch_size=1", "attention=splash",
             "context_parallel_strategy=auto"]
-    off, on = ({c.label: c for c in planner.plan(load_config(argv), ring_overlap=v).ranked} for v in (False, True))
+    off, on = ({c.label: c for c in _plan_with_overlap(load_config(argv), v).ranked} for v in (False, True))
     block = 2 * 16 * 2048 * 32 * 128 * 4  # fp32 dK and dV of a p2p hop: B (S/R) K D 4 each
     assert on["p2p"].attention_bytes - off["p2p"].attention_bytes == pytest.approx(block)
     assert on["all_gather"].attention_bytes == off["all_gather"].attention_bytes
@@ -179,7 +191,7 @@ def test_ring_backward_overlap_costs_a_dkv_block_and_its_absence_exposes_the_sen
     shape = planner._shape(config, 16, 1, 1)
     # the hops hide behind the attention at its calibrated rate (maxctx.plan.step_time)
     hw = dataclasses.replace(planner.hardware(config, 64), peak_flops=459e12 * step_time.attention_efficiency(config))
-    waits, hidden = (planner.exposed_per_layer("p2p", shape, hw, 16, 1, 2, overlap) for overlap in (False, True))
+    waits, hidden = (_exposed_with_overlap(shape, hw, overlap) for overlap in (False, True))
     # Overlapped, each backward hop hides its kernel's time behind its sends (here the sends take longer: MHA at 2K
     # tokens per device); waiting, it hides nothing.
     backward = 2 * 4 * 16 * 2048 * 16384 * 32 * 128 / hw.peak_flops  # 2 x the forward's 4 B (S/C) (S/2) H D FLOPs

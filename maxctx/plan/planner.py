@@ -26,10 +26,10 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
                       permutes wait for their bytes (not overlapped: synchronous in the program compiled for TPU);
                       a forward ring hop overlaps the attention of the block it carries, so each of its hops
                       exposes max(0, hop bytes / bandwidth - block compute) + latency + the merge of its result
-                      into the fp32 accumulators in HBM; a backward hop likewise with `plan(..., ring_overlap=True)`
-                      (the software-pipelined ring backward, which only benchmarks and tests build); the program
-                      sends after the hop's kernel, so every backward send waits in full: the estimate charges
-                      what the program does
+                      into the fp32 accumulators in HBM; a backward hop likewise where the strategy's backward
+                      overlaps (Strategy.overlapped_backward: the software-pipelined ring backward, which only
+                      benchmarks and tests build); maxctx's program sends after the hop's kernel, so every
+                      backward send waits in full: the estimate charges what the program does
     step              compute + exposed comm
 
 Bandwidths (per device, one direction): a ring hop uses one ICI link; all-gather and reduce-scatter use both
@@ -186,12 +186,11 @@ def _mesh(config: Config, n: int | None) -> tuple[dict[str, int], dict[str, int]
             {axis.name: getattr(config, axis.keys[1]) for axis in configured})
 
 
-def plan(config: Config, check: Callable[[Config], None] | None = None, ring_overlap: bool = False,
+def plan(config: Config, check: Callable[[Config], None] | None = None,
          only: tuple[str, int] | None = None) -> Plan:
     """Every candidate estimated and ranked (module doc). `check(candidate_config)` raises ConfigError for an
     invalid candidate (maxctx.validate passes its device checks); without it, the strategy's own rules and the
-    in-slice all-to-all rule are applied. `ring_overlap`: cost the rings' software-pipelined backward (benchmarks
-    compare it; the program does not run it). `only`: (strategy, U), the config's own strategy (remat_policy=auto
+    in-slice all-to-all rule are applied. `only`: (strategy, U), the config's own strategy (remat_policy=auto
     with a strategy given). Under remat_policy=auto each strategy is costed at every placement of
     maxctx.plan.remat and the table keeps its PLACEMENTS_SHOWN best."""
     n = topology.num_devices(config)
@@ -218,24 +217,23 @@ def plan(config: Config, check: Callable[[Config], None] | None = None, ring_ove
             continue
         s = _shape(config, cp, tp, u)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
-        attn = saved + strategies.get(name).transient_bytes(s, ring_overlap) if cp > 1 else 0.0
+        attn = saved + strategies.get(name).transient_bytes(s) if cp > 1 else 0.0
         mesh = {DATA_AXIS: data, FSDP_AXIS: fsdp, RING_AXIS: cp // u, A2A_AXIS: u, TENSOR_AXIS: tp}
         costed = [_cost(remat.apply(cand, where), Candidate(name, u, cp, saved, attn), mesh, hw, fsdp * cp * tp,
-                        host_budget, ring_overlap) for where in remat.placements(cand)]
+                        host_budget) for where in remat.placements(cand)]
         out += _shown(costed) if remat.is_auto(config) else costed
     keys = " ".join(k for k, chosen in (("context_parallel_strategy=auto", only is None),
                                          ("remat_policy=auto", remat.is_auto(config))) if chosen)
     return Plan(hw, cp, tuple(_rank(out)), keys, documents.attention_counted(config, cp))
 
 
-def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, shards: int, host_budget: float,
-          ring_overlap: bool) -> Candidate:
+def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, shards: int,
+          host_budget: float) -> Candidate:
     """`cand` (strategy and attention memory) with `config`'s remat placement estimated: memory, host bytes, step."""
     tp = mesh[TENSOR_AXIS]
     base_bytes, tiles = memory.device_bytes(config, tp, shards)
     hbm = base_bytes + max(cand.attention_bytes, tiles)
-    est = step_time.estimate(config, mesh, config.per_device_batch_size * shards * mesh[DATA_AXIS], hw,
-                             ring_overlap=ring_overlap)
+    est = step_time.estimate(config, mesh, config.per_device_batch_size * shards * mesh[DATA_AXIS], hw)
     held = memory.held_host_bytes(config, tp)
     budget = FIT_FRACTION * hw.hbm_bytes
     over = [f"needs ~{hbm / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of {hw.hbm_bytes / GIB:.0f} GiB HBM"

@@ -151,11 +151,11 @@ def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
 
 
 def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
-                      forward_passes: int, ring_overlap: bool = True) -> float:
+                      forward_passes: int) -> float:
     """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
-    keys come by halo exchange (maxctx.attention.cp.halo) waits for its permutes. `ring_overlap`: the ring backward's
-    sends overlap its hops' kernels, as the software-pipelined backward does (AttentionSpec.ring_backward_overlap);
-    False: each waits in full, as in the program (plan passes its `ring_overlap`)."""
+    keys come by halo exchange (maxctx.attention.cp.halo) waits for its permutes. The ring backward's sends
+    overlap its hops' kernels where the strategy says so (Strategy.overlapped_backward: the software-pipelined
+    backward); else each waits in full, as in maxctx's program."""
     attn_fwd = 4 * s.batch * (s.seq / s.cp) * causal_keys(s.seq, s.window) * s.heads * s.head_dim / hw.peak_flops
     unit = strategies.get(strategy)
     fwd, bwd = unit.comm_volume(s)
@@ -182,7 +182,7 @@ def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: in
         return sum(_collective_s(c, hw, ici_cp) for c in ops if c.kind != "collective-permute")
 
     forward = others_s(fwd) + ring_s(fwd, attn_fwd, r - 1, acc, True)
-    backward = others_s(bwd) + ring_s(bwd, 2 * attn_fwd, r, acc + kv_acc, ring_overlap)
+    backward = others_s(bwd) + ring_s(bwd, 2 * attn_fwd, r, acc + kv_acc, unit.overlapped_backward)
     return forward_passes * forward + backward
 
 
@@ -302,8 +302,7 @@ class StepTime:
 
 
 def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hardware, *,
-             forwards_per_layer: float | None = None, host_bytes: float | None = None,
-             ring_overlap: bool = False) -> StepTime:
+             forwards_per_layer: float | None = None, host_bytes: float | None = None) -> StepTime:
     """The step-time model (module doc) for `config` on a mesh of these sizes (data, fsdp, context, context_a2a,
     tensor; ICI and DCN together). `forwards_per_layer` and `host_bytes` (both directions): the compiled program's
     counts (maxctx.plan.program), else the policy's."""
@@ -336,7 +335,7 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     memory_s = max(0.0, moved["hbm"] / hw.hbm_bytes_per_s - matmul_s - redone_s)
     compute_s = matmul_s + attention_flops / attention_rate + recompute_s + memory_s
 
-    cp_total, cp_exposed = _cp_seconds(config, mesh, hw, attention_rate, forwards_per_layer, ring_overlap)
+    cp_total, cp_exposed = _cp_seconds(config, mesh, hw, attention_rate, forwards_per_layer)
     other = moved["ici"] / hw.ici_bytes_per_s + moved["dcn"] / hw.dcn_bytes_per_s
     exposed = layers * cp_exposed + max(0.0, other - compute_s)
     if host_bytes is None:
@@ -348,8 +347,8 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
                     forwards_per_layer, host_bytes)
 
 
-def _cp_seconds(config: Config, mesh: dict[str, int], hw: Hardware, attention_rate: float, forwards: float,
-                ring_overlap: bool) -> tuple[float, float]:
+def _cp_seconds(config: Config, mesh: dict[str, int], hw: Hardware, attention_rate: float,
+                forwards: float) -> tuple[float, float]:
     """(time on the links, exposed time) of one layer's CP collectives (exposed_per_layer, the ring's hops hidden
     behind the attention at its calibrated rate)."""
     cp = mesh_context_degree(mesh)
@@ -362,7 +361,7 @@ def _cp_seconds(config: Config, mesh: dict[str, int], hw: Hardware, attention_ra
     on_links = exposed = 0.0
     for window in windows:  # averaged over the layer pattern
         s = attention_shape(config, mesh, config.per_device_batch_size * cp * tp, window)
-        exposed += exposed_per_layer(strategy, s, effective, cp // dcn_cp, dcn_cp, round(forwards), ring_overlap)
+        exposed += exposed_per_layer(strategy, s, effective, cp // dcn_cp, dcn_cp, round(forwards))
         fwd, bwd = strategies.get(strategy).comm_volume(s)
         on_links += (forwards * sum(c.sent_bytes for c in fwd) + sum(c.sent_bytes for c in bwd)) / hw.link_bytes_per_s
     return on_links / len(windows), exposed / len(windows)

@@ -79,7 +79,7 @@ class A2A(Strategy):
     def activation_bytes(self, s: AttentionShape) -> float:
         return a2a_activation_bytes(s)
 
-    def transient_bytes(self, s: AttentionShape, ring_overlap: bool = False) -> float:
+    def transient_bytes(self, s: AttentionShape) -> float:
         return a2a_transient_bytes(s)
 
     def planner_degrees(self, cp: int) -> tuple[int, ...]:

@@ -38,7 +38,7 @@ class AllGather(Strategy):
         return (2 * s.batch * rows * s.heads * s.head_dim * s.itemsize
                 + 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize + s.batch * s.heads * rows * 4)
 
-    def transient_bytes(self, s: AttentionShape, ring_overlap: bool = False) -> float:
+    def transient_bytes(self, s: AttentionShape) -> float:
         """The backward's gathered dK, dV 2 B S K D b and its dq accumulator B (S/C) H D 4."""
         return s.batch * s.head_dim * (2 * s.seq * s.kv_heads * s.itemsize + s.seq / s.cp * s.heads * 4)
 

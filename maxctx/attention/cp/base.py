@@ -9,6 +9,11 @@ defaults:
                                       out and log-sum-exp are named `context` (remat keeps them for the backward);
                                       default False
     output_copies                     arrays of the attention output's size one layer names `context`; default 1
+    overlapped_backward               True: the ring's backward sends overlap its hops' kernels, as the software-
+                                      pipelined backward does (AttentionSpec.ring_backward_overlap), which the
+                                      planner prices (memory: one more fp32 dK/dV block; time: hidden sends);
+                                      default False, maxctx's program (a variant prices MaxText's rings:
+                                      maxctx.attention.cp.strategies.replaced)
     keeps_output_for_backward(ring)   whether a policy keeping `context` spares the backward the forward's rerun
                                       (maxctx.plan.step_time); default: a ring of 2 or more
     a2a_degree(config, cp)            the all-to-all part U of the CP degree C; default 1 (the ring part is C / U)
@@ -17,7 +22,7 @@ defaults:
     query_rows(seq, cp, a2a)          query rows one device's kernel call tiles (splash's 128-row rule); default S/C
     global_comm_volume(shape)         (forward, backward) collectives of one global layer, formulas of AttentionShape
     activation_bytes(shape)           attention activations one layer saves for its backward, per device
-    transient_bytes(shape, overlap)   buffers the backward holds besides them (the planner's attention memory)
+    transient_bytes(shape)            buffers the backward holds besides them (the planner's attention memory)
     planner_degrees(cp)               the A2A degrees U the planner tries, one candidate each; default (1,)
     label(cp, a2a)                    the planner's name for a candidate; default the strategy's name
     candidate_config(config, a2a)     the config that runs a candidate
@@ -54,6 +59,7 @@ class Strategy:
     local_by_halo: bool = False
     ring: bool = False
     output_copies: int = 1
+    overlapped_backward: bool = False
 
     def keeps_output_for_backward(self, ring_degree: int) -> bool:
         """Whether a remat policy that keeps `context` keeps this strategy's attention output and log-sum-exp, so
@@ -88,7 +94,7 @@ class Strategy:
     def activation_bytes(self, s: AttentionShape) -> float:
         raise NotImplementedError(f"{type(self).__name__}.activation_bytes")
 
-    def transient_bytes(self, s: AttentionShape, ring_overlap: bool = False) -> float:
+    def transient_bytes(self, s: AttentionShape) -> float:
         raise NotImplementedError(f"{type(self).__name__}.transient_bytes")
 
     def planner_degrees(self, cp: int) -> tuple[int, ...]:

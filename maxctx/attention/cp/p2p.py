@@ -30,14 +30,14 @@ def ring_comm_volume(batch: float, rows: float, kv_heads: int, head_dim: int, it
             [Collective("collective-permute", (ring - 1) * hop + grads, ring)])
 
 
-def ring_transient_bytes(s: AttentionShape, ring_overlap: bool) -> float:
+def ring_transient_bytes(s: AttentionShape, overlapped: bool) -> float:
     """The ring part R = C / U of a backward's buffers, rows = S / R: the fp32 accumulator B rows (H/U) D 4, two K/V
     blocks in flight 4 B rows (K'/U) D b and the travelling fp32 dK/dV 4 B rows (K'/U) D 4, 6 B rows (K'/U) D 4
-    with ring_backward_overlap (one more block in flight); none without a ring (R = 1)."""
+    with an overlapped backward (one more block in flight); none without a ring (R = 1)."""
     if s.ring <= 1:
         return 0.0
     rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
-    return s.batch * rows * s.head_dim * (s.heads / s.a2a * 4 + kv / s.a2a * (4 * s.itemsize + 16 + 8 * ring_overlap))
+    return s.batch * rows * s.head_dim * (s.heads / s.a2a * 4 + kv / s.a2a * (4 * s.itemsize + 16 + 8 * overlapped))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +59,8 @@ class P2P(Strategy):
         return ((2 * s.heads + 2 * s.kv_heads) * s.batch * rows * s.head_dim * s.itemsize
                 + s.batch * s.heads * rows * 4)
 
-    def transient_bytes(self, s: AttentionShape, ring_overlap: bool = False) -> float:
-        return ring_transient_bytes(s, ring_overlap)
+    def transient_bytes(self, s: AttentionShape) -> float:
+        return ring_transient_bytes(s, self.overlapped_backward)
 
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
         from maxctx.attention.cp.load_balance import stored_order

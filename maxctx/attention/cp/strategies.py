@@ -4,6 +4,9 @@ the planner, the roofline, validation and the dispatch read the registry and nee
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 from maxctx import parallelism
 from maxctx.attention.cp import a2a, all_gather, p2p, usp
 from maxctx.attention.cp.base import Strategy
@@ -30,6 +33,20 @@ def unregister(name: str) -> None:
     strategy = STRATEGIES.pop(name)
     for alias in strategy.aliases:
         del ALIASES[alias]
+
+
+@contextlib.contextmanager
+def replaced(**fields):
+    """Every registered ring strategy (p2p, usp) replaced by its variant with `fields` while the block runs: how
+    a benchmark or test prices another program's rings, e.g. MaxText's, whose backward sends overlap
+    (`overlapped_backward=True`)."""
+    saved = dict(STRATEGIES)
+    try:
+        STRATEGIES.update({n: dataclasses.replace(s, **fields) for n, s in saved.items() if s.ring})
+        yield
+    finally:
+        STRATEGIES.clear()
+        STRATEGIES.update(saved)
 
 
 def resolve(name: str) -> str:

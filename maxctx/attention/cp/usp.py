@@ -64,9 +64,9 @@ class USP(Strategy):
         """As a2a's with rows S / R: O(S/C)."""
         return a2a_activation_bytes(s)
 
-    def transient_bytes(self, s: AttentionShape, ring_overlap: bool = False) -> float:
+    def transient_bytes(self, s: AttentionShape) -> float:
         """The ring's part (p2p's, over R) and the all-to-all's (a2a's, over U)."""
-        return ring_transient_bytes(s, ring_overlap) + a2a_transient_bytes(s)
+        return ring_transient_bytes(s, self.overlapped_backward) + a2a_transient_bytes(s)
 
     def planner_degrees(self, cp: int) -> tuple[int, ...]:
         """Every divisor 1 < U < C (U = 1 is p2p, U = C is a2a)."""
