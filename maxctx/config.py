@@ -35,6 +35,8 @@ Hardware = Literal["", "tpu", "gpu", "gpu_multiprocess", "cpu"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 # What a failed checkpoint save (disk full, quota, I/O error) does: stop the run (exit 2), or train on and try again.
 CheckpointFailurePolicy = Literal["exit", "continue"]
+# How the learning-rate schedule goes on when a resume changes the global batch (maxctx.optimizer).
+ScheduleOnBatchChange = Literal["steps", "tokens"]
 # The tensors remat_policy=custom places (MaxText's names; maxctx.model.layers tags them with checkpoint_name).
 REMAT_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
                "mlpwo")
@@ -161,6 +163,7 @@ class Config:
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.1
     learning_rate_schedule_steps: int = -1
+    schedule_on_batch_change: ScheduleOnBatchChange = "steps"
     cosine_learning_rate_final_fraction: float = 0.1
     adam_b1: float = 0.9
     adam_b2: float = 0.95
@@ -249,6 +252,10 @@ class Config:
     @property
     def checkpoint_dir(self) -> str:
         return os.path.join(self.run_dir, "checkpoints")
+
+    def local_checkpoint_dir(self, process: int, num: int) -> str:
+        """Process `process` of `num`'s local checkpoint tier (maxctx.checkpoint.local_tier)."""
+        return os.path.join(self.local_checkpoint_directory, self.run_name, f"process_{process}-of-{num}")
 
     @property
     def tensorboard_dir(self) -> str:

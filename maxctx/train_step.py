@@ -31,7 +31,7 @@ from maxctx.mesh import batch_sharding, logical_to_spec
 from maxctx.metrics.flops import document_pairs
 from maxctx.model.decoder import Decoder, param_axes
 from maxctx.model.layers import ModelConfig
-from maxctx.optimizer import learning_rate_schedule, make_optimizer
+from maxctx.optimizer import learning_rate_schedule, make_optimizer, schedule_step
 
 HOST = "pinned_host"  # jax's memory kind of pinned host memory (CPU, GPU and TPU)
 
@@ -151,7 +151,8 @@ def train_step_fn(setup: TrainSetup):
                                                  (new_params, opt_state), (params, state["opt_state"]))
             finite, metrics["skipped"] = all_finite((new_params, opt_state)), keep.astype(jnp.float32)
         metrics.update(loss=loss, grad_norm=grad_norm, param_norm=optax.tree.norm(new_params),
-                       learning_rate=schedule(state["step"]), tokens=weight_sum, finite=finite.astype(jnp.float32),
+                       learning_rate=schedule(schedule_step(state["opt_state"])),  # its own count: a resume may move it
+                       tokens=weight_sum, finite=finite.astype(jnp.float32),
                        attention_pairs=document_pairs(batch["positions"], batch["segment_ids"], setup.config, jnp))
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 

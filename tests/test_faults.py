@@ -108,15 +108,20 @@ def test_resume_with_another_data_source_or_model_exits_2_naming_the_key(env, re
 
 
 def test_resume_with_another_global_batch_reads_on_and_says_so(env, reference, tmp_path):
-    """Stopped at 8 with 2 sequences a step, resumed with 4: one line names the change; the data position goes on
-    from the 16 rows read (2 steps x 4 more: 24), in the stream the run started (2 rows a block)."""
+    """Stopped at 8 with 2 sequences a step, resumed with 4 and schedule_on_batch_change=tokens: one line names the
+    change; the data position goes on from the 16 rows read (2 steps x 4 more: 24), in the stream the run started
+    (2 rows a block); the schedule goes on from its step 4 (16 sequences at 4 a step): steps 9 and 10 take the
+    learning rates of the straight run's steps 5 and 6."""
     stopped_at_8(reference, tmp_path / "run")
-    proc = train(env, tmp_path, "run", "per_device_batch_size=2")
+    proc = train(env, tmp_path, "run", "per_device_batch_size=2", "schedule_on_batch_change=tokens")
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("resuming at step 8 with a global batch")]
-    assert "of 4 sequences" in line and "not the 2 it was saved with" in line, line
+    assert "of 4 sequences" in line and "not the 2 it was saved with" in line and "from its step 8 to 4" in line, line
     state = json.loads((tmp_path / "run/checkpoints/10/data/process_0-of-1.json").read_text())
     assert state == {"position": "global", "rows": 24, "block": 2}, state
     assert sorted(losses(tmp_path / "run")) == [9, 10]
+    rates = [{r["step"]: r["learning_rate"] for r in metrics(run_dir) if r.get("event") == "train"}
+             for run_dir in (reference, tmp_path / "run")]
+    assert [rates[1][9], rates[1][10]] == [rates[0][5], rates[0][6]] and rates[0][5] != rates[0][9], rates
 
 
 @pytest.mark.parametrize("key", ["load_parameters_path", "load_full_state_path"])

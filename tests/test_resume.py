@@ -91,3 +91,37 @@ def test_an_older_per_process_state_resumes_on_its_own_pipeline(documents):
     np.testing.assert_array_equal(np.asarray(next(it)["inputs"]), expected["inputs"])
     assert "process_count" in it.get_state()  # it goes on saving in the format it reads
     it.close()
+
+
+@pytest.mark.parametrize("how, moved_to", [("steps", 8), ("tokens", 4)])
+def test_a_doubled_batch_goes_on_by_step_or_by_tokens(how, moved_to):
+    """Saved at step 8 with 2 sequences a step, resumed with 4: `steps` keeps the schedule at its step 8;
+    `tokens` moves it to step 4, where a run with 4 a step has read the same 16 sequences. The optimizer's next
+    update takes that step's learning rate (Adam's first update with zero moments is -lr x sign(g)), and the line
+    says which."""
+    import jax
+    import jax.numpy as jnp
+
+    from maxctx.checkpoint.compatibility import resume_changes, resume_record
+    from maxctx.optimizer import learning_rate_schedule, make_optimizer, schedule_step, with_schedule_step
+
+    config = load_config(["steps=20", "warmup_steps_fraction=0.5", "gradient_clipping_threshold=0",
+                          f"schedule_on_batch_change={how}"])
+    params = {"w": jnp.zeros(2)}
+    optimizer = make_optimizer(config, {"w": ("embed",)})
+    opt_state = with_schedule_step(optimizer.init(params), jnp.asarray(8, jnp.int32))  # Adam's moments still zero
+    state = {"step": jnp.asarray(8, jnp.int32), "params": params, "opt_state": opt_state}
+    resumed, (line,) = resume_changes(state, resume_record(config, 2), config, 4)
+    assert int(schedule_step(resumed["opt_state"])) == moved_to
+    rate = float(learning_rate_schedule(config)(moved_to))
+    assert rate != float(learning_rate_schedule(config)(8 if how == "tokens" else 4))  # warmup: the rate tells
+    update, _ = optimizer.update({"w": jnp.ones(2)}, resumed["opt_state"], params)
+    np.testing.assert_allclose(np.asarray(update["w"]), -rate, rtol=1e-6)
+    assert line.startswith("resuming at step 8 with a global batch of 4 sequences") and "not the 2" in line, line
+    expected = (f"by tokens (schedule_on_batch_change=tokens): from its step 8 to 4, the learning rate "
+                f"{float(learning_rate_schedule(config)(8)):.3g} -> {rate:.3g}" if how == "tokens" else
+                f"by step at its step 8 (learning rate {rate:.3g}; schedule_on_batch_change=tokens would move it "
+                f"to step 4,")
+    assert f"the learning-rate schedule goes on {expected}" in line, line
+    assert resume_changes(state, resume_record(config, 4), config, 4) == (state, [])  # same batch: nothing
+    assert jax.device_get(resumed["step"]) == 8

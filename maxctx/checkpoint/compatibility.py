@@ -11,9 +11,10 @@ the key (or parameter) and both values, with the fix.
   would cast the saved state.
 - Resuming with another schedule length (`steps`, or learning_rate_schedule_steps), other grain_train_files,
   another compute dtype or another global batch (per_device_batch_size, devices, gradient_accumulation_steps) is
-  allowed but changes the run, so it gets one line each (`resume_notices`): what changes (the learning rate at
-  the resumed step; the data order; the losses; the sequences per step, the data reading on from the same
-  position, the schedule going on by step) and the key that keeps the old behaviour.
+  allowed but changes the run, so it gets one line each (`resume_changes`): what changes
+  (the learning rate at the resumed step; the data order; the losses; the sequences per step, the data reading on
+  from the same position, the schedule going on by step or by tokens per schedule_on_batch_change) and the key
+  that keeps the old behaviour.
 - A record from an older version lacks some of these fields; those are not compared. Its relative paths are read
   against this working directory, as the loader reads every path key.
 - Any load: every parameter's shape (`check_shapes`), from Orbax's metadata.
@@ -27,6 +28,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from maxctx import storage
 from maxctx.config import MODEL_KEYS, Config, ConfigError
@@ -95,16 +97,12 @@ def check_resume_record(saved: dict[str, Any] | None, config: Config, global_bat
                               f"optimizer state; data from the start)")
 
 
-def resume_notices(saved: dict[str, Any] | None, config: Config, step: int,
-                   global_batch: int | None = None) -> list[str]:
-    """One line for each NOTICE_KEYS value this resume changes: what it changes and how to keep the old one
-    (`global_batch`: this run's, in sequences; None: not compared)."""
+def resume_notices(saved: dict[str, Any] | None, config: Config, step: int) -> list[str]:
+    """One line for each NOTICE_KEYS value this resume changes: what it changes and how to keep the old one (the
+    global batch's comes with the restored state, `go_on_with_batch`: it names the schedule's step)."""
     from maxctx.optimizer import learning_rate_schedule
 
     saved, notices = saved or {}, []
-    was = saved.get("global_batch")
-    if global_batch is not None and was is not None and was != global_batch:
-        notices.append(global_batch_notice(was, global_batch, config, step))
     was = saved.get("schedule_steps")
     if was is not None and was != config.schedule_steps:
         old = dataclasses.replace(config, learning_rate_schedule_steps=was)
@@ -127,15 +125,45 @@ def resume_notices(saved: dict[str, Any] | None, config: Config, step: int,
     return notices
 
 
-def global_batch_notice(was: int, now: int, config: Config, step: int) -> str:
-    """The line for a resume with another global batch (in sequences)."""
-    accumulation = config.gradient_accumulation_steps
+def resume_changes(state: dict, saved: dict[str, Any] | None, config: Config,
+                   global_batch: int) -> tuple[dict, list[str]]:
+    """(the resumed `state`, one line for each change this resume makes to the run): `resume_notices`, and when
+    the global batch (in sequences) is not the one saved, the schedule's step moved per schedule_on_batch_change
+    (maxctx.optimizer.resumed_schedule_step) and `global_batch_notice`. Collective: every process calls it."""
+    from maxctx.optimizer import resumed_schedule_step, schedule_step, with_schedule_step
+
+    step, was = int(jax.device_get(state["step"])), (saved or {}).get("global_batch")
+    notices = resume_notices(saved, config, step)
+    if was is None or was == global_batch:
+        return state, notices
+    count = schedule_step(state["opt_state"])
+    before = int(jax.device_get(count))
+    after = resumed_schedule_step(before, was, global_batch, config.schedule_on_batch_change)
+    if after != before:  # built on every process from the same value: the count is replicated
+        moved = jax.make_array_from_callback((), count.sharding, lambda _: np.asarray(after, count.dtype))
+        state = {**state, "opt_state": with_schedule_step(state["opt_state"], moved)}
+    return state, [global_batch_notice(was, global_batch, config, step, before, after), *notices]
+
+
+def global_batch_notice(was: int, now: int, config: Config, step: int, before: int, after: int) -> str:
+    """The line for a resume at `step` with another global batch (in sequences), the schedule's step going from
+    `before` to `after`."""
+    from maxctx.optimizer import learning_rate_schedule, resumed_schedule_step
+
+    accumulation, schedule = config.gradient_accumulation_steps, learning_rate_schedule(config)
     devices = round(now / (config.per_device_batch_size * accumulation))
+    if config.schedule_on_batch_change == "tokens":
+        how = (f"by tokens (schedule_on_batch_change=tokens): from its step {before} to {after}, the learning rate "
+               f"{float(schedule(before)):.3g} -> {float(schedule(after)):.3g}")
+    else:
+        other = resumed_schedule_step(before, was, now, "tokens")
+        how = (f"by step at its step {before} (learning rate {float(schedule(before)):.3g}; "
+               f"schedule_on_batch_change=tokens would move it to step {other}, {float(schedule(other)):.3g})")
     return (f"resuming at step {step} with a global batch of {now} sequences (per_device_batch_size="
             f"{config.per_device_batch_size:g} x {devices} devices x gradient_accumulation_steps={accumulation}), "
             f"not the {was} it was saved with: the data reads on from the same position, "
             f"{now * config.max_target_length} tokens a step instead of {was * config.max_target_length}, and the "
-            f"learning-rate schedule goes on by step; to keep the old batch, resume with per_device_batch_size x "
+            f"learning-rate schedule goes on {how}; to keep the old batch, resume with per_device_batch_size x "
             f"devices x gradient_accumulation_steps = {was}")
 
 

@@ -61,8 +61,8 @@ class LocalTier:
 
     def __init__(self, config: Config, mesh, say):
         self.config, self.mesh, self.say = config, mesh, say
-        self.root = epath.Path(config.local_checkpoint_directory) / config.run_name
-        self.directory = self.root / f"process_{jax.process_index()}-of-{jax.process_count()}"
+        self.directory = epath.Path(config.local_checkpoint_dir(jax.process_index(), jax.process_count()))
+        self.root = self.directory.parent
         for stale in (self.directory.glob("*.tmp") if self.directory.exists() else []):
             _remove(stale)  # a save cut off
 

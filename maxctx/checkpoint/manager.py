@@ -65,7 +65,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from maxctx.checkpoint import failure as failures
-from maxctx.checkpoint.compatibility import check_resume_record, check_shapes, resume_notices, resume_record
+from maxctx.checkpoint.compatibility import check_resume_record, check_shapes, resume_changes, resume_record
 from maxctx.checkpoint.data_position import data_filename, load_data_state
 from maxctx.checkpoint.divergence import DivergenceWatch, KeepLastGood
 from maxctx.checkpoint.integrity import VerifiedJsonHandler, VerifiedStandardHandler, check_step
@@ -158,7 +158,7 @@ class Checkpointer:
         self._local_step = self.local.newest_common(newest) if self.local is not None else None
         if self._local_step is not None:
             self.source, self.source_dir = "local", self.local.directory / str(self._local_step)
-            self._check_meta(self.local.meta(self._local_step), str(self.source_dir), self._local_step)
+            self._check_meta(self.local.meta(self._local_step), str(self.source_dir))
         elif persistent is not None:
             self.source, self.source_dir = "resume", persistent
             self._check_resume(persistent)
@@ -190,12 +190,12 @@ class Checkpointer:
 
     def _check_resume(self, step_dir: epath.Path) -> None:
         meta = ocp.JsonCheckpointHandler().restore(step_dir / META)
-        self._check_meta(meta, str(step_dir), int(step_dir.name), step_dir / STATE)
+        self._check_meta(meta, str(step_dir), step_dir / STATE)
         self._data_state = load_data_state(step_dir / DATA, jax.process_index(), jax.process_count(), str(step_dir))
 
-    def _check_meta(self, meta: dict, where: str, step: int, state_dir: epath.Path | None = None) -> None:
+    def _check_meta(self, meta: dict, where: str, state_dir: epath.Path | None = None) -> None:
         """The resume record, the shapes in `state_dir` (a persistent step's) and the seed of a step of either
-        tier against this config; one line per notice."""
+        tier against this config; what the resume changes is said once the state is restored (resume_changes)."""
         check_resume_record(meta.get("config"), self.config, self.setup.global_batch, where)
         if state_dir is not None:
             check_shapes(state_metadata(state_dir), self.setup.abstract_state, f"checkpoint {where}",
@@ -203,8 +203,7 @@ class Checkpointer:
         if meta.get("seed") != self.config.seed:
             raise ConfigError(f"checkpoint {where} was saved with seed={meta.get('seed')} but seed="
                               f"{self.config.seed}; resume with seed={meta.get('seed')}, or use a new run_name")
-        for notice in resume_notices(meta.get("config"), self.config, step, self.setup.global_batch):
-            self._say(notice)
+        self._record = meta.get("config")
 
     def _make_manager(self, directory: epath.Path) -> ocp.CheckpointManager:
         policies = ocp.checkpoint_managers
@@ -253,6 +252,10 @@ class Checkpointer:
             self._say(f"loaded parameters from {self.source_dir}; fresh optimizer state, step 0")
         else:
             state = init_state(self.setup)
+        if self.source in ("resume", "local"):
+            state, notices = resume_changes(state, self._record, self.config, self.setup.global_batch)
+            for notice in notices:
+                self._say(notice)
         self.divergence = DivergenceWatch(int(jax.device_get(state["step"])))
         return state
 
