@@ -23,9 +23,9 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from maxctx import parallelism  # noqa: E402
 from maxctx.attention.cp import strategies  # noqa: E402
 from maxctx.loader import load_config  # noqa: E402
-from maxctx.parallelism import split_context  # noqa: E402
 from maxctx.plan import planner, step_time, topology  # noqa: E402
 
 # MaxText's measurements, v5p-128 (64 chips), bf16, 2M tokens per step: PR #4687 (step times, llama2-7b) and, as
@@ -83,7 +83,7 @@ def num_params() -> dict[str, int]:
 def roofline_step(config, cand, params: int) -> float:
     n = topology.num_devices(config)
     cfg = planner.candidate_config(config, cand.strategy, cand.a2a)
-    mesh = split_context(cfg, n, cand.a2a)
+    mesh = parallelism.mesh_plan(cfg, n, cand.a2a)
     return step_time.estimate(cfg, mesh, cfg.global_batch_size(n), step_time.hardware(cfg, n)).step_s
 
 

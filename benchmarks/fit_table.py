@@ -92,15 +92,16 @@ def splash_block(cmd: list[str]) -> int:
 
 def estimate(cmd: list[str]) -> str:
     """maxctx.plan.step_time's step time and MFU for the command (the policy's counts: no program here)."""
+    from maxctx.parallelism import MeshPlan
     from maxctx.plan import step_time
 
     config = _config(cmd)
     n = ROWS[(config.model_name, config.compile_topology)]
-    mesh = {"data": 1, "fsdp": 1, "context": n, "context_a2a": 1, "tensor": 1}
+    mesh = MeshPlan.one_slice({"data": 1, "fsdp": 1, "context": n, "context_a2a": 1, "tensor": 1})
     if config.context_parallel_strategy == "usp":
-        from maxctx.parallelism import split_context
+        from maxctx.parallelism import mesh_plan
 
-        mesh = split_context(config, n, step_time.strategies.get("usp").a2a_degree(config, n))
+        mesh = mesh_plan(config, n, step_time.strategies.get("usp").a2a_degree(config, n))
     hw = step_time.hardware(config, n)
     est = step_time.estimate(config, mesh, config.per_device_batch_size * n, hw)
     return f"{est.step_s:.0f} s, {est.model_flops / est.step_s / hw.peak_flops:.0%}"

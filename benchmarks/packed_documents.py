@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 
 from maxctx.attention.cp.load_balance import document_permutation, rank_work, zigzag_permutation  # noqa: E402
 from maxctx.attention.kernels.document_blocks import pair_visible, summaries  # noqa: E402
+from maxctx.parallelism import MeshPlan  # noqa: E402
 
 BLOCK = 512
 SIZES = {"128K": 2 ** 17, "1M": 2 ** 20, "16M": 2 ** 24}
@@ -133,7 +134,7 @@ def step_seconds(seq: int, cp: int) -> float:
                           f"max_target_length={seq}", f"ici_context_parallelism={cp}",
                           f"per_device_batch_size={1 / cp}", f"compile_topology=v5p-{2 * cp}", "attention=splash",
                           "context_parallel_strategy=p2p", "remat_policy=full"])
-    mesh = {"data": 1, "fsdp": 1, "context": cp, "context_a2a": 1, "tensor": 1}
+    mesh = MeshPlan.one_slice({"data": 1, "fsdp": 1, "context": cp, "context_a2a": 1, "tensor": 1})
     return step_time.estimate(config, mesh, 1, step_time.hardware(config, cp)).step_s
 
 

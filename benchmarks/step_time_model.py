@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 
 from maxctx.attention.cp import strategies  # noqa: E402
 from maxctx.loader import load_config  # noqa: E402
+from maxctx.parallelism import MeshPlan  # noqa: E402
 from maxctx.plan import planner, step_time, topology  # noqa: E402
 
 VARIANT = ["model_name=llama3.1-8b", "head_dim=256", "base_num_query_heads=16", "base_num_kv_heads=4",
@@ -58,7 +59,7 @@ def config_of(row):
 
 def predict(row) -> step_time.StepTime:
     config = config_of(row)
-    mesh = {"data": 1, "fsdp": row[2], "context": row[1], "context_a2a": 1, "tensor": 1}
+    mesh = MeshPlan.one_slice({"data": 1, "fsdp": row[2], "context": row[1], "context_a2a": 1, "tensor": 1})
     hw = step_time.hardware(config, DEVICES)
     with strategies.replaced(overlapped_backward=True):
         return step_time.estimate(config, mesh, row[3] * DEVICES, hw)
@@ -162,7 +163,8 @@ def strategy_estimates(model: str, length: int, cp: int, fsdp: int) -> dict[str,
         if not c.valid or config.base_num_kv_heads % c.a2a:
             continue
         cand = planner.candidate_config(config, c.strategy, c.a2a)
-        mesh = {"data": 1, "fsdp": fsdp, "context": cp // c.a2a, "context_a2a": c.a2a, "tensor": 1}
+        mesh = MeshPlan.one_slice({"data": 1, "fsdp": fsdp, "context": cp // c.a2a, "context_a2a": c.a2a,
+                                   "tensor": 1})
         hw = step_time.hardware(cand, DEVICES)
         with strategies.replaced(overlapped_backward=True):
             out[c.label] = (c, step_time.estimate(cand, mesh, 2 ** 21 / length, hw))

@@ -34,9 +34,10 @@ import math
 import sys
 import time
 
+from maxctx.attention.cp import strategies
 from maxctx.config import Config, ConfigError
 from maxctx.loader import load, usage
-from maxctx.parallelism import A2A_AXIS, mesh_context_degree
+from maxctx.parallelism import A2A_AXIS, MeshPlan
 from maxctx.plan import documents, planner, program, step_time, topology
 from maxctx.plan.out_of_memory import fit, onchip_advice, xla_out_of_memory
 from maxctx.validate import check_devices
@@ -59,7 +60,8 @@ def compile_report(config: Config, plan: planner.Plan | None = None) -> dict:
 
     target = topo.parse(config.compile_topology) if config.compile_topology else None
     devices = topo.topology_devices(target, config.compile_topology_num_slices) if target else jax.devices()
-    mesh = create_mesh(config, devices)
+    mesh_plan = strategies.mesh_plan(config, len(devices))
+    mesh = create_mesh(config, devices, mesh_plan)
     setup = make_setup(config, mesh)
     num_devices = mesh.devices.size
     flops = training_flops_per_device(config, setup.global_batch, config.max_target_length, num_devices)
@@ -88,18 +90,18 @@ def compile_report(config: Config, plan: planner.Plan | None = None) -> dict:
     if target is not None:
         report.update(topology=target.name, libtpu_topology=target.libtpu_name,
                       num_slices=config.compile_topology_num_slices, devices_per_chip=target.chip.devices_per_chip,
-                      **fit(report, target.chip), **_estimate(config, dict(mesh.shape), setup.global_batch, report))
+                      **fit(report, target.chip), **_estimate(config, mesh_plan, setup.global_batch, report))
     return report
 
 
-def _estimate(config: Config, mesh: dict[str, int], global_batch: int, report: dict) -> dict:
+def _estimate(config: Config, plan: MeshPlan, global_batch: int, report: dict) -> dict:
     """maxctx.plan.step_time's estimate, with the compiled program's attention forwards and host bytes."""
-    hw = step_time.hardware(config, math.prod(mesh.values()))
+    hw = step_time.hardware(config, plan.num_devices)
     host = report.get("host_to_device_bytes", 0) + report.get("device_to_host_bytes", 0)
-    est = step_time.estimate(config, mesh, global_batch, hw, forwards_per_layer=report.get(
+    est = step_time.estimate(config, plan, global_batch, hw, forwards_per_layer=report.get(
         "attention_forwards_per_layer"), host_bytes=host if "host_to_device_bytes" in report else None)
     out = step_time.report(est, hw, global_batch * config.max_target_length)
-    out["estimate_attention_counted"] = documents.attention_counted(config, mesh_context_degree(mesh))
+    out["estimate_attention_counted"] = documents.attention_counted(config, plan.cp)
     if report.get("attention") == "splash":
         from maxctx.plan import topology as topo
 

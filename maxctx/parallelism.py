@@ -122,6 +122,18 @@ class MeshPlan:
     def num_devices(self) -> int:
         return math.prod(self.sizes.values())
 
+    @classmethod
+    def one_slice(cls, sizes: Mapping[str, int]) -> MeshPlan:
+        """The plan of one slice with these MESH_AXES sizes (a built mesh's `mesh.shape`, or a benchmark's)."""
+        ici = {a: sizes[a] for a in CONFIGURED_AXES if a != RING_AXIS}
+        ici[RING_AXIS] = sizes[RING_AXIS] * sizes[A2A_AXIS]
+        return cls(ici, dict.fromkeys(CONFIGURED_AXES, 1), sizes[A2A_AXIS])
+
+    @property
+    def dcn_cp(self) -> int:
+        """Slices the context axis spans (its ring crosses DCN there)."""
+        return self.dcn[RING_AXIS]
+
     def check_expert_degree(self, experts: int) -> None:
         """An expert-parallel degree E borrows devices from EXPERT_AXES, so it must divide their product."""
         borrowed = math.prod(self.sizes[a] for a in EXPERT_AXES)

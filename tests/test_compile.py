@@ -18,6 +18,7 @@ from maxctx.config import ConfigError
 from maxctx.loader import load_config
 from maxctx.metrics import training_flops_per_device
 from maxctx.model.shape import ModelShape
+from maxctx.parallelism import MeshPlan
 from maxctx.plan import step_time
 from maxctx.plan.out_of_memory import fit, xla_out_of_memory
 from maxctx.plan.roofline import cp_bytes_per_layer
@@ -107,7 +108,7 @@ def test_step_time_terms():
                           "ici_context_parallelism=8", "context_parallel_strategy=p2p", "compile_topology=v5p-64"])
     mesh = {"data": 1, "fsdp": 4, "context": 8, "context_a2a": 1, "tensor": 1}
     hw = step_time.hardware(config, 32)
-    est = step_time.estimate(config, mesh, 4, hw)
+    est = step_time.estimate(config, MeshPlan.one_slice(mesh), 4, hw)
     flops = training_flops_per_device(config, 4, 32768, 32)
     assert est.model_flops == pytest.approx(flops)
     # full remat: every projection's forward again, and the attention forward (context is not kept)
@@ -120,7 +121,7 @@ def test_step_time_terms():
     assert report["estimate_mfu"] == pytest.approx(flops / 459e12 / est.step_s)
     assert 0 < report["estimate_mfu"] < step_time.SPLASH_EFFICIENCY[1024]
     # the compiled program's count replaces the policy's: one forward, no attention recompute
-    once = step_time.estimate(config, mesh, 4, hw, forwards_per_layer=1)
+    once = step_time.estimate(config, MeshPlan.one_slice(mesh), 4, hw, forwards_per_layer=1)
     assert once.step_s < est.step_s and once.host_bytes == 0
     # p2p per layer: (C-1) hops of K/V (8 kv heads x 128, bf16) + ids forward; backward adds fp32 dK/dV.
     t = 4096

@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 
+from maxctx.parallelism import MeshPlan
 from tests.support.processes import ROOT
 
 
@@ -62,7 +63,7 @@ def test_a_strided_layer_input_halves_its_host_bytes_and_recomputes_the_layers(b
 
     def estimate(*more):
         config = load_config([*keys, *more])
-        return step_time.estimate(config, mesh, 1, step_time.hardware(config, bench.DEVICES))
+        return step_time.estimate(config, MeshPlan.one_slice(mesh), 1, step_time.hardware(config, bench.DEVICES))
 
     whole, strided = estimate("context=offload"), estimate("context=offload", "decoder_layer_input_stride=2")
     t, layers = 14680064 // 64, 32
@@ -123,7 +124,7 @@ def test_documents_per_row_count_their_own_attention_and_the_busiest_rank():
 
     def estimate(*extra):
         config = load_config([*keys, *extra])
-        return step_time.estimate(config, mesh, 1, step_time.hardware(config, 64)), config
+        return step_time.estimate(config, MeshPlan.one_slice(mesh), 1, step_time.hardware(config, 64)), config
 
     whole, _ = estimate()
     eight, config = estimate("planner_document_lengths=8192")

@@ -60,9 +60,9 @@ from maxctx.parallelism import (
     A2A_AXIS,
     AXES,
     DATA_AXIS,
-    FSDP_AXIS,
     RING_AXIS,
     TENSOR_AXIS,
+    MeshPlan,
     mesh_sizes,
 )
 from maxctx.plan import documents, memory, remat, step_time, topology
@@ -186,6 +186,15 @@ def _mesh(config: Config, n: int | None) -> tuple[dict[str, int], dict[str, int]
             {axis.name: getattr(config, axis.keys[1]) for axis in configured})
 
 
+def mesh_plan(config: Config) -> MeshPlan:
+    """The mesh the planner prices every candidate on (each with its own A2A degree): the config's on its
+    topology's devices, or, with no device count, its configured degrees (data 1; an fsdp of -1, which only a
+    device count resolves, as 1)."""
+    ici, dcn = _mesh(config, topology.num_devices(config))
+    return MeshPlan({a.name: max(1, ici.get(a.name, 1)) for a in AXES},
+                    {a.name: max(1, dcn.get(a.name, 1)) for a in AXES})
+
+
 def plan(config: Config, check: Callable[[Config], None] | None = None,
          only: tuple[str, int] | None = None) -> Plan:
     """Every candidate estimated and ranked (module doc). `check(candidate_config)` raises ConfigError for an
@@ -193,12 +202,9 @@ def plan(config: Config, check: Callable[[Config], None] | None = None,
     in-slice all-to-all rule are applied. `only`: (strategy, U), the config's own strategy (remat_policy=auto
     with a strategy given). Under remat_policy=auto each strategy is costed at every placement of
     maxctx.plan.remat and the table keeps its PLACEMENTS_SHOWN best."""
-    n = topology.num_devices(config)
-    ici, dcn = _mesh(config, n)
-    cp, tp = ici[RING_AXIS] * dcn[RING_AXIS], ici[TENSOR_AXIS] * dcn[TENSOR_AXIS]
-    hw = hardware(config, n)
-    fsdp = ici[FSDP_AXIS] * dcn[FSDP_AXIS] if ici[FSDP_AXIS] > 0 and dcn[FSDP_AXIS] > 0 else 1
-    data = max(1, n // (fsdp * cp * tp)) if n else 1
+    base = mesh_plan(config)
+    cp, tp = base.cp, base.sizes[TENSOR_AXIS]
+    hw = hardware(config, topology.num_devices(config))
     host_budget = memory.host_budget_per_device(config)
     pairs = [only] if only else candidates(cp) if cp > 1 else [("all_gather", 1)]
     out = []
@@ -209,31 +215,32 @@ def plan(config: Config, check: Callable[[Config], None] | None = None,
                 check(remat.apply(cand, {}))
             elif cp > 1:
                 strategies.get(name).check(cand, cp, tp)
-                if ici[RING_AXIS] % u:
+                if base.ici[RING_AXIS] % u:
                     raise ConfigError(f"the A2A degree {u} does not divide ici_context_parallelism="
-                                      f"{ici[RING_AXIS]}; all-to-all runs inside a slice")
+                                      f"{base.ici[RING_AXIS]}; all-to-all runs inside a slice")
         except ConfigError as e:
             out.append(Candidate(name, u, cp, dropped=str(e), valid=False))
             continue
         s = _shape(config, cp, tp, u)
         saved = strategies.get(name).activation_bytes(s) if cp > 1 else 0.0
         attn = saved + strategies.get(name).transient_bytes(s) if cp > 1 else 0.0
-        mesh = {DATA_AXIS: data, FSDP_AXIS: fsdp, RING_AXIS: cp // u, A2A_AXIS: u, TENSOR_AXIS: tp}
-        costed = [_cost(remat.apply(cand, where), Candidate(name, u, cp, saved, attn), mesh, hw, fsdp * cp * tp,
-                        host_budget) for where in remat.placements(cand)]
+        mesh = dataclasses.replace(base, a2a=u)
+        costed = [_cost(remat.apply(cand, where), Candidate(name, u, cp, saved, attn), mesh, hw, host_budget)
+                  for where in remat.placements(cand)]
         out += _shown(costed) if remat.is_auto(config) else costed
     keys = " ".join(k for k, chosen in (("context_parallel_strategy=auto", only is None),
                                          ("remat_policy=auto", remat.is_auto(config))) if chosen)
     return Plan(hw, cp, tuple(_rank(out)), keys, documents.attention_counted(config, cp))
 
 
-def _cost(config: Config, cand: Candidate, mesh: dict[str, int], hw: Hardware, shards: int,
-          host_budget: float) -> Candidate:
-    """`cand` (strategy and attention memory) with `config`'s remat placement estimated: memory, host bytes, step."""
-    tp = mesh[TENSOR_AXIS]
+def _cost(config: Config, cand: Candidate, mesh: MeshPlan, hw: Hardware, host_budget: float) -> Candidate:
+    """`cand` (strategy and attention memory) with `config`'s remat placement estimated on `mesh`: memory, host
+    bytes, step."""
+    sizes = mesh.sizes
+    tp, shards = sizes[TENSOR_AXIS], mesh.num_devices // sizes[DATA_AXIS]  # weights shard over fsdp x context x tensor
     base_bytes, tiles = memory.device_bytes(config, tp, shards)
     hbm = base_bytes + max(cand.attention_bytes, tiles)
-    est = step_time.estimate(config, mesh, config.per_device_batch_size * shards * mesh[DATA_AXIS], hw)
+    est = step_time.estimate(config, mesh, config.per_device_batch_size * mesh.num_devices, hw)
     held = memory.held_host_bytes(config, tp)
     budget = FIT_FRACTION * hw.hbm_bytes
     over = [f"needs ~{hbm / GIB:.1f} GiB, over {FIT_FRACTION:.0%} of {hw.hbm_bytes / GIB:.0f} GiB HBM"
@@ -288,8 +295,7 @@ def resolve_auto(config: Config, check: Callable[[Config], None] | None = None) 
     only = None
     if config.context_parallel_strategy != "auto":
         name = strategies.resolve(config.context_parallel_strategy)
-        ici, dcn = _mesh(config, topology.num_devices(config))
-        only = (name, strategies.get(name).a2a_degree(config, ici[RING_AXIS] * dcn[RING_AXIS]))
+        only = (name, strategies.get(name).a2a_degree(config, mesh_plan(config).cp))
     if remat.is_auto(config):
         remat.check_auto(config)
     p = plan(config, check, only=only)

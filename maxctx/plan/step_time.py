@@ -50,7 +50,7 @@ from maxctx.attention.cp import strategies
 from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
 from maxctx.model import families
-from maxctx.parallelism import RING_AXIS, TENSOR_AXIS, mesh_context_degree, mesh_sizes, num_slices
+from maxctx.parallelism import RING_AXIS, TENSOR_AXIS, MeshPlan, mesh_context_degree, num_slices
 from maxctx.plan import topology
 from maxctx.plan.documents import attention_pairs_per_token, causal_keys
 from maxctx.plan.roofline import attention_shape, traffic
@@ -301,11 +301,12 @@ class StepTime:
         return self.compute_s + self.exposed_collective_s + self.exposed_host_s
 
 
-def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hardware, *,
+def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, *,
              forwards_per_layer: float | None = None, host_bytes: float | None = None) -> StepTime:
-    """The step-time model (module doc) for `config` on a mesh of these sizes (data, fsdp, context, context_a2a,
-    tensor; ICI and DCN together). `forwards_per_layer` and `host_bytes` (both directions): the compiled program's
-    counts (maxctx.plan.program), else the policy's."""
+    """The step-time model (module doc) for `config` on the mesh `plan` (maxctx.parallelism.MeshPlan: its sizes,
+    ICI and DCN together, and the slices its context axis spans). `forwards_per_layer` and `host_bytes` (both
+    directions): the compiled program's counts (maxctx.plan.program), else the policy's."""
+    mesh = plan.sizes
     n = math.prod(mesh.values())
     shape = families.shape(config)
     tp, seq, layers = mesh[TENSOR_AXIS], config.max_target_length, shape.num_layers
@@ -335,7 +336,7 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
     memory_s = max(0.0, moved["hbm"] / hw.hbm_bytes_per_s - matmul_s - redone_s)
     compute_s = matmul_s + attention_flops / attention_rate + recompute_s + memory_s
 
-    cp_total, cp_exposed = _cp_seconds(config, mesh, hw, attention_rate, forwards_per_layer)
+    cp_total, cp_exposed = _cp_seconds(config, plan, hw, attention_rate, forwards_per_layer)
     other = moved["ici"] / hw.ici_bytes_per_s + moved["dcn"] / hw.dcn_bytes_per_s
     exposed = layers * cp_exposed + max(0.0, other - compute_s)
     if host_bytes is None:
@@ -347,15 +348,14 @@ def estimate(config: Config, mesh: dict[str, int], global_batch: float, hw: Hard
                     forwards_per_layer, host_bytes)
 
 
-def _cp_seconds(config: Config, mesh: dict[str, int], hw: Hardware, attention_rate: float,
+def _cp_seconds(config: Config, plan: MeshPlan, hw: Hardware, attention_rate: float,
                 forwards: float) -> tuple[float, float]:
     """(time on the links, exposed time) of one layer's CP collectives (exposed_per_layer, the ring's hops hidden
     behind the attention at its calibrated rate)."""
-    cp = mesh_context_degree(mesh)
+    mesh, cp, dcn_cp = plan.sizes, plan.cp, plan.dcn_cp
     if cp == 1:
         return 0.0, 0.0
-    n, tp = math.prod(mesh.values()), mesh[TENSOR_AXIS]
-    dcn_cp = mesh_sizes(config, n)[1][RING_AXIS] if num_slices(config) > 1 else 1
+    tp = mesh[TENSOR_AXIS]
     strategy, windows = config.context_parallel_strategy, layer_windows(config)
     effective = dataclasses.replace(hw, peak_flops=attention_rate)
     on_links = exposed = 0.0
