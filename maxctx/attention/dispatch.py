@@ -75,7 +75,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
                            group=q_BSHD.shape[2] // k_BSKD.shape[2], window=spec.window,
-                           splash_blocks=spec.splash_blocks)
+                           splash_blocks=spec.splash_blocks, softcap=spec.logit_softcap)
         return local.attend(0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
                             segment_ids_BS)[0]
     cp = mesh_context_degree(mesh.shape)

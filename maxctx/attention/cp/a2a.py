@@ -100,7 +100,8 @@ class A2A(Strategy):
                            order=stored_order(seq, u, spec.load_balance),
                            group=h // replicated_kv_heads(kv_heads, u), window=spec.window,
                            splash_blocks=spec.splash_blocks,
-                           documents=spec.load_balance == "documents" and u > 1, sort_keys=True)
+                           documents=spec.load_balance == "documents" and u > 1, sort_keys=True,
+                           softcap=spec.logit_softcap)
 
         def inner(q, k, v, pos, seg):
             return local.attend(0, q, k, v, pos, seg, pos, seg)[0]

@@ -54,7 +54,8 @@ class AllGather(Strategy):
         local = make_local(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh,
                            order=stored_order(seq, cp, spec.load_balance), q_shards=cp, q_axes=CONTEXT,
                            group=h // kv_heads, window=spec.window, splash_blocks=spec.splash_blocks,
-                           documents=spec.load_balance == "documents" and cp > 1, sort_keys=True)
+                           documents=spec.load_balance == "documents" and cp > 1, sort_keys=True,
+                           softcap=spec.logit_softcap)
 
         def body(q, k, v, pos, seg):
             k_all, v_all, pos_all, seg_all = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)

@@ -208,7 +208,8 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
     if p is None:
         return None
     local = make_band(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh, chunk=p.chunk, halo=p.halo,
-                      window=spec.window, group=q_BSHD.shape[2] // k_BSKD.shape[2], splash_blocks=spec.splash_blocks)
+                      window=spec.window, group=q_BSHD.shape[2] // k_BSKD.shape[2], splash_blocks=spec.splash_blocks,
+                      softcap=spec.logit_softcap)
 
     def body(q, k, v, pos, seg):
         return local_attention(p, local, CONTEXT, q, k, v, pos, seg)

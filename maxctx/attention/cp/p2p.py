@@ -74,7 +74,7 @@ class P2P(Strategy):
                            order=stored_order(seq, cp, spec.load_balance), q_shards=cp, kv_blocks=cp,
                            q_axes=CONTEXT, group=h // kv_heads, ring=True, window=spec.window,
                            splash_blocks=spec.splash_blocks,
-                           documents=spec.load_balance == "documents" and cp > 1)
+                           documents=spec.load_balance == "documents" and cp > 1, softcap=spec.logit_softcap)
 
         check_ring_local(local, self.name)
 

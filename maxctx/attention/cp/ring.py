@@ -5,7 +5,8 @@ Legend (per device): B batch, s rows of the local block, H and K heads, D head d
 
 Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mod R, sends it on with ppermute
 (issued before the hop's compute, so XLA can overlap them) and merges the hop's (out, lse) into fp32 accumulators
-with a stable log-add-exp. Backward (custom VJP): the same hops in the same order, each computing the hop's
+with a stable log-add-exp (a logit soft-cap is applied in each hop's kernel, before its max and lse, so the merge of
+capped hops is the capped attention). Backward (custom VJP): the same hops in the same order, each computing the hop's
 (dq, dk, dv) from the *merged* out and lse; dq stays home, dK/dV accumulators (fp32) travel with their block and
 reach its owner after the last hop, so nothing of size O(S) is saved or held. A hop adds its dK/dV and sends them
 on, so the backward's sends wait for its kernel, where every forward K/V send overlaps its hop's attention. With

@@ -92,7 +92,7 @@ class USP(Strategy):
                            order=stored_order(seq, u * r, spec.load_balance), q_shards=r, kv_blocks=r,
                            q_axes=RING_AXIS, group=h // replicated_kv_heads(kv_heads, u), ring=True,
                            window=spec.window, splash_blocks=spec.splash_blocks,
-                           documents=spec.load_balance == "documents" and u * r > 1)
+                           documents=spec.load_balance == "documents" and u * r > 1, softcap=spec.logit_softcap)
 
         check_ring_local(local, self.name)
 

@@ -14,6 +14,10 @@ built: under zig-zag load balancing or a causal ring that is about half of all b
 of blocks with no shared document; with a sliding window W (`window` > 0, query i sees key j iff
 0 <= pos[i] - pos[j] < W) every pair outside the band, so the work is O(S W), not O(S T).
 
+A logit soft-cap c > 0 (`softcap`, Gemma 2) makes each score block c tanh(s / c) before the mask, so the running
+max, the lse and a ring's merges all see capped scores; the backward multiplies dS by the tanh's derivative
+1 - (capped s / c)^2, recomputed from the block's capped scores (nothing more is saved).
+
 `flash_forward` / `flash_backward` are the raw halves; the ring strategy calls them with the *global* out and
 lse of its merged result, which is exactly the gradient of the whole row (FlashAttention-2, eq. for dS).
 """
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from maxctx.attention.kernels.document_blocks import block_ranges, pair_visible
-from maxctx.attention.kernels.dot_product import mask_from_positions
+from maxctx.attention.kernels.dot_product import mask_from_positions, soft_cap
 from maxctx.attention.kernels.scopes import ATTENTION_FORWARD_SCOPE
 
 
@@ -50,8 +54,9 @@ def _unblocks(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _scores(q_BQKGD, k_BCKD, mask_BQC, scale):
-    s = jnp.einsum("BQKGD,BCKD->BKGQC", q_BQKGD, k_BCKD, preferred_element_type=jnp.float32) * scale
+def _scores(q_BQKGD, k_BCKD, mask_BQC, scale, softcap):
+    s = soft_cap(jnp.einsum("BQKGD,BCKD->BKGQC", q_BQKGD, k_BCKD, preferred_element_type=jnp.float32) * scale,
+                 softcap)
     return jnp.where(mask_BQC[:, None, None], s, -jnp.inf)
 
 
@@ -78,14 +83,15 @@ def _dims(q_BSHD, k_BTKD, block_q: int, block_kv: int) -> tuple[int, ...]:
     return b, s, h, d, t, k, h // k, s // block_size(s, block_q), t // block_size(t, block_kv)
 
 
-def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512, window=0):
+def flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512, window=0,
+                  softcap=0.0):
     """Returns (out[B, S, H, D] fp32, lse[B, H, S] fp32); rows with no visible key give out 0, lse -inf. Under the
     `attention_forward` scope, by which maxctx.plan.program counts how often the program runs it."""
     with jax.named_scope(ATTENTION_FORWARD_SCOPE):
-        return _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window)
+        return _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window, softcap)
 
 
-def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window):
+def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window, softcap):
     q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg = _tie(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg)
     b, s, h, d, t, k, g, nq, nk = _dims(q_BSHD, k_BTKD, block_q, block_kv)
     scale = d ** -0.5
@@ -105,7 +111,7 @@ def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, bloc
             def compute(carry):
                 mask = mask_from_positions(qp, qs, kp, ks, window)
                 m, l_sum, acc = carry
-                s_ = _scores(q_BQKGD, k_BCKD, mask, scale)
+                s_ = _scores(q_BQKGD, k_BCKD, mask, scale, softcap)
                 m_new = jnp.maximum(m, s_.max(-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s_ - m_safe[..., None])
@@ -133,7 +139,7 @@ def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, bloc
 
 
 def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSHD, lse_BHS, dout_BSHD,
-                   dlse_BHS=None, block_q=512, block_kv=512, window=0):
+                   dlse_BHS=None, block_q=512, block_kv=512, window=0, softcap=0.0):
     """Gradients (dq, dk, dv) in fp32 of the rows' attention given their final out and lse.
 
     dS = P * (dP - rowsum(dO * O) + dlse), P = exp(S - lse): with a ring's merged out/lse this is the exact
@@ -166,10 +172,13 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
             def compute(carry):
                 mask = mask_from_positions(qp, qs, kp, ks, window)
                 dq, dk, dv = carry
-                p = jnp.exp(_scores(q_BQKGD, k_BCKD, mask, scale) - lse_q[..., None])
+                s_ = _scores(q_BQKGD, k_BCKD, mask, scale, softcap)
+                p = jnp.exp(s_ - lse_q[..., None])
                 dv = dv + jnp.einsum("BKGQC,BQKGD->BCKD", p, do_BQKGD, preferred_element_type=jnp.float32)
                 dp = jnp.einsum("BQKGD,BCKD->BKGQC", do_BQKGD, v_BCKD, preferred_element_type=jnp.float32)
                 ds = p * (dp - delta_q[..., None]) * scale
+                if softcap:  # through c tanh(s / c); hidden entries (p = 0) get 0, not 0 * inf
+                    ds = ds * (1 - jnp.square(jnp.where(jnp.isfinite(s_), s_, 0.0) / softcap))
                 dk = dk + jnp.einsum("BKGQC,BQKGD->BCKD", ds, q_BQKGD, preferred_element_type=jnp.float32)
                 dq_i = jnp.einsum("BKGQC,BCKD->BQKGD", ds, k_BCKD, preferred_element_type=jnp.float32)
                 return dq.at[i].add(dq_i), dk, dv
@@ -185,23 +194,25 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
     return _unblocks(dq).reshape(b, s, h, d), _unblocks(dk), _unblocks(dv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def flash_attention(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512, window=0):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def flash_attention(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q=512, block_kv=512, window=0,
+                    softcap=0.0):
     """Causal, document-masked attention; returns (out[B, S, H, D] in q's dtype, lse[B, H, S] fp32)."""
-    out, lse = flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window)
+    out, lse = flash_forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window,
+                             softcap)
     return out.astype(q_BSHD.dtype), lse
 
 
-def _flash_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window):
-    out, lse = flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window)
+def _flash_fwd(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window, softcap):
+    out, lse = flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, block_q, block_kv, window, softcap)
     return (out, lse), (q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse)
 
 
-def _flash_bwd(block_q, block_kv, window, res, cotangents):
+def _flash_bwd(block_q, block_kv, window, softcap, res, cotangents):
     q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse = res
     dout, dlse = cotangents
     dq, dk, dv = flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, dlse, block_q, block_kv,
-                                window)
+                                window, softcap)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 

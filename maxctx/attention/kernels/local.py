@@ -15,6 +15,8 @@ index-based, see splash.py), the others mask from positions. Splash rings run th
 own dQ and dK/dV kernels given the ring's merged out and lse (splash_backward); cuDNN rings, and splash's where this JAX
 lacks those kernels or with Blocks.ring_backward=False, with the blockwise backward (exact, pure JAX): cuDNN
 exposes no backward that takes the merged lse. tokamax rings run tokamax's fused backward kernel the same way.
+`softcap` > 0 (attn_logits_soft_cap) caps every kernel's scores, splash's and tokamax's through their own
+`attn_logits_soft_cap`, so a ring's hops merge capped scores; cuDNN has no soft-cap and is refused (ConfigError).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class LocalKernel:
     # are gathered from every rank and are put back in document order first.
     documents: bool = False
     sort_keys: bool = False
+    softcap: float = 0.0  # logit soft-cap c > 0: scores -> c tanh(s / c) (splash's kernels carry their own)
 
     def _pick(self, hop, branches, *args):
         """Runs this device's branch of `branches` (one per splash kernel) at `hop`."""
@@ -97,10 +100,10 @@ class LocalKernel:
 
     def attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
-            return dot_product_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.window)
+            return dot_product_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.window, self.softcap)
         if self.name == "blockwise":
             return flash.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv,
-                                         self.window)
+                                         self.window, self.softcap)
         if self.name == "cudnn":
             return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, window=self.window,
                                          natural=self.natural)
@@ -110,10 +113,10 @@ class LocalKernel:
     def block_forward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "dot_product":
             f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-            return dot_product_attention(*f32, q_pos, q_seg, kv_pos, kv_seg, self.window)
+            return dot_product_attention(*f32, q_pos, q_seg, kv_pos, kv_seg, self.window, self.softcap)
         if self.name == "blockwise":
             return flash.flash_forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv,
-                                       self.window)
+                                       self.window, self.softcap)
         if self.name == "cudnn":
             out, lse = cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, return_lse=True,
                                              window=self.window, natural=self.natural)
@@ -123,11 +126,12 @@ class LocalKernel:
 
     def block_backward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
         if self.name == "dot_product":
-            return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, self.window)
+            return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, self.window,
+                                              self.softcap)
 
         def blockwise(*_):
             return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
-                                        self.block_q, self.block_kv, self.window)
+                                        self.block_q, self.block_kv, self.window, self.softcap)
 
         if self.name == tokamax_splash.NAME:  # its fused backward kernel given the merged out and lse
             branches = [functools.partial(tokamax_splash.hop_backward, kern) for kern in self.splash_kernels]
@@ -155,7 +159,7 @@ def _row(b: int, *arrays):
 def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.ndarray | None = None,
                q_shards: int = 1, kv_blocks: int = 1, q_axes=None, group: int = 1, ring: bool = False,
                window: int = 0, splash_blocks: splash.Blocks | None = None, documents: bool = False,
-               sort_keys: bool = False) -> LocalKernel:
+               sort_keys: bool = False, softcap: float = 0.0) -> LocalKernel:
     """Builds the kernel for a layout. Splash only: `order` is the stored order of the whole sequence, split into
     `q_shards` query shards (the linear index over mesh axes `q_axes`); the keys a call sees are either the whole
     sequence (kv_blocks=1) or, at ring hop t, block (r - t) mod kv_blocks for query shard r; `group` = query heads
@@ -170,11 +174,13 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     mask types (maxctx.attention.kernels.cudnn). `documents`: the stored order is the batch's (`order` then only
     gives the length): splash gets one kernel for every call (_documents_kernel) and derives its masks per call from
     the ids; `sort_keys`: the calls' keys are gathered from all ranks (all_gather, a2a) and are sorted first.
-    `name` tokamax_splash: the same kernels and tables from tokamax (tokamax_splash.make_kernel)."""
+    `name` tokamax_splash: the same kernels and tables from tokamax (tokamax_splash.make_kernel). `softcap`: the
+    logit soft-cap (0: none), refused for cuDNN."""
+    _check_softcap(name, softcap)
     if name not in ("splash", tokamax_splash.NAME):
         natural = (not documents and order is not None and q_shards == 1 and kv_blocks == 1
                    and np.array_equal(order, np.arange(len(order))))
-        return LocalKernel(name, block_q, block_kv, window=window, natural=natural)
+        return LocalKernel(name, block_q, block_kv, window=window, natural=natural, softcap=softcap)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     if documents and name == tokamax_splash.NAME:
         raise ConfigError("use_tokamax_splash=true with context_parallel_load_balance=documents: tokamax's tables "
@@ -183,34 +189,43 @@ def make_local(name: str, block_q: int, block_kv: int, *, mesh=None, order: np.n
     if documents:
         kernel = _documents_kernel(len(order) // q_shards, len(order) // kv_blocks, group, block_q, block_kv,
                                          ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
-                                         splash_blocks or splash.Blocks())
+                                         splash_blocks or splash.Blocks(), softcap)
         table = ((0,) * q_shards,) * (kv_blocks if ring else 1)
         return LocalKernel(name, block_q, block_kv, q_axes, window, (kernel,), table, documents=True,
-                           sort_keys=sort_keys)
+                           sort_keys=sort_keys, softcap=softcap)
     kernels, table = _splash_kernels(np.asarray(order, np.int64).tobytes(), q_shards, kv_blocks, group, block_q,
                                      block_kv, ring, platform != "tpu", splash.MAX_TABLE_ENTRIES, window,
-                                     splash_blocks or splash.Blocks(), name == tokamax_splash.NAME)
-    return LocalKernel(name, block_q, block_kv, q_axes, window, kernels, table)
+                                     splash_blocks or splash.Blocks(), name == tokamax_splash.NAME, softcap)
+    return LocalKernel(name, block_q, block_kv, q_axes, window, kernels, table, softcap=softcap)
+
+
+def _check_softcap(name: str, softcap: float) -> None:
+    """cuDNN (jax.nn.dot_product_attention) has no logit soft-cap: refused here, at trace time, for what config
+    validation (maxctx.validate) cannot see."""
+    if softcap and name == "cudnn":
+        raise ConfigError(f"attn_logits_soft_cap={softcap} needs attention=auto, blockwise, dot_product or splash; "
+                          f"cudnn has no logit soft-cap")
 
 
 def make_band(name: str, block_q: int, block_kv: int, *, mesh=None, chunk: int, halo: int, window: int,
-              group: int = 1, splash_blocks: splash.Blocks | None = None) -> LocalKernel:
+              group: int = 1, splash_blocks: splash.Blocks | None = None, softcap: float = 0.0) -> LocalKernel:
     """The kernel of a local layer's chunk (maxctx.attention.cp.halo): `chunk` queries against the `halo` keys before
     them and themselves, all in original order; splash gets the one static sliding-window mask they share."""
+    _check_softcap(name, softcap)
     if name not in ("splash", tokamax_splash.NAME):
-        return LocalKernel(name, block_q, block_kv, window=window)
+        return LocalKernel(name, block_q, block_kv, window=window, softcap=softcap)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     build = tokamax_splash.make_kernel if name == tokamax_splash.NAME else splash.make_kernel
     kernel = build(np.arange(halo, halo + chunk), np.arange(halo + chunk), group, block_q, block_kv,
                    save_residuals=False, interpret=platform != "tpu", window=window,
-                   blocks=splash_blocks or splash.Blocks())
-    return LocalKernel(name, block_q, block_kv, None, window, (kernel,), ((0,),))
+                   blocks=splash_blocks or splash.Blocks(), softcap=softcap)
+    return LocalKernel(name, block_q, block_kv, None, window, (kernel,), ((0,),), softcap=softcap)
 
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: int, block_q: int, block_kv: int,
                     ring: bool, interpret: bool, max_table_entries: int, window: int,
-                    blocks: splash.Blocks, tokamax: bool = False) -> tuple[tuple, tuple]:
+                    blocks: splash.Blocks, tokamax: bool = False, softcap: float = 0.0) -> tuple[tuple, tuple]:
     """The distinct kernels over all hops and each [hop][query shard]'s index into them. Cached: building the
     mask info walks every block on the host, and the train step, the eval step and rematerialisation trace
     attention again. Kernels are built on the ranks, not the original indices: equal masks then compare equal
@@ -232,20 +247,21 @@ def _splash_kernels(order_bytes: bytes, q_shards: int, kv_blocks: int, group: in
                 seen[key] = len(kernels)
                 kernels.append(build(expand(key[0]), expand(key[1]), group, block_q, block_kv,
                                      save_residuals=ring, interpret=interpret,
-                                     max_table_entries=max_table_entries, window=window, blocks=blocks))
+                                     max_table_entries=max_table_entries, window=window, blocks=blocks,
+                                     softcap=softcap))
             row.append(seen[key])
         table.append(tuple(row))
     return tuple(kernels), tuple(table)
 
 
 def _documents_kernel(rows: int, keys: int, group: int, block_q: int, block_kv: int, save_residuals: bool,
-                      interpret: bool, max_table_entries: int, window: int, blocks: splash.Blocks):
+                      interpret: bool, max_table_entries: int, window: int, blocks: splash.Blocks, softcap: float):
     """splash.make_kernel's result for a call of `rows` queries and `keys` keys whose order changes with the batch
     (context_parallel_load_balance=documents, document_blocks): every block listed, the mask computed in the
     kernel as `key place <= q_sequence` (and within `window`), q_sequence and the tables given per call."""
     built = splash.make_kernel(np.arange(keys, keys + rows), np.arange(keys), group, block_q, block_kv,
                                save_residuals, interpret, max_table_entries, 0,
-                               dataclasses.replace(blocks, stored_masks=False))
+                               dataclasses.replace(blocks, stored_masks=False), softcap)
     function = splash_masks.KeyRuns(((0, keys),), window)
 
     def patched(kernel):

@@ -28,8 +28,10 @@ compares the two; docs/long_context.md has the one row where it needed less memo
 only and take the blockwise backward (maxctx.attention.kernels.flash: XLA fusions whose fp32 score tiles go through HBM,
 which splash's kernels avoid; docs/choosing_a_strategy.md compares the two).
 
-Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5. GQA: an MQA kernel
-over the G query heads of each kv head, vmapped over K and B.
+Segment ids go through `SegmentIds` (document separation); queries are pre-scaled by D**-0.5, so splash's
+`attn_logits_soft_cap` (make_kernel's `softcap`; its dQ and dK/dV kernels apply the tanh's derivative) caps the
+scaled scores as the other kernels do. GQA: an MQA kernel over the G query heads of each kv head, vmapped over K
+and B.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class Blocks:
 
 def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: int, block_kv: int,
                 save_residuals: bool, interpret: bool = False, max_table_entries: int | None = None,
-                window: int = 0, blocks: Blocks = Blocks()):
+                window: int = 0, blocks: Blocks = Blocks(), softcap: float = 0.0):
     """Splash kernels over `group` query heads for one device's query rows and key/value block. One kernel unless
     the call's block table (query blocks x key blocks, in on-chip SMEM) would pass `max_table_entries`: then the rows
     are split into the fewest equal chunks that keep each chunk's tables within it, the backward's too; a chunk
@@ -153,7 +155,7 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
             key = (shifted if window else ranked)(q_runs, kv_runs)
             if key not in built:
                 built[key] = _make_one(expand(key[0]), expand(key[1]), group, bq, bkv, save_residuals, interpret,
-                                       window, blocks, backward)
+                                       window, blocks, backward, softcap)
             kernel = built[key]
         out.append((start, start + rows, kernel))
     if save_residuals and len(out) > 1 and built:
@@ -184,7 +186,7 @@ def backward_kernels_available() -> bool:
 
 
 def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bool, interpret: bool, window: int,
-              blocks: Blocks, backward: bool):
+              blocks: Blocks, backward: bool, softcap: float = 0.0):
     kernel_lib, mask_lib = _lib()
     mask = mask_lib.MultiHeadMask([ordered_causal_mask(q_orig, kv_orig, window, not blocks.stored_masks)] * group)
     sizes = blocks.sizes(len(q_orig), len(kv_orig), bq, bkv, backward=backward)
@@ -192,7 +194,8 @@ def _make_one(q_orig, kv_orig, group: int, bq: int, bkv: int, save_residuals: bo
     # traces (kernels._splash_kernels), and RowLoop reads the tables on the host.
     with jax.ensure_compile_time_eval():
         return kernel_lib.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                          save_residuals=save_residuals, interpret=interpret)
+                                          save_residuals=save_residuals, interpret=interpret,
+                                          attn_logits_soft_cap=softcap or None)
 
 
 class RowLoop:

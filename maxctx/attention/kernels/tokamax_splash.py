@@ -69,19 +69,22 @@ def _fallback_notice() -> None:  # once per process: attention is traced once pe
                  "kernel); pip install maxctx[tokamax] for tokamax's")
 
 
-def splash_config(rows: int, keys: int, bq: int, bkv: int, blocks: splash.Blocks, interpret: bool):
+def splash_config(rows: int, keys: int, bq: int, bkv: int, blocks: splash.Blocks, interpret: bool,
+                  softcap: float = 0.0):
     """tokamax's SplashConfig for a call of `rows` queries and `keys` keys: the forward's and dK/dV's blocks as
-    splash.Blocks.sizes cuts them for JAX's kernel, under the fused backward (tokamax's only one)."""
+    splash.Blocks.sizes cuts them for JAX's kernel, under the fused backward (tokamax's only one); `softcap` the
+    logit soft-cap (0: none), which the fused backward's tanh derivative follows."""
     sizes = dataclasses.replace(blocks, fused_backward=True).sizes(rows, keys, bq, bkv, backward=True)
     return _lib().SplashConfig(
         block_q=sizes.block_q, block_kv=sizes.block_kv, block_kv_compute=sizes.block_kv_compute,
         block_q_dkv=sizes.block_q_dkv, block_kv_dkv=sizes.block_kv_dkv,
-        block_kv_dkv_compute=sizes.block_kv_dkv_compute, use_fused_bwd_kernel=True, interpret=interpret)
+        block_kv_dkv_compute=sizes.block_kv_dkv_compute, use_fused_bwd_kernel=True, interpret=interpret,
+        attn_logits_soft_cap=softcap or None)
 
 
 def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: int, block_kv: int,
                 save_residuals: bool, interpret: bool = False, max_table_entries: int | None = None,
-                window: int = 0, blocks: splash.Blocks | None = None):
+                window: int = 0, blocks: splash.Blocks | None = None, softcap: float = 0.0):
     """tokamax's kernel for one device's query rows and key block, in splash.make_kernel's form:
     ((0, rows, kernel or None),), None when no query sees a key. Its forward and dK/dV tables are built either way
     (ring hops run hop_backward). `group` and `max_table_entries` are unused: tokamax's masks are 2-D (one MQA
@@ -91,7 +94,7 @@ def make_kernel(q_orig: np.ndarray, kv_orig: np.ndarray, group: int, block_q: in
         return ((0, len(q_orig), None),)
     bq, bkv = block_size(len(q_orig), block_q), block_size(len(kv_orig), block_kv)
     mask = ordered_causal_mask(np.asarray(q_orig), np.asarray(kv_orig), window)
-    settings = splash_config(len(q_orig), len(kv_orig), bq, bkv, blocks or splash.Blocks(), interpret)
+    settings = splash_config(len(q_orig), len(kv_orig), bq, bkv, blocks or splash.Blocks(), interpret, softcap)
     # Concrete tables even when built under a trace, as splash._make_one does.
     with jax.ensure_compile_time_eval():
         kernel = _lib().make_splash_mqa_single_device(mask, config=settings, save_residuals=save_residuals)
