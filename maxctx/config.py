@@ -65,7 +65,7 @@ class Config:
     run_name: str = "default_run"
     base_output_directory: str = "outputs"
     model_name: str = "tiny"
-    decoder_block: str = "llama2"  # the model family (maxctx.model.families): llama2, mistral
+    decoder_block: str = "llama2"  # the model family (maxctx.model.families): llama2, mistral, qwen2, qwen3, olmo2, ...
     seed: int = 0
     steps: int = 150
     cpu_devices: int = 0
@@ -94,6 +94,10 @@ class Config:
     # the pattern (of L local and G global layers) repeats over the layers, e.g. LLLLLG.
     sliding_window_size: int = 0
     attention_layer_pattern: str = ""
+    # Family attention features (MaxText's keys): biases on the q, k, v projections (Qwen 2); RMSNorm of q and k
+    # before RoPE, per head (qwen3) or over the whole projection (olmo2, olmo3).
+    attention_bias: bool = False
+    use_qk_norm: bool = False
     # Numerics and memory.
     dtype: DType = "bfloat16"
     weight_dtype: DType = "float32"
@@ -295,7 +299,7 @@ MODEL_KEYS = (
     "head_dim", "vocab_size", "rope_max_timescale", "normalization_layer_epsilon", "logits_via_embedding",
     "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
     "rope_linear_scaling_factor", "beta_fast", "beta_slow", "rope_truncate", "rope_attention_factor",
-    "sliding_window_size", "attention_layer_pattern",
+    "sliding_window_size", "attention_layer_pattern", "attention_bias", "use_qk_norm",
 )
 FIELD_TYPES = get_type_hints(Config)
 

@@ -1,7 +1,7 @@
 """Makes tests/fixtures/hf/: tiny random Hugging Face models (made and run by `transformers`) and their fp32 logits
 on fixed tokens, then checks that maxctx's export of each loads back in `transformers` with the same logits.
 
-    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--check-only | --token-losses-only]
+    python scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--check-only | --token-losses-only] [--only NAME...]
 
 Needs torch and transformers (pip install torch transformers); neither is a dependency of maxctx or its tests,
 which read only the files written here:
@@ -20,6 +20,11 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
     mistral    MistralForCausalLM, no sliding window, rope_theta 1e6, tied embedding (the tied path); also
                logits_sliding_window_32.npy: the same weights with config.json's sliding_window=32 (Mistral v0.1's
                kind of window, every layer local)
+    qwen2      Qwen2ForCausalLM: q, k, v biases (random, as every bias here), rope_theta 1e6
+    qwen3      Qwen3ForCausalLM: per-head QK-norm, tied embedding
+    olmo2      Olmo2ForCausalLM: post-norms, QK-norm over the whole projection
+    olmo3      Olmo3ForCausalLM: layer 0 local (sliding_window 32 < S), layer 1 global with YaRN (factor 4,
+               original context 32), the local layer's RoPE plain (transformers 5's per-layer-type form)
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ MODELS = {
                       "original_max_position_embeddings": 64})),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True,
                                                             sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=5e5, tie_word_embeddings=False, rms_norm_eps=1e-6)),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        tie_word_embeddings=False, sliding_window=32, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                                            "original_max_position_embeddings": 32},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}})),
 }
 
 
@@ -66,7 +79,9 @@ def make(name: str, out: str) -> None:
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # weights of unit-scale activations, so the logits span a range worth comparing
         for pname, p in model.named_parameters():
-            if p.ndim == 1:
+            if pname.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif p.ndim == 1:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (1.0 if "embed" in pname else p.shape[1] ** -0.5))
@@ -105,7 +120,7 @@ def window_logits(out: str, window: int = 32) -> None:
             logits(model, np.load(os.path.join(directory, "tokens.npy"))))
 
 
-def check_export(name: str, out: str) -> float:
+def check_export(name: str, out: str, python: str = sys.executable) -> float:
     """from_hf then to_hf (fp32) with maxctx; the export, loaded by transformers, must give the stored logits.
     Returns the largest difference relative to the logit range."""
     import transformers
@@ -115,7 +130,7 @@ def check_export(name: str, out: str) -> float:
         for command in (["from_hf", "--hf_path", directory, "--output_path", f"{tmp}/ckpt"],
                         ["to_hf", "--checkpoint_path", f"{tmp}/ckpt", "--output_path", f"{tmp}/hf", "--dtype",
                          "fp32"]):
-            subprocess.run([sys.executable, "-m", "maxctx.convert", *command], check=True, cwd=ROOT,
+            subprocess.run([python, "-m", "maxctx.convert", *command], check=True, cwd=ROOT,
                            stdout=subprocess.DEVNULL)
         architecture = json.load(open(f"{tmp}/hf/config.json"))["architectures"][0]
         model = getattr(transformers, architecture).from_pretrained(f"{tmp}/hf", attn_implementation="eager")
@@ -133,8 +148,11 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true", help="only check the exports of existing fixtures")
     parser.add_argument("--token-losses-only", action="store_true",
                         help="only write token_losses.npy for the existing fixtures")
+    parser.add_argument("--only", nargs="+", choices=list(MODELS), help="only these fixtures")
+    parser.add_argument("--maxctx-python", default=sys.executable,
+                        help="the Python that runs maxctx's converter (a venv with JAX) when this one has torch only")
     args = parser.parse_args()
-    for name in MODELS:
+    for name in args.only or MODELS:
         if args.token_losses_only:
             token_losses(name, args.out)
             continue
@@ -143,7 +161,7 @@ def main() -> None:
             token_losses(name, args.out)
             if name == "mistral":
                 window_logits(args.out)
-        check_export(name, args.out)
+        check_export(name, args.out, args.maxctx_python)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ from __future__ import annotations
 from maxctx.config import Config, ConfigError
 from maxctx.model.family import ModelFamily
 from maxctx.model.llama.family import LLAMA
+from maxctx.model.olmo.family import OLMO
+from maxctx.model.qwen.family import QWEN
 from maxctx.model.shape import ModelShape
 
 _FAMILIES: dict[str, ModelFamily] = {"llama2": LLAMA, "mistral": LLAMA}
+_FAMILIES.update(qwen2=QWEN, qwen3=QWEN, olmo2=OLMO, olmo3=OLMO)
 
 
 def register(family: ModelFamily, *names: str) -> ModelFamily:

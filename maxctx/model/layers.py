@@ -142,19 +142,19 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
         spec = dataclasses.replace(self.cfg.attention, window=window)
-        weights = (self.wq[...], self.wk[...], self.wv[...], self.wo[...])
+        weights = [w[...] for w, _ in self.head_weights()]
         n = self.cfg.attention_head_chunks
         if n == 1:
             out_BSD = self._heads(x_BSD, positions_BS, segment_ids_BS, spec, *weights)
             return checkpoint_name(out_BSD, "out_proj")
         tensor = self.mesh.shape.get(TENSOR_AXIS, 1) if self.mesh is not None else 1
-        groups = [_head_groups(w, axis, n, tensor) for w, axis in zip(weights, (1, 1, 1, 0))]
+        groups = [_head_groups(w, axis, n, tensor) for w, (_, axis) in zip(weights, self.head_weights())]
         saved, offloaded = remat_names(self.cfg)
         keep = saved if "context" in offloaded else (*saved, "context")
         group = jax.checkpoint(functools.partial(self._heads, x_BSD, positions_BS, segment_ids_BS, spec),
                                policy=names_policy(keep, offloaded), prevent_cse=False)
 
-        axes = [w.get_metadata()["axes"] for w in (self.wq, self.wk, self.wv, self.wo)]
+        axes = [w.get_metadata()["axes"] for w, _ in self.head_weights()]
 
         def body(out_BSD, group_weights):
             # Cast and gathered over the embed axis outside the group's remat, so the backward's recompute of a
@@ -165,20 +165,31 @@ class Attention(nnx.Module):
         out_BSD, _ = jax.lax.scan(body, constrain_activations(jnp.zeros_like(x_BSD), self.mesh), groups)
         return checkpoint_name(out_BSD, "out_proj")
 
-    def _heads(self, x_BSD, positions_BS, segment_ids_BS, spec, wq, wk, wv, wo):
+    def head_weights(self) -> tuple[tuple[nnx.Param, int], ...]:
+        """Each parameter split by heads, with its heads axis: wq, wk, wv, wo, then any a family's attention adds
+        (biases), which `qkv` receives after wv. attention_head_chunks gives each group its slice of every one."""
+        return ((self.wq, 1), (self.wk, 1), (self.wv, 1), (self.wo, 0))
+
+    def _heads(self, x_BSD, positions_BS, segment_ids_BS, spec, wq, wk, wv, wo, *extra):
         """The attention of the heads whose weights are given: projections, strategy, output projection [B, S, D]."""
-        q, k, v = self.qkv(x_BSD, positions_BS, spec, wq, wk, wv)
+        q, k, v = self.qkv(x_BSD, positions_BS, spec, wq, wk, wv, *extra)
         out_BSHE = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, spec, self.mesh), "context")
         return jnp.einsum("BSHE,HED->BSD", out_BSHE, wo.astype(self.cfg.dtype))
 
-    def qkv(self, x_BSD, positions_BS, spec, wq, wk, wv):
+    def qkv(self, x_BSD, positions_BS, spec, wq, wk, wv, *extra):
         """(q[B, S, H, E], k[B, S, K, E], v) of the heads whose weights are given, rotated: the step a family's
-        attention overrides (biases, QK-norm, a query scale) before the shared kernels and strategies."""
+        attention overrides (biases, QK-norm, a query scale) before the shared kernels and strategies; `extra`:
+        the heads' slices of the parameters its `head_weights` adds."""
+        q, k, v = self.project(x_BSD, wq, wk, wv)
+        return rotary(q, positions_BS, self.cfg.rope), rotary(k, positions_BS, self.cfg.rope), v
+
+    def project(self, x_BSD, wq, wk, wv):
+        """(q[B, S, H, E], k[B, S, K, E], v): the projections, each tagged with its remat name."""
         dt = self.cfg.dtype
         q = checkpoint_name(jnp.einsum("BSD,DHE->BSHE", x_BSD, wq.astype(dt)), "query_proj")
         k = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, wk.astype(dt)), "key_proj")
         v = checkpoint_name(jnp.einsum("BSD,DKE->BSKE", x_BSD, wv.astype(dt)), "value_proj")
-        return rotary(q, positions_BS, self.cfg.rope), rotary(k, positions_BS, self.cfg.rope), v
+        return q, k, v
 
     def _gathered(self, w, axes):
         if self.mesh is None:

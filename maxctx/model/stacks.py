@@ -23,11 +23,14 @@ from jax.ad_checkpoint import checkpoint_name
 from maxctx.model.family import Stack
 from maxctx.model.layers import ModelConfig, constrain_activations, names_policy, remat_names
 from maxctx.model.llama.layers import DecoderLayer
+from maxctx.model.olmo.layers import OlmoLayer
+from maxctx.model.qwen.layers import QwenLayer
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
 # layer kind -> its constructor (cfg, rngs, mesh): an nnx.Module called as layer(x_BSD, positions_BS,
 # segment_ids_BS, window) -> x_BSD. `register_layer` adds one (a test's toy family does).
 _KINDS: dict[str, Callable[..., nnx.Module]] = {"llama": DecoderLayer}
+_KINDS.update(qwen=QwenLayer, olmo=OlmoLayer)
 
 
 def register_layer(kind: str, make: Callable[..., nnx.Module]) -> None:

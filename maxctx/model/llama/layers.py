@@ -12,11 +12,14 @@ from maxctx.model.layers import MLP, Attention, ModelConfig, RMSNorm
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); `window` > 0 makes the attention local."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); `window` > 0 makes the attention local. A family
+    with the same block and its own attention (maxctx.model.qwen) subclasses it with another `attention`."""
+
+    attention = Attention
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
         self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.attn = Attention(cfg, rngs, mesh)
+        self.attn = self.attention(cfg, rngs, mesh)
         self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
         self.mlp = MLP(cfg, rngs, mesh)
 
