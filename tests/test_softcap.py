@@ -132,17 +132,22 @@ SPLASH = (512, 2, 1, 128, (100, 250, 162))
     # Ring hops: splash's forward with residuals, its dQ/dK/dV from the merged out and lse.
     ("p2p", 2, 1, False, 0, "zigzag"),
     ("a2a", 1, 2, False, 0, "zigzag"),  # one call through splash's own custom VJP
-    ("p2p", 2, 1, False, 0, "documents"),  # the documents kernel: tables and q_sequence from each call's ids
+    # The documents kernel (tables and q_sequence from each call's ids), its ring hops' backward blockwise
+    # (Blocks.ring_backward=False: what a JAX without splash's backward kernels runs).
+    ("p2p", 2, 1, False, 0, "documents"),
     ("all_gather", 2, 1, False, 128, "zigzag"),  # a local layer's band kernel (the halo exchange)
     ("p2p", 2, 1, True, 0, "zigzag")])  # tokamax's forward and fused backward on the ring's hops
 def test_splash_kernels(strategy, ring, a2a, tokamax, window, order, monkeypatch):
-    from maxctx.attention.kernels import flash, tokamax_splash
+    from maxctx.attention.kernels import flash, splash, tokamax_splash
 
     if tokamax:
         assert tokamax_splash.installed(), "tokamax is not installed; the test extra has it"
-    monkeypatch.setattr(flash, "flash_backward", None)  # no hop may take the blockwise backward
+    documents = order == "documents"
+    if not documents:
+        monkeypatch.setattr(flash, "flash_backward", None)  # no hop may take the blockwise backward
     spec = AttentionSpec(kernel="splash", strategy=strategy, block_q=128, block_kv=128, logit_softcap=CAP,
-                         tokamax=tokamax, window=window, load_balance="documents" if order == "documents" else True)
+                         tokamax=tokamax, window=window, load_balance="documents" if documents else True,
+                         splash_blocks=splash.Blocks(ring_backward=not documents))
     run_sharded(spec, ring, a2a, SPLASH, (order,), f"{'tokamax' if tokamax else 'splash'} {strategy}")
 
 
