@@ -44,15 +44,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 from maxctx.attention.cp import strategies
 from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_heads
-from maxctx.config import REMAT_NAMES, Config, ConfigError, layer_windows
+from maxctx.config import REMAT_NAMES, Config, layer_windows
 from maxctx.model import families
-from maxctx.parallelism import RING_AXIS, TENSOR_AXIS, MeshPlan, mesh_context_degree, num_slices
+from maxctx.parallelism import RING_AXIS, TENSOR_AXIS, MeshPlan, mesh_context_degree
 from maxctx.plan import topology
 from maxctx.plan.documents import attention_pairs_per_token, causal_keys
+from maxctx.plan.hardware import (  # noqa: F401  (the device and the collectives' timing, named here for readers)
+    CUDNN_EFFICIENCY,
+    DCN_BYTES_PER_S,
+    DCN_LATENCY_S,
+    GPU_HOST_BYTES_PER_S,
+    GPU_MATMUL_EFFICIENCY,
+    HOST_BYTES_PER_S,
+    ICI_LATENCY_S,
+    Hardware,
+    _collective_s,
+    hardware,
+)
 from maxctx.plan.roofline import attention_shape, traffic
 
 GIB = 1024 ** 3
@@ -63,93 +74,6 @@ DEFAULT_SCOPED_VMEM_BYTES = 16 * 2 ** 20  # where maxctx.plan.topology states no
 SPLASH_BLOCKS = (512, 1024, 2048)  # what splash_block chooses from; an uncalibrated one is not chosen
 BLOCKWISE_EFFICIENCY = 0.3  # assumption: no measured row runs the blockwise kernel
 RECOMPUTE_ATTENTION = 2.80  # fitted on the 10,485,760-token row
-# Pinned host memory <-> HBM per chip, each way: an assumption (docs/step_time_model.md), not calibrated.
-HOST_BYTES_PER_S = 16e9
-
-# DCN bandwidth per chip each way where maxctx.plan.topology has no figure from Google's pages (v4, v6e, tpu7x, and the
-# generic device): an assumption, 100 Gb/s. Latency of one collective or ring hop: assumptions.
-DCN_BYTES_PER_S = topology.DCN_DEFAULT_BYTES_PER_S
-ICI_LATENCY_S, DCN_LATENCY_S = 5e-6, 50e-6
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One device as the model sees it; bandwidths in bytes/s, one direction."""
-
-    name: str
-    peak_flops: float
-    hbm_bytes: float
-    hbm_bytes_per_s: float
-    link_bytes_per_s: float  # one ICI link
-    torus: tuple[int, ...]  # devices per torus dimension of one slice
-    dcn_bytes_per_s: float = DCN_BYTES_PER_S
-    host_bytes_per_s: float = HOST_BYTES_PER_S  # to or from pinned host memory, each way
-
-    @property
-    def ici_bytes_per_s(self) -> float:
-        """Egress over all links (two per torus dimension)."""
-        return self.link_bytes_per_s * 2 * len(self.torus)
-
-
-def hardware(config: Config, num_devices: int | None) -> Hardware:
-    """The device of `compile_topology`, else of TPU_ACCELERATOR_TYPE (set on Cloud TPU VMs), else a generic
-    device (CPU runs: the choice is then about validity, not speed)."""
-    name = config.compile_topology or os.environ.get("TPU_ACCELERATOR_TYPE", "")
-    try:
-        topo = topology.parse(name) if name else None
-    except ConfigError:
-        topo = None
-    if topo is None:
-        peak = config.peak_tflops_per_device * 1e12 if config.peak_tflops_per_device > 0 else 1e12
-        return Hardware(f"generic device ({peak / 1e12:g} TFLOP/s, 64 GiB, 100 GB/s memory, 10 GB/s links)", peak,
-                        64 * GIB, 100e9, 10e9, (num_devices or 1,))
-    chip, per_chip = topo.chip, topo.chip.devices_per_chip
-    if config.peak_tflops_per_device > 0:
-        peak = config.peak_tflops_per_device * 1e12
-    else:
-        from maxctx.metrics.peaks import lookup_peak  # imports JAX: only for a TPU's table entry
-
-        peak = lookup_peak(chip.device_kind).tflops_per_device * 1e12
-    links = 2 * chip.dims
-    torus = topo.shape[:-1] + (topo.shape[-1] * per_chip,)
-    slices = f"{num_slices(config)} x " if num_slices(config) > 1 else ""
-    return Hardware(f"{slices}{topo.name} ({chip.name})", peak, chip.hbm_bytes_per_device,
-                    chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / links / per_chip, torus,
-                    chip.dcn_bytes_per_s_or_default / per_chip)
-
-
-def _spanned(hw: Hardware, group: int) -> list[tuple[int, int]]:
-    """(devices the group spans, the torus side) per torus dimension it spans. A mesh axis's groups lie on
-    adjacent devices (maxctx.mesh maps the unsplit context axis onto the torus and splits it afterwards), so a group
-    fills the torus dimensions in order: 8 devices of a 4x4x4 torus span 4 along the first and 2 along the second."""
-    out, left = [], group
-    for side in hw.torus:
-        if left <= 1:
-            break
-        extent = min(side, left)
-        out.append((extent, side))
-        left = -(-left // extent)
-    return out or [(1, 1)]
-
-
-def _collective_s(c: Collective, hw: Hardware, ici_cp: int) -> float:
-    """Seconds one non-ring collective takes: its ICI part, then (a group beyond the slice) its DCN part."""
-    slices = max(1, c.group // ici_cp) if c.group > ici_cp else 1
-    inside = c.group // slices
-    spans = _spanned(hw, inside)
-    if c.kind == "all-to-all":
-        # Each device sends bytes / U to every member. Along one dimension of extent e the traffic is an
-        # all-to-all among e devices: on a wraparound ring (e = the torus side) a message crosses e / 4 links on
-        # average and each device has 2 links out, so e x bytes / 8 per link; on a line (a part of a dimension, no
-        # wraparound) the middle link carries e x bytes / 4 each way. Dimensions carry their shares at once, so
-        # the slowest dimension sets the time (bisection bound; docs/choosing_a_strategy.md has the source).
-        ici = max(c.bytes * e / (8 if e == side > 2 else 4) for e, side in spans) / hw.link_bytes_per_s
-    else:  # all-gather / reduce-scatter: rings in both directions of every spanned dimension
-        ici = c.bytes * (inside - 1) / c.group / (2 * len(spans) * hw.link_bytes_per_s)
-    ici = ici + ICI_LATENCY_S if inside > 1 else 0.0
-    dcn = c.bytes * (slices - 1) / slices / hw.dcn_bytes_per_s + DCN_LATENCY_S if slices > 1 else 0.0
-    return ici + dcn
-
-
 def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
                       forward_passes: int) -> float:
     """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
@@ -269,6 +193,8 @@ def splash_block(config: Config, vmem_bytes: float) -> int:
 def attention_efficiency(config: Config) -> float:
     """The attention kernel's calibrated share of the peak: splash at its block size (the nearest calibrated one
     below it, else the smallest), the blockwise kernel otherwise."""
+    if config.compile_topology and topology.parse(config.compile_topology).chip.switch:
+        return CUDNN_EFFICIENCY if config.attention in ("cudnn", "flash", "auto") else BLOCKWISE_EFFICIENCY
     if config.attention not in ("splash", "flash", "auto"):
         return BLOCKWISE_EFFICIENCY
     block = min(config.flash_block_q, config.flash_block_kv)
@@ -328,9 +254,10 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     redone += 2 * layers * t * shape.mlp_params / tp * (config.mlp_sequence_chunks > 1 and redone > 0)
     attention_rate = hw.peak_flops * attention_efficiency(config)
     forward_attention_s = attention_flops / 3 / attention_rate
-    redone_s = redone / (hw.peak_flops * XLA_MATMUL_EFFICIENCY)
+    matmul_rate = hw.peak_flops * (hw.matmul_efficiency or XLA_MATMUL_EFFICIENCY)
+    redone_s = redone / matmul_rate
     recompute_s = redone_s + (forwards_per_layer - 1) * RECOMPUTE_ATTENTION * forward_attention_s
-    matmul_s = matmul_flops / (hw.peak_flops * XLA_MATMUL_EFFICIENCY)
+    matmul_s = matmul_flops / matmul_rate
     passes = 2 if redone else 1
     moved = traffic(config, mesh, global_batch, passes)
     memory_s = max(0.0, moved["hbm"] / hw.hbm_bytes_per_s - matmul_s - redone_s)
@@ -355,6 +282,8 @@ def _cp_seconds(config: Config, plan: MeshPlan, hw: Hardware, attention_rate: fl
     mesh, cp, dcn_cp = plan.sizes, plan.cp, plan.dcn_cp
     if cp == 1:
         return 0.0, 0.0
+    if hw.switch and cp > hw.switch:  # a GPU ring past one node crosses the NICs
+        dcn_cp = max(dcn_cp, cp // hw.switch)
     tp = mesh[TENSOR_AXIS]
     strategy, windows = config.context_parallel_strategy, layer_windows(config)
     effective = dataclasses.replace(hw, peak_flops=attention_rate)

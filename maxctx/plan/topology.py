@@ -1,4 +1,5 @@
-"""TPU topologies for ahead-of-time compilation: user-facing names -> abstract devices, and per-chip hardware.
+"""TPU topologies for ahead-of-time compilation: user-facing names -> abstract devices, and per-chip hardware;
+GPU clusters for the planner.
 
 Names (Google's accelerator types): `v4-N`, `v5p-N` and `tpu7x-N` count TensorCores (two per chip, so N/2 chips;
 v4-8 and v5p-8 are 2x2x1 chips), `v5e-N` (alias `v5litepod-N`) and `v6e-N` count chips (one TensorCore each).
@@ -9,6 +10,11 @@ devices, so the real step compiles for a pod on a machine that has libtpu and no
 What one JAX device is: v4 and v5p run in megacore mode (one device per chip, both TensorCores); TPU7x exposes each
 TensorCore as a device (two per chip, each with half the chip's HBM); v5e and v6e chips have one TensorCore.
 Peak FLOP/s come from maxctx.metrics.peaks (not repeated here); HBM and ICI figures below cite Google's pages.
+
+GPU clusters (`h100-N`, `h200-N`, `b200-N`: N GPUs, 1, 2, 4 or 8 in one node, else whole nodes of 8) are priced by
+the planner and the time model (`--plan`) but not compiled ahead of time (that needs libtpu): 8 GPUs per node
+behind one NVLink switch (every GPU reaches every other at its full NVLink bandwidth: `Chip.switch`), nodes joined
+by one 400 Gb/s InfiniBand / RoCE NIC per GPU (DGX/HGX H100, H200, B200). Figures cite NVIDIA's pages.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class Chip:
     scoped_vmem_kib: int = 0
     # host DRAM per chip: the TPU VM's memory / its chips (GB = 1e9 bytes, the lower reading); 0: no sourced figure
     host_bytes: int = 0
+    # GPUs: the devices behind one NVLink switch (a node); 0 for a TPU (a torus of ICI links). A GPU's
+    # ici_bytes_per_s is its NVLink bandwidth, both directions together, and dcn_bytes_per_s its NIC's, one way.
+    switch: int = 0
 
     @property
     def dcn_bytes_per_s_or_default(self) -> float:
@@ -84,6 +93,22 @@ CHIPS: dict[str, Chip] = {
                   "(https://cloud.google.com/tpu/docs/tpu7x)", scoped_vmem_kib=65472, host_bytes=960 * 10**9 // 4),
 }
 ALIASES = {"v5litepod": "v5e", "v5": "v5p", "v7x": "tpu7x"}
+_NIC = 400e9 / 8  # one ConnectX-7 400 Gb/s NIC per GPU in DGX H100 / H200 / B200, one way
+GPUS: dict[str, Chip] = {
+    "h100": Chip("NVIDIA H100 SXM", "h100", "NVIDIA H100 80GB HBM3", 1, False, 1, False, 80 * 10**9, 3.35e12, 900e9,
+                 "https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: 80 GB, 3.35 TB/s HBM3, NVLink 900 GB/s); "
+                 "DGX H100: 8 GPUs, 2 TB system memory, 8 x 400 Gb/s ConnectX-7 "
+                 "(https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html)", _NIC,
+                 host_bytes=2 * 10**12 // 8, switch=8),
+    "h200": Chip("NVIDIA H200 SXM", "h200", "NVIDIA H200", 1, False, 1, False, 141 * 10**9, 4.8e12, 900e9,
+                 "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM: 141 GB, 4.8 TB/s HBM3e, NVLink 900 GB/s); "
+                 "DGX H200: 2 TB system memory, 8 x 400 Gb/s NICs as DGX H100", _NIC,
+                 host_bytes=2 * 10**12 // 8, switch=8),
+    "b200": Chip("NVIDIA B200", "b200", "NVIDIA B200", 1, False, 1, False, 180 * 10**9, 8e12, 1.8e12,
+                 "https://www.nvidia.com/en-us/data-center/dgx-b200/ (DGX B200: 8 GPUs, 1,440 GB HBM3e at 64 TB/s "
+                 "in all, NVLink 5 1.8 TB/s per GPU, 4 TB system memory, 8 x 400 Gb/s ConnectX-7)", _NIC,
+                 host_bytes=4 * 10**12 // 8, switch=8),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +165,12 @@ def standard_shape(num_chips: int, dims: int) -> tuple[int, ...] | None:
 
 
 def parse(name: str) -> Topology:
-    """'v5p-128' (accelerator type) or 'v5p:4x4x4' (libtpu shape) -> Topology; ConfigError naming the fix."""
+    """'v5p-128' (accelerator type) or 'v5p:4x4x4' (libtpu shape) -> Topology, or a GPU cluster 'h100-64' (module
+    doc); ConfigError naming the fix."""
     key = f"compile_topology='{name}'"
-    choices = ", ".join(f"{g}-N" for g in CHIPS)
+    choices = ", ".join(f"{g}-N" for g in (*CHIPS, *GPUS))
+    if (m := re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())) and m[1] in GPUS:
+        return _gpu_cluster(name, GPUS[m[1]], int(m[2]))
     if m := re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)+)", name.strip().lower()):
         gen, shape = ALIASES.get(m[1], m[1]), tuple(int(d) for d in m[2].split("x"))
         if gen not in CHIPS:
@@ -168,6 +196,24 @@ def parse(name: str) -> Topology:
     return Topology(name, chip, shape)
 
 
+def _gpu_cluster(name: str, chip: Chip, gpus: int) -> Topology:
+    """N GPUs: nodes of `chip.switch`, or a power-of-two part of one node; shape (GPUs per node, nodes)."""
+    per_node = chip.switch
+    if gpus < 1 or (gpus < per_node and per_node % gpus) or (gpus > per_node and gpus % per_node):
+        raise ConfigError(f"compile_topology='{name}': {gpus} {chip.name} GPUs is not 1, 2, 4 or {per_node} in one "
+                          f"node, or whole nodes of {per_node} (e.g. {chip.libtpu_prefix}-{per_node}, "
+                          f"{chip.libtpu_prefix}-{4 * per_node})")
+    return Topology(name, chip, (min(gpus, per_node), max(1, gpus // per_node)))
+
+
+def require_compilable(topology: Topology) -> None:
+    """Ahead-of-time compilation is for TPU topologies (libtpu); a GPU cluster is priced by --plan only."""
+    if topology.chip.switch:
+        raise ConfigError(f"compile_topology='{topology.name}' is a GPU cluster: `python -m maxctx.compile ... --plan` "
+                          f"prices it, but compiling ahead of time needs a TPU topology; compile on the GPU nodes "
+                          f"themselves (without compile_topology)")
+
+
 def require_libtpu() -> None:
     if importlib.util.find_spec("libtpu") is None:
         import jax
@@ -178,6 +224,7 @@ def require_libtpu() -> None:
 
 def topology_devices(topology: Topology, num_slices: int = 1) -> list:
     """Compile-only devices of `num_slices` slices of `topology` (no TPU needed, only libtpu)."""
+    require_compilable(topology)
     require_libtpu()
     # Compile-only use of libtpu: another process on this machine may hold libtpu's lock file (e.g. a JAX
     # program that probed for a TPU); the lock only guards a real chip.
