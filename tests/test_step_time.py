@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 
 from maxctx.parallelism import MeshPlan
+from maxctx.plan import step_time
 from tests.support.processes import ROOT
 
 
@@ -23,6 +24,15 @@ def test_predicts_maxtext_rows_within_15_percent(bench):
     for row in bench.ROWS:
         error = bench.predict(row).step_s / row[7] - 1
         assert abs(error) < (0.01 if row[0] in bench.FITTED.values() else 0.15), (row[0], error)
+
+
+def test_each_row_held_out_is_predicted_within_1_percent(bench):
+    lines = bench.leave_one_out()[2:]
+    assert len(lines) == len(bench.ROWS)
+    for line in lines:
+        error = float(line.split("|")[4].strip().rstrip("%")) / 100
+        assert abs(error) < 0.01, line
+    assert (step_time.XLA_MATMUL_EFFICIENCY, step_time.RECOMPUTE_ATTENTION) == (0.875, 2.80)  # restored
 
 
 def test_the_constants_are_the_fit(bench):
