@@ -230,6 +230,44 @@ def verify_plan(plan: planner.Plan, config: Config, top: int = 3) -> list[dict]:
     return rows
 
 
+def candidate_keys(config: Config, plan: planner.Plan, cand: planner.Candidate) -> list[str]:
+    """The command-line keys that run `cand` of `plan` (what auto chose for it) without auto."""
+    chosen = strategies.get(cand.strategy).candidate_config(config, cand.a2a)
+    keys = [f"context_parallel_strategy={cand.strategy}",
+            f"context_parallel_a2a_degree={chosen.context_parallel_a2a_degree}"]
+    if "remat_policy=auto" in plan.keys:
+        keys += ["remat_policy=custom", *(f"{name}={where}" for name, where in cand.placement)]
+    return keys
+
+
+def _run_child(args: list[str]) -> int:
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "maxctx.compile", *args], check=False).returncode
+
+
+def compile_first_that_works(argv: list[str], config: Config, plan: planner.Plan, run=_run_child) -> int:
+    """auto's candidates that fit by the estimate, best first, each compiled in its own process (a libtpu abort
+    kills only that one) until one compiles and fits: its exit status, or NOT_FITTING when none does. `run(args)`
+    runs `python -m maxctx.compile args` and returns its exit status (negative: killed by that signal)."""
+    import signal
+
+    fitting = [c for c in plan.ranked if c.fits]
+    for i, cand in enumerate(fitting):
+        keys = candidate_keys(config, plan, cand)
+        given = {key.split("=")[0] for key in keys}
+        status = run([*(a for a in argv if a.split("=")[0] not in given), *keys])
+        if status in (0, 2):
+            return status
+        why = (f"aborted while compiling ({signal.Signals(-status).name})" if status < 0 else
+               "compiled but does not fit" if status == NOT_FITTING else f"failed (exit status {status})")
+        following = f"; taking the next, {fitting[i + 1].label}" if i + 1 < len(fitting) else ""
+        print(f"auto: candidate {cand.label} ({cand.placed}) {why}{following}", file=sys.stderr, flush=True)
+    print(f"auto: none of the {len(fitting)} candidates that fit by the estimate compiled and fit; "
+          f"`--plan --verify` compiles each and shows why", file=sys.stderr)
+    return NOT_FITTING
+
+
 def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(usage("python -m maxctx.compile", USAGE))
@@ -254,6 +292,10 @@ def main(argv: list[str]) -> int:
                 verified = verify_plan(plan, config, int(top[-1]) if top else 3)
             print(json.dumps({"plan": plan.rows(), "verify": verified}))
             return 0
+        if auto_plan is not None and config.compile_topology:
+            # auto's first choice verified by compiling it, in a process of its own, before it is reported
+            print("\n".join(planner.format_plan(auto_plan)), flush=True)
+            return compile_first_that_works(argv, config, auto_plan)
         from maxctx import runtime
 
         runtime.initialize(config)

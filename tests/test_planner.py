@@ -418,3 +418,31 @@ def test_verify_prints_the_programs_counts_beside_the_estimate(capsys):
     assert row["device_to_host_bytes"] == row["estimate_host_bytes"] == 0
     assert row["compiled_estimate_step_s"] is None  # local devices: no step-time estimate from the compile
     assert "attention forwards per layer estimate 1, compiled 1" in capsys.readouterr().out
+
+
+def test_auto_takes_the_next_candidate_when_the_first_aborts_while_compiling(capsys):
+    # auto's choice is compiled in a process of its own (maxctx.compile.compile_first_that_works): a libtpu abort
+    # (SIGABRT) kills only that process, and the next candidate is compiled; a candidate that compiles too big is
+    # passed over the same way.
+    import signal
+
+    from maxctx.compile import NOT_FITTING, compile_first_that_works
+    argv = ["configs/base.yml", "compile_topology=v5p-128", "model_name=llama3-8b", "max_target_length=131072",
+            "ici_context_parallelism=16", "ici_fsdp_parallelism=4", "per_device_batch_size=0.25",
+            "context_parallel_strategy=auto"]
+    config, plan = load(argv)
+    first, second, third = [c for c in plan.ranked if c.fits][:3]
+    calls = []
+
+    def run(args):
+        calls.append(args)
+        return [-signal.SIGABRT, NOT_FITTING, 0][len(calls) - 1]
+
+    assert compile_first_that_works(argv, config, plan, run) == 0
+    for call, cand in zip(calls, (first, second, third)):
+        assert f"context_parallel_strategy={cand.strategy}" in call and "context_parallel_strategy=auto" not in call
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"auto: candidate {first.label} ({first.placed}) aborted while compiling (SIGABRT); taking the "
+                   f"next, {second.label}",
+                   f"auto: candidate {second.label} ({second.placed}) compiled but does not fit; taking the next, "
+                   f"{third.label}"]
