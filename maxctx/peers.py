@@ -10,14 +10,18 @@ abort of its trainer cannot cut short. It holds
     through faulthandler, "Fatal Python error: Aborted" when it is aborted. End of file without any of them (or
     with another fatal signal) means the trainer died: kill -9, the OOM killer, a segfault;
   - a TCP connection between process 0's watcher (the hub, listening on a port published in JAX's coordination
-    key-value store, on process 0's host: the coordinator's) and every other watcher.
-A watcher whose trainer died tells the others `died <i>` (the hub relays); a connection that ends without `bye`
-means the same. Every watcher whose trainer still runs, or was aborted or failed up to LINGER_S s before, prints
+    key-value store, on process 0's host: the coordinator's) and every other watcher, made before training starts
+    (`hello <i> <token>`, answered `welcome`), so that a death at any moment of training is news to the hub.
+A watcher whose trainer died tells the others `died <i> <step>` (the hub relays); a connection that ends without
+`bye` means the same. Every watcher whose trainer still runs, or was aborted or failed up to LINGER_S s before, prints
 ONE line on its stderr (`peer error: process 1 of 2 died (last committed checkpoint: step 20 in ...); ...`),
 with the last committed step read from the checkpoint directory at that moment and this process's command to
-resume. A watcher exits when its trainer does (at most LINGER_S s later); it never prints after a clean end, never
-blames an aborted process (JAX aborts the survivors too), and a single-process run has none. It costs the
-training loop nothing: the trainer writes to it only at its end.
+resume. With the local checkpoint tier on (maxctx.checkpoint.local_tier), the step named is the one the resume
+takes: the newest local step that both the dead process's host and this one hold, when it is newer than the
+persistent tier's (`<step>` is the dead host's newest local step; -1: none, or a host that vanished, its local
+disk most likely with it). A watcher exits when its trainer does (at most LINGER_S s later); it never prints after
+a clean end, never blames an aborted process (JAX aborts the survivors too), and a single-process run has none. It
+costs the training loop nothing: the trainer writes to it only at its end.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ _FATAL = "Fatal Python error: "
 
 def newest_step(checkpoint_dir: str) -> int | None:
     """The newest committed step in a local checkpoints directory: Orbax renames `<step>.orbax-checkpoint-tmp*`
-    to `<step>` only once every process has written it, so a save cut off by the death is not counted."""
+    to `<step>` only once every process has written it (the local tier, `<step>.tmp` once this host has), so a save
+    cut off by the death is not counted."""
     try:
         names = os.listdir(checkpoint_dir)
     except OSError:
@@ -51,11 +56,21 @@ def newest_step(checkpoint_dir: str) -> int | None:
                default=None)
 
 
-def death_line(dead: int, num: int, checkpoint_dir: str, command: str) -> str:
-    """The line a surviving process prints; `checkpoint_dir` is empty when checkpointing is off."""
+def death_line(dead: int, num: int, checkpoint_dir: str, command: str, local_dir: str = "",
+               local_step: int | None = None) -> str:
+    """The line a surviving process prints; `checkpoint_dir` is empty when checkpointing is off. `local_step`: the
+    newest step of the local tier (this process's `local_dir`) that the dead process's host holds too, if any."""
     step = None if not checkpoint_dir or "://" in checkpoint_dir else newest_step(checkpoint_dir)
+    local = local_step is not None and (step is None or local_step > step)  # the resume takes the newer tier's
     if not checkpoint_dir:
         where, then = "checkpointing is off", "start over from step 0"
+    elif local:
+        newer = ", or a newer one there" if "://" in checkpoint_dir else ""
+        where = (f"last committed checkpoint: step {local_step} in the local tier {os.path.dirname(local_dir)}, "
+                 f"beside {checkpoint_dir}{newer}")
+        other = (f"the newest step committed in {checkpoint_dir}" if "://" in checkpoint_dir else
+                 f"step {step}" if step is not None else "step 0")
+        then = f"resume from step {local_step} (on another process count or mesh: from {other})"
     elif "://" in checkpoint_dir:  # listing an object store needs its client; the resume finds the step itself
         where, then = f"checkpoints in {checkpoint_dir}", "resume from the newest step committed there"
     elif step is None:
@@ -71,10 +86,12 @@ class PeerLink:
     around training: leaving it normally writes "done", by an exception "failed".
 
     `publish(key, value)` / `lookup(key)`: the job's key-value store (process 0 publishes, the others wait for it);
-    `hub_host`: process 0's host as the other processes reach it."""
+    `hub_host`: process 0's host as the other processes reach it; `local_dir`: this process's local checkpoint
+    tier ("": none)."""
 
     def __init__(self, process: int, num: int, checkpoint_dir: str, command: str,
-                 publish: Callable[[str, str], None], lookup: Callable[[str], str], hub_host: str):
+                 publish: Callable[[str, str], None], lookup: Callable[[str], str], hub_host: str,
+                 local_dir: str = ""):
         if process == 0:
             token = secrets.token_hex(16)
             dual = socket.has_dualstack_ipv6()
@@ -84,10 +101,12 @@ class PeerLink:
         else:
             port, token = lookup(KEY).split()
             sock = socket.create_connection((hub_host, int(port)), timeout=60)
-            sock.settimeout(None)
             sock.sendall(f"hello {process} {token}\n".encode())
+            _await_welcome(sock)  # from here on the hub knows this process, and its death is news to it
+            sock.settimeout(None)
         header = {"process": process, "num": num, "fd": sock.fileno(), "token": token,
-                  "checkpoint_dir": checkpoint_dir, "command": command, "echo": faulthandler.is_enabled()}
+                  "checkpoint_dir": checkpoint_dir, "command": command, "echo": faulthandler.is_enabled(),
+                  "local_dir": local_dir}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         boot = f"import sys; sys.path.insert(0, {root!r}); from maxctx.peers import main; main()"
         self._watcher = subprocess.Popen([sys.executable, "-c", boot], stdin=subprocess.PIPE,
@@ -120,12 +139,23 @@ class PeerLink:
         return False
 
 
+def _await_welcome(sock: socket.socket) -> None:
+    """Reads the hub's `welcome` line, byte by byte: what follows it is the watcher's to read."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = sock.recv(1)
+        if not byte:
+            raise ConnectionError("the hub's watcher closed the connection before its welcome")
+        line += byte
+
+
 class Watcher:
     """The watcher process's state; `run` returns when it should exit (see the module doc)."""
 
     def __init__(self, header: dict):
         self.process, self.num, self.token = header["process"], header["num"], header["token"]
         self.checkpoint_dir, self.command, self.echo = header["checkpoint_dir"], header["command"], header["echo"]
+        self.local_dir = header["local_dir"]
         sock = socket.socket(fileno=header["fd"])
         self.listener = sock if self.process == 0 else None
         self.peers: dict[socket.socket, int | None] = {} if self.listener else {sock: 0}  # connection -> process
@@ -167,7 +197,7 @@ class Watcher:
         if self.ending in ("failed", "aborted") and not self.said:
             self.deadline = time.monotonic() + LINGER_S  # the news of the peer that caused it may be on its way
             return True
-        self._leave(f"died {self.process}" if self.ending in (None, "died") else "bye")
+        self._leave(f"died {self.process} {self._newest_local()}" if self.ending in (None, "died") else "bye")
         return False
 
     def _from_trainer(self, line: str) -> bool:
@@ -186,29 +216,38 @@ class Watcher:
         if self.peers[conn] is None:  # a connection's first line: hello <process> <token>
             if len(words) == 3 and words[0] == "hello" and words[1].isdigit() and words[2] == self.token:
                 self.peers[conn] = int(words[1])
+                self._tell(conn, "welcome")
                 return True
             words = ["bye"]  # not one of the job's watchers
         if words == ["bye"]:
             self.peers.pop(conn)
             conn.close()
             return True
-        if len(words) == 2 and words[0] == "died" and words[1].isdigit():
-            return self._peer_gone(conn, self.peers.pop(conn), dead=int(words[1]))
+        if len(words) == 3 and words[0] == "died" and words[1].isdigit() and words[2].lstrip("-").isdigit():
+            return self._peer_gone(conn, self.peers.pop(conn), dead=int(words[1]), dead_local=int(words[2]))
         return True
 
-    def _peer_gone(self, conn: socket.socket, process: int | None, dead: int | None = None) -> bool:
-        """A peer connection ended (`died <dead>`, or closed without `bye`); False: exit now."""
+    def _peer_gone(self, conn: socket.socket, process: int | None, dead: int | None = None,
+                   dead_local: int = -1) -> bool:
+        """A peer connection ended (`died <dead> <dead_local>`, or closed without `bye`); False: exit now."""
         conn.close()
         if process is None:  # it never said hello: not one of the job's watchers
             return True
         dead = process if dead is None or self.listener is not None else dead  # only the hub relays others
         for other in list(self.peers):
-            self._tell(other, f"died {dead}")
+            self._tell(other, f"died {dead} {dead_local}")
         if self.said or self.ending in ("done", "died"):
             return True
-        print(death_line(dead, self.num, self.checkpoint_dir, self.command), file=sys.stderr, flush=True)
+        common = min(self._newest_local(), dead_local)  # a local step serves only if every host holds it
+        print(death_line(dead, self.num, self.checkpoint_dir, self.command, self.local_dir,
+                         common if common >= 0 else None), file=sys.stderr, flush=True)
         self.said = True
         return self.deadline is None  # an ended trainer's watcher waited only for this
+
+    def _newest_local(self) -> int:
+        """This host's newest committed local step (-1: none, or no local tier)."""
+        step = newest_step(self.local_dir) if self.local_dir else None
+        return -1 if step is None else step
 
     def _tell(self, conn: socket.socket, line: str) -> None:
         try:

@@ -152,11 +152,13 @@ def watch_peers(config: Config, command: str) -> contextlib.AbstractContextManag
     if jax.process_count() == 1 or client is None:
         return contextlib.nullcontext()
     host = (getattr(state, "coordinator_address", None) or "").rpartition(":")[0].strip("[]")
+    local = (config.local_checkpoint_dir(jax.process_index(), jax.process_count())
+             if config.enable_checkpointing and config.enable_emergency_checkpoint else "")  # its steps count too
     try:
         return PeerLink(jax.process_index(), jax.process_count(),
                         config.checkpoint_dir if config.enable_checkpointing else "", command,
                         publish=client.key_value_set, lookup=lambda key: client.blocking_key_value_get(key, 120_000),
-                        hub_host=host)
+                        hub_host=host, local_dir=local)
     except (OSError, ValueError, jax.errors.JaxRuntimeError) as e:
         print(f"warning: no peer watcher ({type(e).__name__}: {e}); should a process die, the others end with "
               f"JAX's own errors", file=sys.stderr, flush=True)

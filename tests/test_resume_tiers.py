@@ -1,9 +1,10 @@
 """Both checkpoint tiers on, in a real 2-process job (2 processes x 2 CPU devices): the local tier every step, the
 persistent one every 2. Process 1 is killed (SIGKILL) while the persistent save of step 4 is in flight: process
-0 stops within bounded time with one line naming process 1. Relaunched, the job resumes from the newest local
-step every process holds (newer than the persistent tier's 2), nothing committed lost; with process 1's local
-directory deleted instead, it falls back to the persistent step 2, saying so in one line. Both go on with the
-losses the job would have had (those the killed run logged, and each other's)."""
+0 stops within bounded time with one line naming process 1 and the step the relaunch resumes from. Relaunched,
+the job resumes from the newest local step every process holds (newer than the persistent tier's 2), nothing
+committed lost; with process 1's local directory deleted instead, it falls back to the persistent step 2, saying
+so in one line. Both go on with the losses the job would have had (those the killed run logged, and each
+other's)."""
 
 import shutil
 import signal
@@ -65,21 +66,24 @@ def killed(tmp_path_factory):
     assert "2" in steps_on_disk(root / "run") and "4" not in steps_on_disk(root / "run")  # 4 was cut off
     shutil.copytree(root / "run", root / "copy")
     shutil.copytree(root / "local/run", root / "local/copy")
-    return root, cache, losses(root / "run")
+    return root, cache, losses(root / "run"), said[0]
 
 
 @pytest.fixture(scope="module")
 def resumed(killed):
     """The killed job relaunched: (the local step it resumed from, its losses)."""
-    root, cache, _ = killed
+    root, cache, _, _ = killed
     logs = finish(start(root, "run", cache))
     (line,) = [line for line in logs[0].splitlines() if line.startswith("resuming from local checkpoint step")]
     return int(line.split()[5]), losses(root / "run")
 
 
 def test_a_kill_mid_save_resumes_from_the_newest_local_step(killed, resumed):
+    """... and process 0's line named that step (the local tier's, not the persistent tier's 2)."""
     step, after = resumed
     assert step >= 4, step  # newer than the persistent tier's 2: nothing committed lost
+    assert f"(last committed checkpoint: step {step} in the local tier " in killed[3], killed[3]
+    assert f"to resume from step {step} (on another process count or mesh: from step 2): " in killed[3], killed[3]
     assert sorted(after) == list(range(1, STEPS + 1))
     assert steps_on_disk(killed[0] / "run")[-1] == str(STEPS)
 
@@ -87,7 +91,7 @@ def test_a_kill_mid_save_resumes_from_the_newest_local_step(killed, resumed):
 def test_a_lost_local_directory_falls_back_to_the_persistent_tier(killed, resumed):
     """Resumed from step 2, the job recomputes steps 3-6: the losses the killed run logged up to the step the
     other resume took, and that resume's after it."""
-    root, cache, _ = killed
+    root, cache, _, _ = killed
     shutil.rmtree(root / "local/copy/process_1-of-2")
     logs = finish(start(root, "copy", cache))
     lines = [line for line in logs[0].splitlines() if line.startswith("the local checkpoint tier cannot serve")]

@@ -99,7 +99,7 @@ def check_resume_record(saved: dict[str, Any] | None, config: Config, global_bat
 
 def resume_notices(saved: dict[str, Any] | None, config: Config, step: int) -> list[str]:
     """One line for each NOTICE_KEYS value this resume changes: what it changes and how to keep the old one (the
-    global batch's comes with the restored state, `go_on_with_batch`: it names the schedule's step)."""
+    global batch's line comes from `resume_changes`: it names the schedule's step, which the restored state holds)."""
     from maxctx.optimizer import learning_rate_schedule
 
     saved, notices = saved or {}, []
