@@ -125,3 +125,17 @@ def test_a_doubled_batch_goes_on_by_step_or_by_tokens(how, moved_to):
     assert f"the learning-rate schedule goes on {expected}" in line, line
     assert resume_changes(state, resume_record(config, 4), config, 4) == (state, [])  # same batch: nothing
     assert jax.device_get(resumed["step"]) == 8
+
+
+def test_a_schedule_length_notice_reads_the_schedule_at_its_own_step():
+    """A resume at step 10 whose schedule is at its step 5 (moved by an earlier batch change) with steps 40 -> 20:
+    the learning rates the line names are the two schedules' at step 5."""
+    import dataclasses
+
+    from maxctx.checkpoint.compatibility import resume_notices
+    from maxctx.optimizer import learning_rate_schedule
+
+    config = load_config(["steps=20"])
+    old = learning_rate_schedule(dataclasses.replace(config, learning_rate_schedule_steps=40))
+    (line,) = resume_notices({"schedule_steps": 40}, config, 10, schedule_at=5)
+    assert f"goes from {float(old(5)):.3g} to {float(learning_rate_schedule(config)(5)):.3g};" in line, line

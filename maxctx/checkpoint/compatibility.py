@@ -97,19 +97,21 @@ def check_resume_record(saved: dict[str, Any] | None, config: Config, global_bat
                               f"optimizer state; data from the start)")
 
 
-def resume_notices(saved: dict[str, Any] | None, config: Config, step: int) -> list[str]:
+def resume_notices(saved: dict[str, Any] | None, config: Config, step: int,
+                   schedule_at: int | None = None) -> list[str]:
     """One line for each NOTICE_KEYS value this resume changes: what it changes and how to keep the old one (the
-    global batch's line comes from `resume_changes`: it names the schedule's step, which the restored state holds)."""
+    global batch's line comes from `resume_changes`: it names the schedule's step, which the restored state holds).
+    `schedule_at`: the schedule's own step, where it is not `step` (maxctx.optimizer)."""
     from maxctx.optimizer import learning_rate_schedule
 
-    saved, notices = saved or {}, []
+    saved, notices, at = saved or {}, [], step if schedule_at is None else schedule_at
     was = saved.get("schedule_steps")
     if was is not None and was != config.schedule_steps:
         old = dataclasses.replace(config, learning_rate_schedule_steps=was)
         notices.append(f"resuming at step {step} on a learning-rate schedule of {config.schedule_steps} steps "
                        f"(steps={config.steps}), not the {was} it was saved with: the learning rate at step {step} "
-                       f"goes from {float(learning_rate_schedule(old)(step)):.3g} to "
-                       f"{float(learning_rate_schedule(config)(step)):.3g}; to keep the old schedule, add "
+                       f"goes from {float(learning_rate_schedule(old)(at)):.3g} to "
+                       f"{float(learning_rate_schedule(config)(at)):.3g}; to keep the old schedule, add "
                        f"learning_rate_schedule_steps={was}")
     was = saved.get("grain_train_files")
     if was is not None and _changed("grain_train_files", was, config.grain_train_files):
@@ -133,16 +135,16 @@ def resume_changes(state: dict, saved: dict[str, Any] | None, config: Config,
     from maxctx.optimizer import resumed_schedule_step, schedule_step, with_schedule_step
 
     step, was = int(jax.device_get(state["step"])), (saved or {}).get("global_batch")
-    notices = resume_notices(saved, config, step)
-    if was is None or was == global_batch:
-        return state, notices
     count = schedule_step(state["opt_state"])
     before = int(jax.device_get(count))
+    if was is None or was == global_batch:
+        return state, resume_notices(saved, config, step, before)
     after = resumed_schedule_step(before, was, global_batch, config.schedule_on_batch_change)
     if after != before:  # built on every process from the same value: the count is replicated
         moved = jax.make_array_from_callback((), count.sharding, lambda _: np.asarray(after, count.dtype))
         state = {**state, "opt_state": with_schedule_step(state["opt_state"], moved)}
-    return state, [global_batch_notice(was, global_batch, config, step, before, after), *notices]
+    return state, [global_batch_notice(was, global_batch, config, step, before, after),
+                   *resume_notices(saved, config, step, after)]
 
 
 def global_batch_notice(was: int, now: int, config: Config, step: int, before: int, after: int) -> str:
