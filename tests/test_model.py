@@ -63,13 +63,24 @@ def test_token_order_does_not_matter(tiny):
     np.testing.assert_allclose(out, base[:, perm], rtol=1e-5, atol=1e-5)
 
 
+# Qwen's and OLMo's releases (their safetensors' totals: Qwen2.5 7.62B and 72.71B, Qwen3 0.60B ... 32.76B, OLMo 2 and
+# 3 7B 7.30B, OLMo 3 32B 32.23B), with the q, k, v biases and QK-norm scales counted.
+QWEN_OLMO = [("qwen2.5-7b", 7_615_616_512), ("qwen2.5-72b", 72_706_203_648), ("qwen3-0.6b", 596_049_920),
+             ("qwen3-4b", 4_022_468_096), ("qwen3-8b", 8_190_735_360), ("qwen3-14b", 14_768_307_200),
+             ("qwen3-32b", 32_762_123_264), ("olmo2-7b", 7_298_617_344), ("olmo3-7b", 7_298_011_136),
+             ("olmo3-32b", 32_233_522_176)]
+
+
 @pytest.mark.parametrize("name,expected", [("llama3-8b", 8_030_261_248), ("llama2-7b", 6_738_415_616),
-                                           ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552)])
+                                           ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552)]
+                         + QWEN_OLMO)
 def test_published_parameter_counts(name, expected):
-    _, cfg = _model_config(model_name=name)
+    from maxctx.model import families
+
+    config, cfg = _model_config(model_name=name)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     assert count_params(nnx.state(abstract)) == expected
-    assert cfg.num_params == expected  # the formula the planner uses (maxctx.model.shape)
+    assert families.shape(config).num_params == expected  # the family's formula, which the planner uses
 
 
 def test_the_family_names_every_logical_axis_its_parameters_use():
