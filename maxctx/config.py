@@ -98,6 +98,11 @@ class Config:
     # before RoPE, per head (qwen3) or over the whole projection (olmo2, olmo3).
     attention_bias: bool = False
     use_qk_norm: bool = False
+    # Gemma (MaxText's keys): scores scaled by query_pre_attn_scalar^-1/2 instead of head_dim^-1/2 (0: head_dim);
+    # the local layers' RoPE theta (-1: rope_max_timescale); final logits -> cap * tanh(logits / cap) (0: off).
+    query_pre_attn_scalar: float = 0.0
+    local_rope_max_timescale: float = -1.0
+    final_logits_soft_cap: float = 0.0
     # Numerics and memory.
     dtype: DType = "bfloat16"
     weight_dtype: DType = "float32"
@@ -300,6 +305,7 @@ MODEL_KEYS = (
     "rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
     "rope_linear_scaling_factor", "beta_fast", "beta_slow", "rope_truncate", "rope_attention_factor",
     "sliding_window_size", "attention_layer_pattern", "attention_bias", "use_qk_norm",
+    "query_pre_attn_scalar", "local_rope_max_timescale", "final_logits_soft_cap", "attn_logits_soft_cap",
 )
 FIELD_TYPES = get_type_hints(Config)
 

@@ -300,10 +300,6 @@ def _check_window(config: Config) -> None:
     if "L" in pattern and w == 0:
         raise ConfigError(f"attention_layer_pattern='{pattern}' has local layers but sliding_window_size=0; set "
                           f"sliding_window_size (e.g. 4096)")
-    if pattern and config.base_num_decoder_layers % len(pattern):
-        raise ConfigError(f"attention_layer_pattern='{pattern}' ({len(pattern)} layers) does not divide "
-                          f"base_num_decoder_layers={config.base_num_decoder_layers}; the layers are scanned in "
-                          f"groups of the pattern, so use a pattern whose length divides the layer count")
 
 
 def _check_files(config: Config) -> None:
@@ -384,7 +380,7 @@ def _check_host_layers(config: Config) -> None:
         raise ConfigError(f"decoder_layer_input_host_layers={k} must be -1 (every layer) or a multiple of the "
                           f"attention layer pattern's period {period} from 0 to base_num_decoder_layers={layers}")
     n = config.decoder_layer_input_stride
-    if n < 1 or layers % (n * period):
+    if n < 1 or n > 1 and layers % (n * period):  # n = 1: a pattern may end part-way (maxctx.model.stacks)
         raise ConfigError(f"decoder_layer_input_stride={n} x the attention layer pattern's period {period} must "
                           f"divide base_num_decoder_layers={layers}; choose a divisor of {layers // period}")
     if n > 1 and (not config.scan_layers or config.remat_policy == "none" or k != -1):

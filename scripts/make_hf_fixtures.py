@@ -25,6 +25,11 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
     olmo2      Olmo2ForCausalLM: post-norms, QK-norm over the whole projection
     olmo3      Olmo3ForCausalLM: layer 0 local (sliding_window 32 < S), layer 1 global with YaRN (factor 4,
                original context 32), the local layer's RoPE plain (transformers 5's per-layer-type form)
+    gemma2     Gemma2ForCausalLM: local (window 32) and global layers in turn, query_pre_attn_scalar 24 (not the
+               head dim), attention soft-cap 5 and final soft-cap 15 (both change the logits), tied embedding
+    gemma3     Gemma3ForCausalLM (transformers 5's config form): 3 layers local, global, local (a pattern that ends
+               part-way), window 32, QK-norm, local RoPE theta 1e4 against global 1e6 with linear scaling 8,
+               query_pre_attn_scalar 24
 """
 
 from __future__ import annotations
@@ -59,6 +64,14 @@ MODELS = {
         rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
                                             "original_max_position_embeddings": 32},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}})),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        rope_theta=10000.0, tie_word_embeddings=True, sliding_window=32, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=15.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        tie_word_embeddings=True, sliding_window=32, query_pre_attn_scalar=24, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 

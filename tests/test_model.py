@@ -71,9 +71,16 @@ QWEN_OLMO = [("qwen2.5-7b", 7_615_616_512), ("qwen2.5-72b", 72_706_203_648), ("q
              ("olmo3-32b", 32_233_522_176)]
 
 
+# Gemma's releases (Gemma 3 4B-27B: the language model, its safetensors total less the vision tower's 416,866,032
+# and the projector's 1152 (D + 1)), every norm counted.
+GEMMA = [("gemma2-2b", 2_614_341_888), ("gemma2-9b", 9_241_705_984), ("gemma2-27b", 27_227_128_320),
+         ("gemma3-1b", 999_885_952), ("gemma3-4b", 3_880_263_168), ("gemma3-12b", 11_766_034_176),
+         ("gemma3-27b", 27_009_346_304)]
+
+
 @pytest.mark.parametrize("name,expected", [("llama3-8b", 8_030_261_248), ("llama2-7b", 6_738_415_616),
                                            ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552)]
-                         + QWEN_OLMO)
+                         + QWEN_OLMO + GEMMA)
 def test_published_parameter_counts(name, expected):
     from maxctx.model import families
 

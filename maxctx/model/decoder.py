@@ -1,5 +1,7 @@
 """The decoder: embedding, the family's layer stacks (maxctx.model.stacks runs each: scanned or unrolled,
-rematerialised by policy), final RMSNorm, and a tied or untied output projection.
+rematerialised by policy), final RMSNorm, and a tied or untied output projection, its logits soft-capped where
+final_logits_soft_cap > 0. A family's DecoderOptions (maxctx.model.family) scale the embeddings by sqrt(D) and
+offset the final norm (Gemma).
 
 Legend: B batch, S sequence, D model width, V vocab, L layers.
 Activations between layers are laid out x[B_(data,fsdp), S_(context,context_a2a), D].
@@ -13,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.model import stacks
+from maxctx.model.family import DecoderOptions
 from maxctx.model.layers import ModelConfig, RMSNorm, constrain_activations, param
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import TENSOR_AXIS
@@ -24,7 +27,7 @@ class Decoder(nnx.Module):
         self.embed = param(rngs, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), wd, scale=1.0)
         for name, stack in zip(self._stack_names(cfg), cfg.layer_stacks):
             setattr(self, name, stacks.build(stack, cfg, rngs, mesh))
-        self.final_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, wd, rngs)
+        self.final_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, wd, rngs, offset=_options(cfg).norm_offset)
         if not cfg.tied_embedding:
             self.unembed = param(rngs, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), wd)
         self.cfg, self.mesh = cfg, mesh
@@ -36,18 +39,18 @@ class Decoder(nnx.Module):
 
     def __call__(self, inputs_BS, positions_BS, segment_ids_BS):
         """Returns fp32 logits [B, S, V]."""
-        return _logits(self.hidden(inputs_BS, positions_BS, segment_ids_BS), *self._output_weight(), self.cfg.dtype)
+        return _logits(self.hidden(inputs_BS, positions_BS, segment_ids_BS), *self._output_weight(), self.cfg)
 
     def loss_sums(self, inputs_BS, positions_BS, segment_ids_BS, targets_BS, weights_BS):
         """(sum of weighted token cross-entropy, sum of weights). With num_vocab_tiling = N > 1 the output
         projection and the cross-entropy run over N chunks of each device's tokens (maxctx.model.tiling), so at
         most B x S / (C N) x V logits are live at once, in the forward and in the backward."""
         x_BSD = self.hidden(inputs_BS, positions_BS, segment_ids_BS)
-        w, tied, dtype = *self._output_weight(), self.cfg.dtype
+        w, tied, cfg = *self._output_weight(), self.cfg
         weights_BS = weights_BS.astype(jnp.float32)
 
         def chunk_loss(x, targets, weights):
-            return jnp.sum(_cross_entropy(_logits(x, w, tied, dtype), targets)[0] * weights)
+            return jnp.sum(_cross_entropy(_logits(x, w, tied, cfg), targets)[0] * weights)
 
         loss = sum_chunks(chunk_loss, self.cfg.num_vocab_tiling, self.mesh, x_BSD, targets_BS, weights_BS)
         return loss, jnp.sum(weights_BS)
@@ -56,8 +59,8 @@ class Decoder(nnx.Module):
         """Per token, for evals: (cross-entropy fp32 [B, S], the greedy prediction is the target bool [B, S]);
         tiled over the vocabulary like `loss_sums`."""
         x_BSD = self.hidden(inputs_BS, positions_BS, segment_ids_BS)
-        w, tied, dtype = *self._output_weight(), self.cfg.dtype
-        chunk = lambda x, targets: _cross_entropy(_logits(x, w, tied, dtype), targets)  # noqa: E731
+        w, tied, cfg = *self._output_weight(), self.cfg
+        chunk = lambda x, targets: _cross_entropy(_logits(x, w, tied, cfg), targets)  # noqa: E731
         return map_chunks(chunk, self.cfg.num_vocab_tiling, self.mesh, x_BSD, targets_BS)
 
     def _output_weight(self):
@@ -78,7 +81,10 @@ class Decoder(nnx.Module):
                 table = NamedSharding(self.mesh, P(TENSOR_AXIS, None))
                 embed_VD = jax.lax.with_sharding_constraint(embed_VD, table)
             x = jnp.take(embed_VD, inputs_BS, axis=0)
-        x = constrain_activations(x.astype(cfg.dtype), self.mesh)
+        x = x.astype(cfg.dtype)
+        if _options(cfg).embed_scale:  # as transformers' Gemma: sqrt(D) rounded to the activation dtype first
+            x = x * jnp.asarray(cfg.emb_dim**0.5, cfg.dtype)
+        x = constrain_activations(x, self.mesh)
         first = 0
         for name, stack in zip(self._stack_names(cfg), cfg.layer_stacks):
             x = stacks.run(stack, getattr(self, name), x, positions_BS, segment_ids_BS, cfg, self.mesh, first)
@@ -93,11 +99,17 @@ def _cross_entropy(logits_BSV, targets_BS):
     return log_z - target_logit, jnp.argmax(logits_BSV, axis=-1) == targets_BS
 
 
-def _logits(x_BSD, w, tied: bool, dtype):
-    """fp32 logits [B, S, V]; the weight is cast here, so under tiling its gradient is summed in weight_dtype."""
-    if tied:
-        return jnp.einsum("BSD,VD->BSV", x_BSD, w.astype(dtype), preferred_element_type=jnp.float32)
-    return jnp.einsum("BSD,DV->BSV", x_BSD, w.astype(dtype), preferred_element_type=jnp.float32)
+def _options(cfg: ModelConfig) -> DecoderOptions:
+    return cfg.options if isinstance(cfg.options, DecoderOptions) else DecoderOptions()
+
+
+def _logits(x_BSD, w, tied: bool, cfg: ModelConfig):
+    """fp32 logits [B, S, V], soft-capped by final_logits_soft_cap; the weight is cast here, so under tiling its
+    gradient is summed in weight_dtype."""
+    equation = "BSD,VD->BSV" if tied else "BSD,DV->BSV"
+    logits = jnp.einsum(equation, x_BSD, w.astype(cfg.dtype), preferred_element_type=jnp.float32)
+    cap = cfg.final_logits_soft_cap
+    return jnp.tanh(logits / cap) * cap if cap > 0 else logits
 
 
 def param_axes(model: nnx.Module) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from maxctx.config import Config, ConfigError
 from maxctx.model.family import ModelFamily
+from maxctx.model.gemma.family import GEMMA2, GEMMA3
 from maxctx.model.llama.family import LLAMA
 from maxctx.model.olmo.family import OLMO
 from maxctx.model.qwen.family import QWEN
@@ -13,6 +14,7 @@ from maxctx.model.shape import ModelShape
 
 _FAMILIES: dict[str, ModelFamily] = {"llama2": LLAMA, "mistral": LLAMA}
 _FAMILIES.update(qwen2=QWEN, qwen3=QWEN, olmo2=OLMO, olmo3=OLMO)
+_FAMILIES.update(gemma2=GEMMA2, gemma3=GEMMA3)
 
 
 def register(family: ModelFamily, *names: str) -> ModelFamily:

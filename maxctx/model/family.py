@@ -40,11 +40,22 @@ class Tensor:
 @dataclasses.dataclass(frozen=True)
 class Stack:
     """`count` layers of one kind (a name maxctx.model.stacks builds), scanned together; layer i attends with
-    window `windows[i % len(windows)]` (0: global), so `count` is a multiple of the pattern's length."""
+    window `windows[i % len(windows)]` (0: global). A `count` that is no multiple of the pattern's length ends with
+    the pattern's first count % len(windows) layers (Gemma 3 1B: 26 layers of LLLLLG, the last two local)."""
 
     kind: str
     count: int
     windows: tuple[int, ...] = (0,)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderOptions:
+    """What a family changes around its stacks (maxctx.model.decoder reads it where the family's options are one):
+    the embeddings times sqrt(D) in the activation dtype, and the final norm's offset (maxctx.model.layers.RMSNorm:
+    Gemma's 1 + w)."""
+
+    embed_scale: bool = False
+    norm_offset: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,5 +98,5 @@ class ModelFamily:
     hf_layout: HfLayout
     logical_axes: tuple[str, ...] = ()
     # config -> the family's own frozen layer settings (QK-norm, biases, soft-caps, ...), which its layer kinds
-    # read as cfg.options; None for a family that needs none.
+    # read as cfg.options (a DecoderOptions, or a subclass, for the decoder too); None for a family that needs none.
     options: Callable[[Config], Any] = lambda config: None

@@ -53,6 +53,7 @@ class ModelConfig(ModelShape):
     stacks: tuple[Stack, ...] = ()
     # The family's own layer settings (maxctx.model.family.ModelFamily.options), read by its layer kinds.
     options: object = None
+    final_logits_soft_cap: float = Config.final_logits_soft_cap  # the decoder's logits -> cap tanh(logits / cap)
 
     @classmethod
     def from_config(cls, config: Config) -> ModelConfig:
@@ -71,6 +72,7 @@ class ModelConfig(ModelShape):
             attention_head_chunks=config.attention_head_chunks,
             attention=AttentionSpec.from_config(config), layer_windows=layer_windows(config),
             stacks=family.stacks(config), options=family.options(config),
+            final_logits_soft_cap=config.final_logits_soft_cap,
         )
 
     @property
@@ -88,14 +90,17 @@ def param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, weight_dtype, rngs: nnx.Rngs):
-        self.scale = param(rngs, (dim,), ("norm",), weight_dtype, scale=0.0)
-        self.eps = eps
+    """x / rms(x) * (offset + w): offset 0 (w starts at 1), or Gemma's 1 (w starts at 0, stored as HF stores it)."""
+
+    def __init__(self, dim: int, eps: float, weight_dtype, rngs: nnx.Rngs, offset: float = 0.0):
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, weight_dtype), axes=("norm",))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x_BSD):
         x = x_BSD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(jnp.float32)).astype(x_BSD.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (x * (scale + self.offset if self.offset else scale)).astype(x_BSD.dtype)
 
 
 def remat_names(cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -217,9 +222,12 @@ def _head_groups(w, axis: int, n: int, tensor: int):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). With mlp_sequence_chunks = N > 1 it runs over N chunks of each
-    device's tokens (maxctx.model.tiling), so its [B, S, F] intermediates exist one chunk at a time, forward and
-    backward; the chunks' own intermediates are then always recomputed, whatever the remat policy."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); a family's subclass may set another `activation` (Gemma's GeGLU). With
+    mlp_sequence_chunks = N > 1 it runs over N chunks of each device's tokens (maxctx.model.tiling), so its
+    [B, S, F] intermediates exist one chunk at a time, forward and backward; the chunks' own intermediates are then
+    always recomputed, whatever the remat policy."""
+
+    activation = staticmethod(jax.nn.silu)
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
         d, f, wd = cfg.emb_dim, cfg.mlp_dim, cfg.weight_dtype
@@ -234,7 +242,8 @@ class MLP(nnx.Module):
         def swiglu(x):
             gate = checkpoint_name(jnp.einsum("BSD,DF->BSF", x, w_gate.astype(dt)), "mlpwi")
             up = checkpoint_name(jnp.einsum("BSD,DF->BSF", x, w_up.astype(dt)), "mlpwi")
-            return checkpoint_name(jnp.einsum("BSF,FD->BSD", jax.nn.silu(gate) * up, w_down.astype(dt)), "mlpwo")
+            return checkpoint_name(jnp.einsum("BSF,FD->BSD", self.activation(gate) * up, w_down.astype(dt)),
+                                   "mlpwo")
 
         return map_chunks(swiglu, self.chunks, self.mesh, x_BSD)
 

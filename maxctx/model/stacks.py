@@ -21,6 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.model.family import Stack
+from maxctx.model.gemma.layers import GemmaLayer
 from maxctx.model.layers import ModelConfig, constrain_activations, names_policy, remat_names
 from maxctx.model.llama.layers import DecoderLayer
 from maxctx.model.olmo.layers import OlmoLayer
@@ -31,6 +32,7 @@ from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 # segment_ids_BS, window) -> x_BSD. `register_layer` adds one (a test's toy family does).
 _KINDS: dict[str, Callable[..., nnx.Module]] = {"llama": DecoderLayer}
 _KINDS.update(qwen=QwenLayer, olmo=OlmoLayer)
+_KINDS.update(gemma=GemmaLayer)
 
 
 def register_layer(kind: str, make: Callable[..., nnx.Module]) -> None:
@@ -73,6 +75,20 @@ def run(stack: Stack, layers: nnx.Module, x, positions_BS, segment_ids_BS, cfg: 
     """x[B, S, D] through the stack's layers; `first`: the layers of the stacks before it (host_input_layers
     counts over the whole decoder)."""
     graphdef, stacked = nnx.split(layers)
+    rest = stack.count % len(stack.windows)
+    if not rest:
+        return _run(stack, graphdef, stacked, x, positions_BS, segment_ids_BS, cfg, mesh, first)
+    # The periods, then the last `rest` layers as a stack of their own windows (one period of `rest` layers).
+    whole = stack.count - rest
+    if whole:
+        x = _run(dataclasses.replace(stack, count=whole), graphdef, jax.tree.map(lambda a: a[:whole], stacked), x,
+                 positions_BS, segment_ids_BS, cfg, mesh, first)
+    return _run(Stack(stack.kind, rest, stack.windows[:rest]), graphdef, jax.tree.map(lambda a: a[whole:], stacked),
+                x, positions_BS, segment_ids_BS, cfg, mesh, first + whole)
+
+
+def _run(stack: Stack, graphdef, stacked, x, positions_BS, segment_ids_BS, cfg: ModelConfig, mesh, first: int):
+    """`run` over a stack whose count is a multiple of its pattern's period, its layers' state `stacked`."""
     windows, count = stack.windows, stack.count
     period = len(windows)
 
