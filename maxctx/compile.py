@@ -70,7 +70,8 @@ def compile_report(config: Config, plan: planner.Plan | None = None) -> dict:
               "num_devices": num_devices, "global_batch": setup.global_batch, "seq_len": config.max_target_length,
               "context_parallel_strategy": config.context_parallel_strategy,
               "context_parallel_a2a": int(mesh.shape[A2A_AXIS]),
-              "attention": resolve_kernel(config.attention, platform=devices[0].platform, dtype=config.dtype)}
+              "attention": resolve_kernel(config.attention, platform=devices[0].platform, dtype=config.dtype,
+                                           softcap=config.attn_logits_soft_cap)}
     start = time.perf_counter()
     try:
         compiled = compile_train_step(setup)

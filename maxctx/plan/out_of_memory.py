@@ -130,7 +130,8 @@ def out_of_memory_advice(message: str, config: Config, argv: list[str]) -> str:
 
         from maxctx.attention.dispatch import resolve_kernel
 
-        kernel = resolve_kernel(config.attention, platform=jax.devices()[0].platform, dtype=config.dtype)
+        kernel = resolve_kernel(config.attention, platform=jax.devices()[0].platform, dtype=config.dtype,
+                                softcap=config.attn_logits_soft_cap)
         return f"what to change: {onchip_advice(space, kernel, parsed)}"
     plan = " ".join(["python -m maxctx.compile", *argv, "compile_topology=<your slice, e.g. v5p-128>"])
     return (f"what to change: lower per_device_batch_size or max_target_length, set remat_policy=full, or spread the "
