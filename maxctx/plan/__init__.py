@@ -1,6 +1,9 @@
 """Planning a run before it runs: which strategy, whether it fits, how long a step takes.
 
-    topology.py       TPU slices by name (v5p-128, ...) for ahead-of-time compiles; their HBM and links
+    topology.py       TPU slices by name (v5p-128, ...) for ahead-of-time compiles, GPU clusters (h100-64, ...) for
+                      the planner; their HBM, links and host memory
+    hardware.py       the device as the time model sees it (peak, HBM, torus or NVLink nodes, host link) and the
+                      time one collective takes on it
     planner.py        context_parallel_strategy=auto: candidates ranked by memory and step time (no JAX)
     remat.py          remat_policy=auto: each named tensor's placement (remat / device / offload)
     memory.py         the memory estimates per device: HBM besides attention, the host the offloaded tensors hold
