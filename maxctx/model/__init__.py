@@ -9,4 +9,5 @@
     decoder.py         embedding, the family's stacks, the tiled loss
     tiling.py          map_chunks / sum_chunks: per-token work over chunks of each device's tokens
     llama/             the Llama / Mistral family: its family value, layer kind and HF layout
+    gemma/             the Gemma 2 / Gemma 3 family: its family value, layer kind and HF layout
 """
