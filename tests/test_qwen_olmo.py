@@ -86,6 +86,9 @@ def test_olmo3_config_json_in_transformers_4_form_imports_as_in_5():
     keys = olmo_hf.model_keys(v5, "config.json")
     assert keys == olmo_hf.model_keys({**v4, "layer_types": v5["layer_types"]}, "config.json")
     assert (keys["sliding_window_size"], keys["attention_layer_pattern"], keys["rope_type"]) == (32, "LG", "yarn")
+    # A checkpoint trained in maxctx (no source architecture) exports in the 4.x form, which imports back alike.
+    assert olmo_hf.model_keys(olmo_hf.hf_config({**keys, "decoder_block": "olmo3"}, "llama", "float32", {}),
+                              "config.json") == keys
     # Without layer_types, transformers' default: every fourth layer global.
     assert olmo_hf.model_keys({**v4, "num_hidden_layers": 8}, "c")["attention_layer_pattern"] == "LLLG"
     v5["rope_parameters"]["sliding_attention"]["rope_theta"] = 1e4
