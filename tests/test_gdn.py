@@ -1,0 +1,100 @@
+"""The Gated DeltaNet (maxctx.model.qwen35): the chunked form equals the recurrent reference, the context-parallel
+prefix scan equals one device (forward and gradients) and leaks no state across a document start on a rank
+boundary, its collective bytes are the formula whatever the sequence length, and each piece of the layer moves the
+Qwen3.5 logits."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxctx.model.qwen35 import cp as gdn_cp, gdn
+from tests.support.hlo import collective_bytes
+from tests.support.meshes import make_mesh
+
+B, HK, N, K, V, W = 2, 2, 4, 8, 6, 4
+X = 2 * HK * K + N * V
+
+
+def inputs(seq: int, seed: int = 0):
+    r = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(r.normal(size=shape), jnp.float32)  # noqa: E731
+    return f(B, seq, X), f(B, seq, N), f(B, seq, N), 0.5 * f(X, W), f(N), f(N)
+
+
+def test_chunked_equals_recurrent_across_documents_and_padding():
+    r = np.random.default_rng(1)
+    s = 100  # not a multiple of the chunk: the padding must change nothing
+    q, k = (gdn.l2_normalize(jnp.asarray(r.normal(size=(B, s, N, K)), jnp.float32)) for _ in range(2))
+    v = jnp.asarray(r.normal(size=(B, s, N, V)), jnp.float32)
+    g = -jnp.asarray(r.uniform(0, 1, size=(B, s, N)), jnp.float32)
+    beta = jax.nn.sigmoid(jnp.asarray(r.normal(size=(B, s, N)), jnp.float32))
+    seg = np.ones((B, s), np.int32)
+    seg[0, 37:], seg[1, 64:], seg[1, 90:] = 2, 2, 0  # a start mid-chunk, one on a chunk boundary, padding
+    starts = gdn.document_starts(jnp.asarray(seg), jnp.full((B,), -1))
+    start_state = jnp.asarray(r.normal(size=(B, N, K, V)), jnp.float32)
+    want, want_state = gdn.recurrent(q, k, v, g, beta, starts, start_state)
+    got, got_state = gdn.chunked(q, k, v, g, beta, starts, start_state, chunk=16)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    np.testing.assert_allclose(got_state, want_state, atol=2e-6)
+    a, u = gdn.transition(q, k, v, g, beta, starts, chunk=16)
+    np.testing.assert_allclose(jnp.einsum("BNKJ,BNJV->BNKV", a, start_state) + u, want_state, atol=2e-6)
+
+
+def cp_mix(mesh, seg, *args):
+    """`sharded_mix` on the mesh (mesh None: one device), jitted, with the loss's gradient."""
+    def loss(args):
+        return jnp.sum(jnp.sin(gdn_cp.sharded_mix(mesh, *args[:3], seg, *args[3:], (HK, K, V))))
+
+    return jax.jit(jax.value_and_grad(loss))(args)
+
+
+def test_prefix_scan_at_four_ranks_equals_one_device():
+    seq = 64
+    args = inputs(seq)
+    seg = jnp.asarray(np.repeat([[1] * 40 + [2] * 24], B, 0), jnp.int32)
+    (want, want_grads), (got, got_grads) = cp_mix(None, seg, *args), cp_mix(make_mesh(4, 1), seg, *args)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_a_document_start_on_a_rank_boundary_leaks_no_state():
+    """Rank 2 begins a document: its outputs are those of that document alone, whatever rank 0 and 1 hold."""
+    seq = 64
+    mesh = make_mesh(4, 1)
+    seg = jnp.asarray(np.repeat([[1] * 32 + [2] * 32], B, 0), jnp.int32)
+    qkv, b, a, *params = inputs(seq)
+    mixed = jax.jit(lambda *x: gdn_cp.sharded_mix(mesh, *x, seg, *params, (HK, K, V)))
+    base = mixed(qkv, b, a)
+    other = mixed(*(x.at[:, :32].set(-x[:, :32]) for x in (qkv, b, a)))
+    alone = gdn_cp.sharded_mix(None, qkv[:, 32:], b[:, 32:], a[:, 32:], seg[:, 32:], *params, (HK, K, V))
+    np.testing.assert_allclose(base[:, 32:], alone, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(base[:, 32:], other[:, 32:])
+    assert not np.allclose(base[:, :32], other[:, :32])
+
+
+@functools.cache
+def permute_bytes(seq: int, cp: int) -> int:
+    mesh = make_mesh(cp, 1)
+    sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if x.ndim == 3 else None)
+            for x in inputs(seq)]
+    seg = jax.ShapeDtypeStruct((B, seq), jnp.int32, sharding=sharding)
+
+    def fwd(qkv, b, a, conv, a_log, dt_bias, seg):
+        return gdn_cp.sharded_mix(mesh, qkv, b, a, seg, conv, a_log, dt_bias, (HK, K, V))
+
+    hlo = jax.jit(fwd).lower(*args, seg).compile().as_text()
+    return collective_bytes(hlo)["collective-permute"]
+
+
+@pytest.mark.parametrize("cp", [4, 8])
+def test_permute_bytes_are_the_formula_at_two_lengths(cp):
+    want = gdn_cp.comm_bytes(B, N, K, V, X, W, 4, cp)
+    assert permute_bytes(128, cp) == permute_bytes(512, cp) == want
