@@ -103,6 +103,16 @@ class Config:
     query_pre_attn_scalar: float = 0.0
     local_rope_max_timescale: float = -1.0
     final_logits_soft_cap: float = 0.0
+    # Gated DeltaNet (decoder_block qwen3_5; transformers' keys): every full_attention_interval-th layer is full
+    # attention, the others linear; their key / value heads and head dims, the short convolution's kernel; the
+    # full layers rotate the first partial_rotary_factor of each head's dims.
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
+    partial_rotary_factor: float = 1.0
     # Numerics and memory.
     dtype: DType = "bfloat16"
     weight_dtype: DType = "float32"
@@ -306,6 +316,8 @@ MODEL_KEYS = (
     "rope_linear_scaling_factor", "beta_fast", "beta_slow", "rope_truncate", "rope_attention_factor",
     "sliding_window_size", "attention_layer_pattern", "attention_bias", "use_qk_norm",
     "query_pre_attn_scalar", "local_rope_max_timescale", "final_logits_soft_cap", "attn_logits_soft_cap",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
 )
 FIELD_TYPES = get_type_hints(Config)
 

@@ -30,6 +30,8 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
     gemma3     Gemma3ForCausalLM (transformers 5's config form): 3 layers local, global, local (a pattern that ends
                part-way), window 32, QK-norm, local RoPE theta 1e4 against global 1e6 with linear scaling 8,
                query_pre_attn_scalar 24
+    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads, 4 value heads
+               of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head)
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ MODELS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-6, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})),
 }
 
 
@@ -94,8 +100,9 @@ def make(name: str, out: str) -> None:
         for pname, p in model.named_parameters():
             if pname.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))
-            elif p.ndim == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif p.ndim == 1:  # Qwen3.5's (1 + w) norms around 1 as well, so activations keep their scale
+                centre = 0 if name == "qwen3_5" and "norm" in pname and "linear_attn" not in pname else 1
+                p.copy_(centre + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (1.0 if "embed" in pname else p.shape[1] ** -0.5))
     directory = os.path.join(out, name)

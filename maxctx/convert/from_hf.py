@@ -93,7 +93,7 @@ def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list
     used, result = set(), []
     for t in families.get(keys["decoder_block"]).hf_layout.tensors(keys):
         infos = []
-        for i in range(keys["base_num_decoder_layers"]) if t.per_layer else [None]:
+        for i in range(t.layers(keys)) if t.per_layer else [None]:
             name = t.name(i)
             if name == "lm_head.weight" and name not in files and hf_keys["logits_via_embedding"]:
                 name = "model.embed_tokens.weight"  # tied in the checkpoint, untied in this config

@@ -74,6 +74,7 @@ def _tensor_plan(step_dir: epath.Path, keys: dict[str, Any]) -> list[tuple]:
     plan = []
     for t in families.get(keys["decoder_block"]).hf_layout.tensors(keys):
         path = ("params", *t.path)
+        layers = t.layers(keys)
         want = ((layers,) if t.per_layer else ()) + t.mx_shape(keys)
         if path not in saved:
             raise ConfigError(f"checkpoint {step_dir} has no '{'/'.join(path)}' (shape {list(want)} in this "

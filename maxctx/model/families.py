@@ -10,11 +10,13 @@ from maxctx.model.gemma.family import GEMMA2, GEMMA3
 from maxctx.model.llama.family import LLAMA
 from maxctx.model.olmo.family import OLMO
 from maxctx.model.qwen.family import QWEN
+from maxctx.model.qwen35.family import QWEN3_5
 from maxctx.model.shape import ModelShape
 
 _FAMILIES: dict[str, ModelFamily] = {"llama2": LLAMA, "mistral": LLAMA}
 _FAMILIES.update(qwen2=QWEN, qwen3=QWEN, olmo2=OLMO, olmo3=OLMO)
 _FAMILIES.update(gemma2=GEMMA2, gemma3=GEMMA3)
+_FAMILIES.update(qwen3_5=QWEN3_5)
 
 
 def register(family: ModelFamily, *names: str) -> ModelFamily:

@@ -26,6 +26,7 @@ from maxctx.model.layers import ModelConfig, constrain_activations, names_policy
 from maxctx.model.llama.layers import DecoderLayer
 from maxctx.model.olmo.layers import OlmoLayer
 from maxctx.model.qwen.layers import QwenLayer
+from maxctx.model.qwen35.layers import Qwen35Period
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
 # layer kind -> its constructor (cfg, rngs, mesh): an nnx.Module called as layer(x_BSD, positions_BS,
@@ -33,6 +34,7 @@ from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 _KINDS: dict[str, Callable[..., nnx.Module]] = {"llama": DecoderLayer}
 _KINDS.update(qwen=QwenLayer, olmo=OlmoLayer)
 _KINDS.update(gemma=GemmaLayer)
+_KINDS.update(qwen3_5=Qwen35Period)
 
 
 def register_layer(kind: str, make: Callable[..., nnx.Module]) -> None:

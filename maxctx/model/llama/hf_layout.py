@@ -57,6 +57,10 @@ class Tensor:
             return x.reshape(-1, out).T
         return x.reshape(shape)
 
+    def layers(self, keys: dict[str, Any]) -> int:
+        """Layers this per-layer tensor is stacked over (a family whose layers differ: maxctx.model.qwen35)."""
+        return keys["base_num_decoder_layers"]
+
     def name(self, layer: int | None = None) -> str:
         return self.hf_name.format(i=layer)
 
