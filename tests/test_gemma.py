@@ -140,6 +140,15 @@ def test_the_fixture_keeps_its_form_through_an_export():
     out = hf_layout.hf_config({**defaults, **keys, "decoder_block": "gemma3"}, "gemma3_text", "float32", {})
     assert hf_layout.model_keys(out, "config.json") == keys
     assert out["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    every_layer_local = {**defaults, **keys, "decoder_block": "gemma3", "attention_layer_pattern": ""}
+    assert set(hf_layout.hf_config(every_layer_local, "gemma3_text", "float32", {})["layer_types"]) == \
+        {"sliding_attention"}
+
+
+@pytest.mark.parametrize("key", ["use_qk_norm", "attention_bias"])
+def test_another_familys_attention_key_is_refused(key):
+    with pytest.raises(ConfigError, match=f"{key}=true is not a Gemma setting"):
+        load_config(["configs/base.yml", "model_name=gemma3-1b", f"{key}=true"])
 
 
 def test_the_planner_plans_gemma3_layers_from_the_family():

@@ -70,6 +70,10 @@ def activation(shape: ModelShape, tp: int) -> float:
 
 def check(config: Config) -> None:
     llama.check(config)
+    for key in ("attention_bias", "use_qk_norm"):
+        if getattr(config, key):
+            raise ConfigError(f"{key}=true is not a Gemma setting (decoder_block={config.decoder_block}: no biases; "
+                              f"gemma3's per-head QK-norm is built in); set {key}=false")
     if config.query_pre_attn_scalar < 0:
         raise ConfigError(f"query_pre_attn_scalar={config.query_pre_attn_scalar} must be >= 0 (0: head_dim, the "
                           f"usual 1/sqrt(head_dim) scale; Gemma 2 27B: 144)")

@@ -128,7 +128,7 @@ def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]
         raise ConfigError(f"local_rope_max_timescale={local} with decoder_block={keys['decoder_block']} and "
                           f"rope_type={keys['rope_type']} has no {name} config.json form; set local_rope_max_timescale "
                           f"{'-1' if not gemma3 else '(Gemma 3: 10000)'}")
-    windows = (keys["attention_layer_pattern"] or "G") if keys["sliding_window_size"] else "G"
+    windows = (keys["attention_layer_pattern"] or "L") if keys["sliding_window_size"] else "G"  # "": every layer
     types = [("sliding_attention" if c == "L" else "full_attention") for c in windows]
     layers, scalar = keys["base_num_decoder_layers"], keys["query_pre_attn_scalar"] or keys["head_dim"]
     config = {k: v for k, v in base.items() if k not in ("hidden_act", "mlp_bias")}
