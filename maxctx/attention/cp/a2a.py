@@ -32,31 +32,31 @@ def check_heads(config: Config, a2a: int, tensor: int) -> None:
 
 
 def a2a_comm_volume(s: AttentionShape) -> CommVolume:
-    """The all-to-all part over U devices, K' = lcm(K, U): all-to-all of q, k, v in and out back
-    (2 H + 2 K') B (S/C) D b in the forward and again in the backward (dout in; dq, dk, dv back); all-gather of
-    positions and segment ids 2 B (S/R) 4 in the forward."""
+    """The all-to-all part over U devices, K' = lcm(K, U): all-to-all of q, k (D wide), v (Dv) in and out (Dv)
+    back, (H + K') (D + Dv) B (S/C) b, in the forward and again in the backward (dout in; dq, dk, dv back);
+    all-gather of positions and segment ids 2 B (S/R) 4 in the forward."""
     kv = replicated_kv_heads(s.kv_heads, s.a2a)
-    moved = (2 * s.heads + 2 * kv) * s.batch * (s.seq / s.cp) * s.head_dim * s.itemsize
+    moved = (s.heads + kv) * s.kv_width * s.batch * (s.seq / s.cp) * s.itemsize
     return ([Collective("all-to-all", moved, s.a2a), Collective("all-gather", 2 * s.batch * s.seq / s.ring * 4,
                                                                  s.a2a)],
             [Collective("all-to-all", moved, s.a2a)])
 
 
 def a2a_activation_bytes(s: AttentionShape) -> float:
-    """Saved for the backward, rows = S / R (S for a2a), heads / U: q, out 2 B rows (H/U) D b, k, v
-    2 B rows (K'/U) D b, lse B (H/U) rows 4."""
+    """Saved for the backward, rows = S / R (S for a2a), heads / U: q, out B rows (H/U) (D + Dv) b, k, v
+    B rows (K'/U) (D + Dv) b, lse B (H/U) rows 4."""
     rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
-    return (2 * s.batch * rows * (s.heads + kv) / s.a2a * s.head_dim * s.itemsize
+    return (s.batch * rows * (s.heads + kv) / s.a2a * s.kv_width * s.itemsize
             + s.batch * s.heads / s.a2a * rows * 4)
 
 
 def a2a_transient_bytes(s: AttentionShape) -> float:
     """The all-to-all part of a backward's buffers, rows = S / R: the fp32 gradients of q, k, v in head layout
-    B rows (H + 2 K')/U D 4; none without an all-to-all (U = 1)."""
+    B rows (H D + K' (D + Dv))/U 4; none without an all-to-all (U = 1)."""
     if s.a2a <= 1:
         return 0.0
     rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
-    return s.batch * rows * (s.heads + 2 * kv) / s.a2a * s.head_dim * 4
+    return s.batch * rows * (s.heads * s.head_dim + kv * s.kv_width) / s.a2a * 4
 
 
 @dataclasses.dataclass(frozen=True)

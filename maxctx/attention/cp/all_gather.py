@@ -25,22 +25,22 @@ class AllGather(Strategy):
     local_by_halo: bool = True  # local layers: maxctx.attention.cp.halo, where it moves less
 
     def global_comm_volume(self, s: AttentionShape) -> CommVolume:
-        """forward: all-gather of K, V (2 B S K D b) and of positions, segment ids (2 B S 4); backward:
-        reduce-scatter of dK, dV, the autodiff of the gather (2 B S K D b). Groups of C devices."""
-        kv = 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize
+        """forward: all-gather of K, V (B S K (D + Dv) b) and of positions, segment ids (2 B S 4); backward:
+        reduce-scatter of dK, dV, the autodiff of the gather (B S K (D + Dv) b). Groups of C devices."""
+        kv = s.batch * s.seq * s.kv_heads * s.kv_width * s.itemsize
         return ([Collective("all-gather", kv + 2 * s.batch * s.seq * 4, s.cp)],
                 [Collective("reduce-scatter", kv, s.cp)])
 
     def activation_bytes(self, s: AttentionShape) -> float:
-        """Saved for the backward: q and out 2 B (S/C) H D b, the gathered K and V 2 B S K D b (O(S)), lse
-        B H (S/C) 4."""
+        """Saved for the backward: q and out B (S/C) H (D + Dv) b, the gathered K and V B S K (D + Dv) b (O(S)),
+        lse B H (S/C) 4."""
         rows = s.seq / s.cp
-        return (2 * s.batch * rows * s.heads * s.head_dim * s.itemsize
-                + 2 * s.batch * s.seq * s.kv_heads * s.head_dim * s.itemsize + s.batch * s.heads * rows * 4)
+        return (s.batch * rows * s.heads * s.kv_width * s.itemsize
+                + s.batch * s.seq * s.kv_heads * s.kv_width * s.itemsize + s.batch * s.heads * rows * 4)
 
     def transient_bytes(self, s: AttentionShape) -> float:
-        """The backward's gathered dK, dV 2 B S K D b and its dq accumulator B (S/C) H D 4."""
-        return s.batch * s.head_dim * (2 * s.seq * s.kv_heads * s.itemsize + s.seq / s.cp * s.heads * 4)
+        """The backward's gathered dK, dV B S K (D + Dv) b and its dq accumulator B (S/C) H D 4."""
+        return s.batch * (s.seq * s.kv_heads * s.kv_width * s.itemsize + s.seq / s.cp * s.heads * s.head_dim * 4)
 
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
         import jax

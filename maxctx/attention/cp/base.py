@@ -85,7 +85,7 @@ class Strategy:
         strategy's global ones."""
         local = self.halo_plan(s)
         if local is not None:
-            return halo.comm_volume(local, s.batch, s.kv_heads, s.head_dim, s.itemsize)
+            return halo.comm_volume(local, s.batch, s.kv_heads, s.kv_width, s.itemsize)
         return self.global_comm_volume(s)
 
     def global_comm_volume(self, s: AttentionShape) -> CommVolume:

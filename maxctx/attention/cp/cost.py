@@ -18,9 +18,10 @@ KINDS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 @dataclasses.dataclass(frozen=True)
 class AttentionShape:
     """One attention layer on one device. B batch per device (global / (data x fsdp)), S the whole sequence, H and
-    K query and kv heads per tensor shard, D head dim, b bytes per activation element, C = R x U the CP degree
-    (U the all-to-all part, R the ring part). Positions and segment ids are int32. Sizes may be fractional
-    (the roofline's tokens per device)."""
+    K query and kv heads per tensor shard, D head dim of q and k, Dv of v and the output (`value_head_dim`; 0: D,
+    MLA's 128 against D = 192), b bytes per activation element, C = R x U the CP degree (U the all-to-all part, R
+    the ring part). Positions and segment ids are int32. Sizes may be fractional (the roofline's tokens per
+    device)."""
 
     batch: float
     seq: int
@@ -32,6 +33,17 @@ class AttentionShape:
     a2a: int = 1
     window: int = 0  # a local layer's sliding window (0: a global layer)
     load_balance: bool = True
+    value_head_dim: int = 0
+
+    @property
+    def v_dim(self) -> int:
+        """Dv: v's and the output's head dim."""
+        return self.value_head_dim or self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """D + Dv: one kv head's K and V numbers per token (2 D without MLA)."""
+        return self.head_dim + self.v_dim
 
     @property
     def ring(self) -> int:

@@ -13,8 +13,8 @@ in which every device sends and receives at most one piece: under zig-zag with W
 left and the right neighbour), without load balance one. Each chunk then attends over its own W + L keys, the
 m chunks batched into one kernel call, so a local layer moves
 
-    forward   rounds x rows x (2 B K D b + 2 B 4)      K/V and ids of the pieces
-    backward  rounds x rows x 2 B K D b               dK/dV of the pieces back to their owners
+    forward   rounds x rows x (B K (D + Dv) b + 2 B 4)      K/V and ids of the pieces (Dv: v's head dim)
+    backward  rounds x rows x B K (D + Dv) b               dK/dV of the pieces back to their owners
 
 whatever C (`comm_volume`), where all_gather moves 2 B S K D b and a ring (R - 1) blocks of S / R tokens.
 Every strategy but a2a (whose all-to-all already gives each device whole sequences, where the kernel skips the
@@ -142,31 +142,34 @@ def shape_plan(s) -> HaloPlan | None:
     return layout_plan(s.seq, s.cp, s.load_balance, s.window)
 
 
-def comm_volume(p: HaloPlan, batch: float, kv_heads: int, head_dim: int, itemsize: int):
-    """(forward, backward) collective-permute bytes of a local layer on one device (see the module docstring)."""
+def comm_volume(p: HaloPlan, batch: float, kv_heads: int, kv_width: int, itemsize: int):
+    """(forward, backward) collective-permute bytes of a local layer on one device (see the module docstring);
+    kv_width = D + Dv."""
     rows = p.moved_rows
-    kv = 2 * batch * rows * kv_heads * head_dim * itemsize
+    kv = batch * rows * kv_heads * kv_width * itemsize
     return ([Collective("collective-permute", kv + 2 * batch * rows * 4, p.devices)],
             [Collective("collective-permute", kv, p.devices)])
 
 
 def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
-    """Attention of a local layer inside shard_map over `axis`: q[B, n, H, D], k/v[B, n, K, D], pos/seg[B, n];
-    `local` a LocalKernel with the window, for chunk queries against their W + L keys. Returns out like q."""
+    """Attention of a local layer inside shard_map over `axis`: q[B, n, H, Dk], k[B, n, K, Dk], v[B, n, K, Dv],
+    pos/seg[B, n]; `local` a LocalKernel with the window, for chunk queries against their W + L keys. Returns
+    out[B, n, H, Dv]."""
     import jax
     import jax.numpy as jnp
 
     me = jax.lax.axis_index(axis)
     b, n = q.shape[:2]
     m, L = p.slots, p.chunk
-    kv = jnp.stack([k, v])  # one permute for K/V, one for the ids, per round
+    dk = k.shape[-1]
+    kv = jnp.concatenate([k, v], -1)[None]  # [1, B, n, K, Dk + Dv]: one permute for K/V, one for the ids, per round
     ids = jnp.stack([pos, seg])
     received = []
     for rnd in p.rounds:
         start = jnp.asarray(rnd.send_slot, jnp.int32)[me] * L + (L - rnd.rows)
         received.append(tuple(jax.lax.ppermute(jax.lax.dynamic_slice_in_dim(x, start, rnd.rows, axis=2), axis,
                                                 list(rnd.perm)) for x in (kv, ids)))
-    kv_c = kv.reshape(2, b, m, L, *kv.shape[3:])
+    kv_c = kv.reshape(1, b, m, L, *kv.shape[3:])
     ids_c = ids.reshape(2, b, m, L)
     table = jnp.asarray(p.source, jnp.int32)[me]  # [m, pieces]
     halo_kv, halo_ids = [], []
@@ -176,12 +179,12 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
                       + [jnp.zeros_like(kv_c[:, :, 0, :rows])])
         none_ids = jnp.stack([jnp.zeros((b, rows), ids.dtype), jnp.full((b, rows), -1, ids.dtype)])
         id_options = [x for _, x in from_rounds] + [ids_c[:, :, j, L - rows:] for j in range(m)] + [none_ids]
-        halo_kv.append(jnp.take(jnp.stack(kv_options), table[:, d - 1], axis=0))  # [m, 2, B, rows, K, D]
+        halo_kv.append(jnp.take(jnp.stack(kv_options), table[:, d - 1], axis=0))  # [m, 1, B, rows, K, Dk + Dv]
         halo_ids.append(jnp.take(jnp.stack(id_options), table[:, d - 1], axis=0))
     # Each chunk's keys in original order: the farthest piece first, the chunk itself last.
     own_kv = jnp.moveaxis(kv_c, 2, 0)
     own_ids = jnp.moveaxis(ids_c, 2, 0)
-    keys = jnp.concatenate(halo_kv[::-1] + [own_kv], axis=3)  # [m, 2, B, W + L, K, D]
+    keys = jnp.concatenate(halo_kv[::-1] + [own_kv], axis=3)[:, 0]  # [m, B, W + L, K, Dk + Dv]
     key_ids = jnp.concatenate(halo_ids[::-1] + [own_ids], axis=3)  # [m, 2, B, W + L]
 
     def fold(x):  # [m, B, ...] -> [m B, ...]
@@ -189,9 +192,9 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
 
     q_c = q.reshape(b, m, L, *q.shape[2:]).swapaxes(0, 1)
     ids_q = ids_c.swapaxes(1, 2).swapaxes(0, 1)  # [m, 2, B, L]
-    out, _ = local.attend(0, fold(q_c), fold(keys[:, 0]), fold(keys[:, 1]), fold(ids_q[:, 0]), fold(ids_q[:, 1]),
-                          fold(key_ids[:, 0]), fold(key_ids[:, 1]))
-    return out.reshape(m, b, L, *q.shape[2:]).swapaxes(0, 1).reshape(q.shape)
+    out, _ = local.attend(0, fold(q_c), fold(keys[..., :dk]), fold(keys[..., dk:]), fold(ids_q[:, 0]),
+                          fold(ids_q[:, 1]), fold(key_ids[:, 0]), fold(key_ids[:, 1]))
+    return out.reshape(m, b, L, *out.shape[2:]).swapaxes(0, 1).reshape(*q.shape[:3], v.shape[-1])
 
 
 def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):

@@ -1,7 +1,8 @@
 """p2p (ring) context parallelism: K/V blocks travel around the ring while each device attends to the one it holds.
 
 Legend (per device): B batch per device, S the whole sequence, C the CP degree (ring size R = C for p2p), H and K
-heads per tensor shard, D head dim, b bytes per activation element; positions and segment ids are int32.
+heads per tensor shard, D head dim of q and k, Dv of v and out (D without MLA), b bytes per activation element;
+positions and segment ids are int32.
 
 The ring itself (hops, merging, the custom backward, skipping) is maxctx.attention.cp.ring.
 
@@ -19,25 +20,28 @@ from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_h
 from maxctx.parallelism import mesh_context_degree
 
 
-def ring_comm_volume(batch: float, rows: float, kv_heads: int, head_dim: int, itemsize: int, ring: int
+def ring_comm_volume(batch: float, rows: float, kv_heads: int, kv_width: int, itemsize: int, ring: int
                      ) -> CommVolume:
-    """A ring of R devices, each holding `rows` tokens of K/V (K heads): collective-permute operands
-    forward   (R - 1) x (2 B rows K D b + 2 B rows 4)                        K, V, positions, segment ids
-    backward  (R - 1) x (2 B rows K D b + 2 B rows 4) + R x 2 B rows K D 4   re-sent K/V, then fp32 dK/dV."""
-    hop = 2 * batch * rows * kv_heads * head_dim * itemsize + 2 * batch * rows * 4
-    grads = ring * 2 * batch * rows * kv_heads * head_dim * 4
+    """A ring of R devices, each holding `rows` tokens of K/V (K heads, kv_width = D + Dv numbers each):
+    collective-permute operands
+    forward   (R - 1) x (B rows K (D + Dv) b + 2 B rows 4)                          K, V, positions, segment ids
+    backward  (R - 1) x (B rows K (D + Dv) b + 2 B rows 4) + R x B rows K (D + Dv) 4   re-sent K/V, fp32 dK/dV."""
+    hop = batch * rows * kv_heads * kv_width * itemsize + 2 * batch * rows * 4
+    grads = ring * batch * rows * kv_heads * kv_width * 4
     return ([Collective("collective-permute", (ring - 1) * hop, ring)],
             [Collective("collective-permute", (ring - 1) * hop + grads, ring)])
 
 
 def ring_transient_bytes(s: AttentionShape, overlapped: bool) -> float:
-    """The ring part R = C / U of a backward's buffers, rows = S / R: the fp32 accumulator B rows (H/U) D 4, two K/V
-    blocks in flight 4 B rows (K'/U) D b and the travelling fp32 dK/dV 4 B rows (K'/U) D 4, 6 B rows (K'/U) D 4
-    with an overlapped backward (one more block in flight); none without a ring (R = 1)."""
+    """The ring part R = C / U of a backward's buffers, rows = S / R: the fp32 accumulator B rows (H/U) Dv 4, two K/V
+    blocks in flight 2 B rows (K'/U) (D + Dv) b and the travelling fp32 dK/dV 2 B rows (K'/U) (D + Dv) 4,
+    3 B rows (K'/U) (D + Dv) 4 with an overlapped backward (one more block in flight); none without a ring
+    (R = 1)."""
     if s.ring <= 1:
         return 0.0
     rows, kv = s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a)
-    return s.batch * rows * s.head_dim * (s.heads / s.a2a * 4 + kv / s.a2a * (4 * s.itemsize + 16 + 8 * overlapped))
+    return s.batch * rows * (s.heads / s.a2a * s.v_dim * 4
+                             + kv / s.a2a * s.kv_width * (2 * s.itemsize + 8 + 4 * overlapped))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +55,12 @@ class P2P(Strategy):
         """The ring over all C devices, S / C tokens each (`ring_comm_volume`). A local layer: the halo's where it
         applies (with zig-zag, W <= S / 2C and C > 2, two rounds of W rows, so forward 2 W (2 B K D b + 2 B 4),
         backward 2 W 2 B K D b, whatever C)."""
-        return ring_comm_volume(s.batch, s.seq / s.cp, s.kv_heads, s.head_dim, s.itemsize, s.cp)
+        return ring_comm_volume(s.batch, s.seq / s.cp, s.kv_heads, s.kv_width, s.itemsize, s.cp)
 
     def activation_bytes(self, s: AttentionShape) -> float:
-        """Saved for the backward: q, k, v, out (2 H + 2 K) B s D b and lse B H s 4, s = S / C."""
+        """Saved for the backward: q, k, v, out (H + K) (D + Dv) B s b and lse B H s 4, s = S / C."""
         rows = s.seq / s.cp
-        return ((2 * s.heads + 2 * s.kv_heads) * s.batch * rows * s.head_dim * s.itemsize
+        return ((s.heads + s.kv_heads) * s.kv_width * s.batch * rows * s.itemsize
                 + s.batch * s.heads * rows * 4)
 
     def transient_bytes(self, s: AttentionShape) -> float:

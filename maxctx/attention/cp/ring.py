@@ -1,7 +1,9 @@
 """Ring attention: K/V blocks travel around a ring of devices while each attends to the one it holds (the machinery
 of the p2p and usp strategies; call inside shard_map).
 
-Legend (per device): B batch, s rows of the local block, H and K heads, D head dim, R ring size.
+Legend (per device): B batch, s rows of the local block, H and K heads, D head dim, R ring size. K and V travel
+as one block [B, s, K, Dk + Dv] (their head dims joined, so one permute moves both, of any two head dims: MLA's
+192 and 128).
 
 Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mod R, sends it on with ppermute
 (issued before the hop's compute, so XLA can overlap them) and merges the hop's (out, lse) into fp32 accumulators
@@ -78,13 +80,14 @@ def _maybe(window: int, q_pos, q_seg, kv_pos, kv_seg, skipped, compute, *operand
 
 def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
     q, k, v, qp, qs, kp, ks = _tie(q, k, v, qp, qs, kp, ks)
-    b, s, h, d = q.shape
+    b, s, h, _ = q.shape
+    dk = k.shape[-1]
 
     def compute(hop, out, lse, kv, ids):
         empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
         o_hop, lse_hop = _maybe(local.window, qp, qs, ids[0], ids[1], empty,
                                 functools.partial(local.block_forward, hop),
-                                q, kv[0], kv[1], qp, qs, ids[0], ids[1])
+                                q, kv[..., :dk], kv[..., dk:], qp, qs, ids[0], ids[1])
         return _merge(out, lse, o_hop, lse_hop)
 
     def hop_with_send(hop, carry):
@@ -92,8 +95,8 @@ def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
         following = ring_shift((kv, ids), axis, size)  # no data dependence on the compute: XLA overlaps them
         return (*compute(hop, out, lse, kv, ids), *following)
 
-    init = (jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
-            jnp.stack([k, v]), jnp.stack([kp, ks]))  # one permute each for K/V and for the ids
+    init = (jnp.zeros((b, s, h, v.shape[-1]), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
+            jnp.concatenate([k, v], -1), jnp.stack([kp, ks]))  # one permute each for K/V and for the ids
     out, lse, kv, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
     out, lse = compute(size - 1, out, lse, kv, ids)
     return out.astype(q.dtype), lse
@@ -116,18 +119,19 @@ def _ring_fwd(local, axis, size, overlap, q, k, v, qp, qs, kp, ks):
 
 def _ring_bwd(local, axis, size, overlap, res, dout):
     q, k, v, qp, qs, kp, ks, out, lse = res
+    dv = v.shape[-1]  # dK/dV travel joined as [B, s, K, Dk + Dv] fp32, V's part first like vk's
 
     def compute(hop, dq, dkv, vk, ids):
-        zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[0]), jnp.zeros_like(dkv[1]))
+        zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[..., dv:]), jnp.zeros_like(dkv[..., :dv]))
         dq_h, dk_h, dv_h = _maybe(local.window, qp, qs, ids[1], ids[0], zeros,
                                   functools.partial(local.block_backward, hop),
-                                  q, vk[1], vk[0], qp, qs, ids[1], ids[0], out, lse, dout)
-        return dq + dq_h, dkv + jnp.stack([dk_h, dv_h])
+                                  q, vk[..., dv:], vk[..., :dv], qp, qs, ids[1], ids[0], out, lse, dout)
+        return dq + dq_h, dkv + jnp.concatenate([dv_h, dk_h], -1)
 
-    # The blocks are stacked in the other order than in the forward: XLA would otherwise merge the backward's
+    # The blocks are joined in the other order than in the forward: XLA would otherwise merge the backward's
     # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.
-    vk, ids = jnp.stack([v, k]), jnp.stack([ks, kp])
-    zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((2, *k.shape), jnp.float32))
+    vk, ids = jnp.concatenate([v, k], -1), jnp.stack([ks, kp])
+    zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(vk.shape, jnp.float32))
     if not overlap or size == 1:  # one rank: nothing to pipeline (its one hop would run twice below)
         # A hop adds its dK/dV and sends them on at once: the sends wait for the hop's kernel (and XLA's schedule
         # on TPU starts the K/V send there too), but no more than one fp32 dK/dV block is in flight.
@@ -157,7 +161,7 @@ def _ring_bwd(local, axis, size, overlap, res, dout):
         dq, dkv, vk, ids = jax.lax.fori_loop(1, size - 1, hop_with_send, (dq, dkv, *following))
         dq, dkv = compute(size - 1, dq, ring_shift(dkv, axis, size), vk, ids)
     dkv = ring_shift(dkv, axis, size)  # after R shifts: at the owner
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None
+    return dq.astype(q.dtype), dkv[..., dv:].astype(k.dtype), dkv[..., :dv].astype(v.dtype), None, None, None, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

@@ -57,7 +57,7 @@ class USP(Strategy):
         """a2a's collectives over U, then p2p's ring over R blocks of S/R tokens with K'/U kv heads each."""
         fwd, bwd = a2a_comm_volume(s)
         ring_fwd, ring_bwd = ring_comm_volume(s.batch, s.seq / s.ring, replicated_kv_heads(s.kv_heads, s.a2a) // s.a2a,
-                                              s.head_dim, s.itemsize, s.ring)
+                                              s.kv_width, s.itemsize, s.ring)
         return fwd + ring_fwd, bwd + ring_bwd
 
     def activation_bytes(self, s: AttentionShape) -> float:

@@ -1,6 +1,7 @@
 """Reference attention: materialises the [S, T] scores. For tests and short sequences only.
 
-Legend: B batch, S query length, T key/value length, H query heads, K kv heads, G = H // K, D head dim.
+Legend: B batch, S query length, T key/value length, H query heads, K kv heads, G = H // K, D head dim (of q and k;
+v's may differ: MLA's 192 and 128, and out has v's).
 Masks come from token positions and segment ids, never from array indices, so any token order (zig-zag load
 balancing) and packed documents work: query i sees key j iff seg[i] == seg[j] and pos[j] <= pos[i], and with a
 sliding window W > 0 also pos[i] - pos[j] < W (the last W tokens of the document, itself included). A logit
@@ -30,7 +31,7 @@ def soft_cap(scores, cap: float):
 
 def dot_product_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, q_seg_BS, kv_pos_BT, kv_seg_BT, window: int = 0,
                           softcap: float = 0.0):
-    """Returns (out[B, S, H, D] in q's dtype, lse[B, H, S] fp32). Rows with no visible key give out 0, lse -inf."""
+    """Returns (out[B, S, H, Dv] in q's dtype, lse[B, H, S] fp32). Rows with no visible key give out 0, lse -inf."""
     b, s, h, d = q_BSHD.shape
     k = k_BTKD.shape[2]
     q_BSKGD = q_BSHD.reshape(b, s, k, h // k, d)
@@ -41,7 +42,7 @@ def dot_product_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, q_seg_BS, kv_pos_BT,
     lse = jax.nn.logsumexp(scores, axis=-1)
     probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     out = jnp.einsum("BKGST,BTKD->BSKGD", probs.astype(v_BTKD.dtype), v_BTKD, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, h, d).astype(q_BSHD.dtype), lse.reshape(b, h, s)
+    return out.reshape(b, s, h, v_BTKD.shape[-1]).astype(q_BSHD.dtype), lse.reshape(b, h, s)
 
 
 def dot_product_block_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSHD, lse_BHS, dout_BSHD,
@@ -61,7 +62,7 @@ def dot_product_block_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_
     def partial_rows(q, k, v):
         scores = soft_cap(jnp.einsum("BSKGD,BTKD->BKGST", q.reshape(b, s, kh, h // kh, d), k) * (d ** -0.5), softcap)
         p = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
-        o = jnp.einsum("BKGST,BTKD->BSKGD", p, v).reshape(b, s, h, d)
+        o = jnp.einsum("BKGST,BTKD->BSKGD", p, v).reshape(b, s, h, v.shape[-1])
         return o, p.sum(-1).reshape(b, h, s)
 
     f32 = [x.astype(jnp.float32) for x in (q_BSHD, k_BTKD, v_BTKD)]

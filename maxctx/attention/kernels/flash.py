@@ -1,7 +1,7 @@
 """Blockwise (flash) attention in pure JAX: online softmax over key/value blocks, a custom VJP, and the lse.
 
-Legend: B batch, S query length, T key/value length, H query heads, K kv heads, G = H // K, D head dim,
-Q = block_q, C = block_kv (inside this file only).
+Legend: B batch, S query length, T key/value length, H query heads, K kv heads, G = H // K, D head dim of q and k
+(v's, and out's, may differ: MLA), Q = block_q, C = block_kv (inside this file only).
 
 Memory: never S x T. The forward holds one [B, K, G, Q, C] fp32 score block per step plus the running
 (max, sum, accumulator) of one query block; the backward one score block plus dq[B, S, H, D] fp32 and the
@@ -124,7 +124,7 @@ def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, bloc
             return jax.lax.cond(_may_see(q_range, k_range, window), compute, lambda c: c, carry), None
 
         init = (jnp.full((b, k, g, bq), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, bq), jnp.float32),
-                jnp.zeros((b, k, g, bq, d), jnp.float32))
+                jnp.zeros((b, k, g, bq, v_BTKD.shape[-1]), jnp.float32))
         (m, l_sum, acc), _ = jax.lax.scan(step, init, kv_blocks)
         seen = l_sum > 0
         denom = jnp.where(seen, l_sum, 1.0)
@@ -133,7 +133,7 @@ def _forward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, block_q, bloc
         return jnp.einsum("BKGQD->BQKGD", out), lse
 
     out_blocks, lse_blocks = jax.lax.map(one_q_block, (q_blocks, qp_blocks, qs_blocks))
-    out = _unblocks(out_blocks).reshape(b, s, h, d)
+    out = _unblocks(out_blocks).reshape(b, s, h, v_BTKD.shape[-1])
     lse = jnp.moveaxis(lse_blocks, 0, 3).reshape(b, h, s)  # [nq, B, K, G, Q] -> [B, K, G, nq, Q]
     return out, lse
 
@@ -157,7 +157,7 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
         return jnp.moveaxis(x_BHS.reshape(b, k, g, nq, s // nq), 3, 0)
 
     qp_blocks, qs_blocks = _blocks(q_pos, nq), _blocks(q_seg, nq)
-    q_side = (_blocks(q_BSHD.reshape(b, s, k, g, d), nq), _blocks(dout_BSHD.reshape(b, s, k, g, d), nq),
+    q_side = (_blocks(q_BSHD.reshape(b, s, k, g, d), nq), _blocks(dout_BSHD.reshape(b, s, k, g, -1), nq),
               by_q(lse), by_q(delta), qp_blocks, qs_blocks, block_ranges(qp_blocks, qs_blocks), jnp.arange(nq))
     kp_blocks, ks_blocks = _blocks(kv_pos, nk), _blocks(kv_seg, nk)
     kv_side = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), kp_blocks, ks_blocks, block_ranges(kp_blocks, ks_blocks))
@@ -185,8 +185,8 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
 
             return jax.lax.cond(_may_see(q_range, k_range, window), compute, lambda c: c, carry), None
 
-        zeros = jnp.zeros(k_BCKD.shape, jnp.float32)
-        (dq, dk, dv), _ = jax.lax.scan(q_step, (dq, zeros, zeros), q_side)
+        zeros = (jnp.zeros(k_BCKD.shape, jnp.float32), jnp.zeros(v_BCKD.shape, jnp.float32))
+        (dq, dk, dv), _ = jax.lax.scan(q_step, (dq, *zeros), q_side)
         return dq, (dk, dv)
 
     dq0 = jnp.zeros((nq, b, s // nq, k, g, d), jnp.float32)

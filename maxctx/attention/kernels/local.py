@@ -17,6 +17,11 @@ lacks those kernels or with Blocks.ring_backward=False, with the blockwise backw
 exposes no backward that takes the merged lse. tokamax rings run tokamax's fused backward kernel the same way.
 `softcap` > 0 (attn_logits_soft_cap) caps every kernel's scores, splash's and tokamax's through their own
 `attn_logits_soft_cap`, so a ring's hops merge capped scores; cuDNN has no soft-cap and is refused (ConfigError).
+
+V's head dim may be below q and k's (MLA: 192 and 128). The reference and blockwise kernels take it as it is; splash,
+tokamax and cuDNN get V (and a hop backward's out and dout) zero-padded to q's head dim, and their out and dV sliced
+back: exact (the padded columns of out are sums of zeros, and add nothing to rowsum(dout * out)), for D / Dv of
+the P V products (1.5 at MLA's dims).
 """
 
 from __future__ import annotations
@@ -104,6 +109,10 @@ class LocalKernel:
         if self.name == "blockwise":
             return flash.flash_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv,
                                          self.window, self.softcap)
+        out, lse = self._pallas_attend(hop, q, k, _widened(v, q), q_pos, q_seg, kv_pos, kv_seg)
+        return out[..., :v.shape[-1]], lse
+
+    def _pallas_attend(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):
         if self.name == "cudnn":
             return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, window=self.window,
                                          natural=self.natural)
@@ -117,18 +126,25 @@ class LocalKernel:
         if self.name == "blockwise":
             return flash.flash_forward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, self.block_q, self.block_kv,
                                        self.window, self.softcap)
+        width, v = v.shape[-1], _widened(v, q)
         if self.name == "cudnn":
             out, lse = cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, return_lse=True,
                                              window=self.window, natural=self.natural)
         else:
             out, lse = self._splash(hop, True, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
-        return out.astype(jnp.float32), lse
+        return out[..., :width].astype(jnp.float32), lse
 
     def block_backward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout):
         if self.name == "dot_product":
             return dot_product_block_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, self.window,
                                               self.softcap)
+        if self.name != "blockwise" and v.shape[-1] != q.shape[-1]:
+            v_out_dout = (_widened(x, q) for x in (v, out, dout))
+            dq, dk, dv = self._pallas_backward(hop, q, k, *v_out_dout, q_pos, q_seg, kv_pos, kv_seg, lse)
+            return dq, dk, dv[..., :v.shape[-1]]
+        return self._pallas_backward(hop, q, k, v, out, dout, q_pos, q_seg, kv_pos, kv_seg, lse)
 
+    def _pallas_backward(self, hop, q, k, v, out, dout, q_pos, q_seg, kv_pos, kv_seg, lse):
         def blockwise(*_):
             return flash.flash_backward(q, k, v, q_pos, q_seg, kv_pos, kv_seg, out, lse, dout, None,
                                         self.block_q, self.block_kv, self.window, self.softcap)
@@ -150,6 +166,15 @@ class LocalKernel:
         branches = [functools.partial(splash_backward.hop_backward, kern, ids=(q_pos, kv_pos, self.window, None))
                     if splash_backward.has_backward(kern) else blockwise for kern in self.splash_kernels]
         return self._pick(hop, branches, q, k, v, q_seg, kv_seg, out, lse, dout)
+
+
+def _widened(x, q):
+    """x[..., Dv] zero-padded to q's head dim (module doc); x itself when they are equal."""
+    extra = q.shape[-1] - x.shape[-1]
+    if extra < 0:
+        raise ConfigError(f"value head dim {x.shape[-1]} above the query's {q.shape[-1]}: only the reference and "
+                         f"blockwise kernels take it; use attention=blockwise")
+    return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def _row(b: int, *arrays):
