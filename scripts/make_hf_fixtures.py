@@ -30,8 +30,10 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
     gemma3     Gemma3ForCausalLM (transformers 5's config form): 3 layers local, global, local (a pattern that ends
                part-way), window 32, QK-norm, local RoPE theta 1e4 against global 1e6 with linear scaling 8,
                query_pre_attn_scalar 24
-    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads, 4 value heads
-               of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head)
+    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads of 16, 4 value
+               heads of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head);
+               key heads of 16, not 8: an L2-normalised q or k of 8 silu outputs all near 0 is common enough at
+               random weights to amplify rounding past the 1e-5 comparison
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ MODELS = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-6, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})),
 }
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from maxctx.attention.cp.load_balance import zigzag_permutation
 from maxctx.model.qwen35 import cp as gdn_cp, gdn
 from tests.support.hlo import collective_bytes
 from tests.support.meshes import make_mesh
@@ -64,6 +65,18 @@ def test_prefix_scan_at_four_ranks_equals_one_device():
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
+def test_zigzag_order_at_four_ranks_equals_one_device():
+    seq, cp = 64, 4
+    args = inputs(seq, seed=3)
+    seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 44], B, 0), jnp.int32)
+    order = zigzag_permutation(seq, cp)
+    mesh = make_mesh(cp, 1)
+    got = jax.jit(lambda *x: gdn_cp.sharded_mix(mesh, *x[:3], seg[:, order], *x[3:], (HK, K, V), zigzag=True))(
+        *(x[:, order] if x.ndim == 3 else x for x in args))
+    want = gdn_cp.sharded_mix(None, *args[:3], seg, *args[3:], (HK, K, V))
+    np.testing.assert_allclose(got[:, np.argsort(order)], want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_document_start_on_a_rank_boundary_leaks_no_state():
     """Rank 2 begins a document: its outputs are those of that document alone, whatever rank 0 and 1 hold."""
     seq = 64
@@ -80,7 +93,7 @@ def test_a_document_start_on_a_rank_boundary_leaks_no_state():
 
 
 @functools.cache
-def permute_bytes(seq: int, cp: int) -> int:
+def permute_bytes(seq: int, cp: int, zigzag: bool) -> int:
     mesh = make_mesh(cp, 1)
     sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if x.ndim == 3 else None)
@@ -88,13 +101,13 @@ def permute_bytes(seq: int, cp: int) -> int:
     seg = jax.ShapeDtypeStruct((B, seq), jnp.int32, sharding=sharding)
 
     def fwd(qkv, b, a, conv, a_log, dt_bias, seg):
-        return gdn_cp.sharded_mix(mesh, qkv, b, a, seg, conv, a_log, dt_bias, (HK, K, V))
+        return gdn_cp.sharded_mix(mesh, qkv, b, a, seg, conv, a_log, dt_bias, (HK, K, V), zigzag)
 
     hlo = jax.jit(fwd).lower(*args, seg).compile().as_text()
     return collective_bytes(hlo)["collective-permute"]
 
 
-@pytest.mark.parametrize("cp", [4, 8])
-def test_permute_bytes_are_the_formula_at_two_lengths(cp):
-    want = gdn_cp.comm_bytes(B, N, K, V, X, W, 4, cp)
-    assert permute_bytes(128, cp) == permute_bytes(512, cp) == want
+@pytest.mark.parametrize("cp,zigzag", [(4, False), (8, True)])
+def test_permute_bytes_are_the_formula_at_two_lengths(cp, zigzag):
+    want = gdn_cp.comm_bytes(B, N, K, V, X, W, 4, cp, zigzag)
+    assert permute_bytes(128, cp, zigzag) == permute_bytes(512, cp, zigzag) == want

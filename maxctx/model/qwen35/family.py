@@ -101,10 +101,11 @@ def check(config: Config) -> None:
     if not 0 < config.partial_rotary_factor <= 1:
         raise ConfigError(f"partial_rotary_factor={config.partial_rotary_factor} must be in (0, 1] (Qwen3.5: 0.25)")
     cp = config.ici_context_parallelism * config.dcn_context_parallelism
-    if cp > 1 and config.context_parallel_load_balance is not False:
-        raise ConfigError(f"context_parallel_load_balance={config.context_parallel_load_balance} reorders tokens "
-                          f"across the context ranks, and decoder_block={config.decoder_block}'s linear layers need "
-                          f"them in order; set context_parallel_load_balance=false")
+    if cp > 1 and config.context_parallel_load_balance not in (True, False):
+        raise ConfigError(f"context_parallel_load_balance={config.context_parallel_load_balance} places each "
+                          f"batch's documents on the context ranks, and decoder_block={config.decoder_block}'s linear "
+                          f"layers scan the sequence in a fixed rank order (maxctx.model.qwen35.cp); set "
+                          f"context_parallel_load_balance=true (the zig-zag) or false")
 
 
 def stacks(config: Config) -> tuple[Stack, ...]:

@@ -52,7 +52,7 @@ class GatedDeltaNet(nnx.Module):
         b = jnp.einsum("BSD,DN->BSN", x_BSD, self.w_b[...].astype(dt))
         a = jnp.einsum("BSD,DN->BSN", x_BSD, self.w_a[...].astype(dt))
         o = sharded_mix(self.mesh, qkv, b, a, segment_ids_BS, self.conv[...][:, 0], self.a_log[...],
-                        self.dt_bias[...].astype(jnp.float32), self.dims)
+                        self.dt_bias[...].astype(jnp.float32), self.dims, self.cfg.attention.load_balance is True)
         o = checkpoint_name(o.astype(dt), "context")
         gated = (self.norm(o).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
         return checkpoint_name(jnp.einsum("BSNV,NVD->BSD", gated, self.w_out[...].astype(dt)), "out_proj")
