@@ -113,6 +113,14 @@ class Config:
     linear_conv_kernel_dim: int = 4
     full_attention_interval: int = 4
     partial_rotary_factor: float = 1.0
+    # Mixture of experts (MaxText's keys; decoder_block mixtral, qwen3_moe): experts per MoE layer, experts per
+    # token, each expert's SwiGLU width (0: base_mlp_dim), the top-k weights renormalised to sum to 1, and the
+    # load-balancing loss's weight in the training loss.
+    num_experts: int = 1
+    num_experts_per_tok: int = 1
+    base_moe_mlp_dim: int = 0
+    norm_topk_prob: bool = False
+    load_balance_loss_weight: float = 0.01
     # Numerics and memory.
     dtype: DType = "bfloat16"
     weight_dtype: DType = "float32"
@@ -318,6 +326,7 @@ MODEL_KEYS = (
     "query_pre_attn_scalar", "local_rope_max_timescale", "final_logits_soft_cap", "attn_logits_soft_cap",
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
+    "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob",
 )
 FIELD_TYPES = get_type_hints(Config)
 

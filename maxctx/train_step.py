@@ -5,7 +5,9 @@ logical axes (maxctx.parallelism.LOGICAL_RULES), optimiser moments like their pa
 Batch: dict of [B, S] arrays x[B_(data,fsdp), S_(context,context_a2a)] (see maxctx.data).
 
 The loss is the weighted mean of token cross-entropy over every token of the global batch (all micro-batches of
-gradient accumulation together), whatever the mesh: sums are reduced first, divided once.
+gradient accumulation together), whatever the mesh: sums are reduced first, divided once. A family's auxiliary
+terms (maxctx.model.decoder.Decoder.loss_terms: MoE load balancing) add sum(weight x term) to it, each term the
+token-weighted mean of its micro-batches' values, and each is logged under its name.
 
 With skip_nonfinite_steps, a step whose loss or gradient norm is not finite, or whose update would leave a
 non-finite parameter or moment, keeps the previous parameters and optimizer state (the step counter and the data
@@ -101,10 +103,23 @@ def init_state(setup: TrainSetup) -> dict:
 
 
 def loss_sums(graphdef, params, batch) -> tuple[jax.Array, jax.Array]:
-    """(sum of weighted token cross-entropy, sum of weights) over a batch."""
+    """(sum of weighted token cross-entropy, with the auxiliary terms as `loss_terms` adds them; sum of weights)
+    over a batch."""
+    total, (weight, _) = loss_terms(graphdef, params, batch)
+    return total, weight
+
+
+def loss_terms(graphdef, params, batch):
+    """(the objective's sum, (sum of weights, {term: weight sum x term})) over a batch: the cross-entropy sum plus
+    sum(weight x term) counted once per unit of token weight, so that dividing by the total weight gives the mean
+    cross-entropy plus the weighted terms. Without terms the objective is the cross-entropy sum itself."""
     model = nnx.merge(graphdef, params)
-    return model.loss_sums(batch["inputs"], batch["positions"], batch["segment_ids"], batch["targets"],
-                           batch["weights"])
+    loss, weight, terms = model.loss_terms(batch["inputs"], batch["positions"], batch["segment_ids"],
+                                           batch["targets"], batch["weights"])
+    scaled = [w * value for w, value in terms.values() if w]
+    if scaled:
+        loss = loss + jax.lax.stop_gradient(weight) * sum(scaled)
+    return loss, (weight, {name: value * weight for name, (_, value) in terms.items()})
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -119,7 +134,7 @@ def train_step_fn(setup: TrainSetup):
     graphdef, optimizer = setup.graphdef, setup.optimizer
     accum, skip_nonfinite = setup.config.gradient_accumulation_steps, setup.config.skip_nonfinite_steps
     schedule = learning_rate_schedule(setup.config)
-    grad_fn = jax.value_and_grad(lambda p, b: loss_sums(graphdef, p, b), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, b: loss_terms(graphdef, p, b), has_aux=True)
 
     def step(state, batch):
         # State kept in host memory (the host offload keys) comes to the device for the step and goes back by the
@@ -127,24 +142,27 @@ def train_step_fn(setup: TrainSetup):
         state = on_device(state, setup.state_shardings)
         params = state["params"]
         if accum == 1:
-            (loss_sum, weight_sum), grad_sum = grad_fn(params, batch)
+            (loss_sum, (weight_sum, term_sums)), grad_sum = grad_fn(params, batch)
         else:
             # Micro-batch a takes rows a, a + A, a + 2A, ... so every data shard feeds every micro-batch.
             micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, accum, *x.shape[1:]), 0, 1), batch)
 
             def body(carry, mb):
-                (loss, weight), g = grad_fn(params, mb)
-                return jax.tree.map(jnp.add, carry, (loss, weight, g)), None
+                (loss, (weight, terms)), g = grad_fn(params, mb)
+                return jax.tree.map(jnp.add, carry, (loss, weight, terms, g)), None
 
+            first = jax.tree.map(lambda x: x[0], micro)
+            term_shapes = jax.eval_shape(lambda p, b: loss_terms(graphdef, p, b)[1][1], params, first)
             zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                     jax.tree.map(lambda t: jnp.zeros(t.shape, jnp.float32), term_shapes),
                      jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-            (loss_sum, weight_sum, grad_sum), _ = jax.lax.scan(body, zeros, micro)
+            (loss_sum, weight_sum, term_sums, grad_sum), _ = jax.lax.scan(body, zeros, micro)
         denom = jnp.maximum(weight_sum, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         loss, grad_norm, finite = loss_sum / denom, optax.tree.norm(grads), all_finite((new_params, opt_state))
-        metrics = {}
+        metrics = {name: value / denom for name, value in term_sums.items()}
         if skip_nonfinite:  # keep the previous state (finite: it was saved or checked) instead of a bad update
             keep = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm) & finite)
             new_params, opt_state = jax.tree.map(lambda new, old: jnp.where(keep, old, new),

@@ -30,10 +30,13 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
     gemma3     Gemma3ForCausalLM (transformers 5's config form): 3 layers local, global, local (a pattern that ends
                part-way), window 32, QK-norm, local RoPE theta 1e4 against global 1e6 with linear scaling 8,
                query_pre_attn_scalar 24
-    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads of 16, 4 value
-               heads of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head);
-               key heads of 16, not 8: an L2-normalised q or k of 8 silu outputs all near 0 is common enough at
-               random weights to amplify rounding past the 1e-5 comparison
+    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads, 4 value heads
+               of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head)
+    mixtral    MixtralForCausalLM: every layer 4 experts, 2 per token (renormalised); also aux_loss.npy:
+               transformers' load-balancing loss (output_router_logits) on the tokens
+    qwen3_moe  Qwen3MoeForCausalLM: QK-norm, 4 experts 48 wide, 2 per token, norm_topk_prob false (the router
+               form without renormalisation); also aux_loss.npy
+MoE routers get weights 3x the others' scale, so no token's top-k choice hangs on a rounding difference.
 """
 
 from __future__ import annotations
@@ -78,9 +81,15 @@ MODELS = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-6, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        rope_theta=1e6, tie_word_embeddings=False, sliding_window=None, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        rope_theta=1e6, tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=False)),
 }
+MOE = ("mixtral", "qwen3_moe")
 
 
 def logits(model, tokens: np.ndarray) -> np.ndarray:
@@ -106,7 +115,8 @@ def make(name: str, out: str) -> None:
                 centre = 0 if name == "qwen3_5" and "norm" in pname and "linear_attn" not in pname else 1
                 p.copy_(centre + 0.2 * torch.randn_like(p))
             else:
-                p.copy_(torch.randn_like(p) * (1.0 if "embed" in pname else p.shape[1] ** -0.5))
+                router = 3.0 if name in MOE and pname.endswith("gate.weight") else 1.0
+                p.copy_(torch.randn_like(p) * (1.0 if "embed" in pname else router * p.shape[1] ** -0.5))
     directory = os.path.join(out, name)
     model.save_pretrained(directory, safe_serialization=True)
     tokens = np.random.default_rng(100 + list(MODELS).index(name)).integers(0, VOCAB, (1, SEQ)).astype(np.int32)
@@ -129,6 +139,21 @@ def token_losses(name: str, out: str) -> None:
         losses = torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:], reduction="none")
     np.save(os.path.join(directory, "token_losses.npy"), losses.numpy().astype(np.float32))
     print(f"{directory}/token_losses.npy: mean {float(losses.mean()):.4f} over {losses.numel()} positions")
+
+
+def aux_loss(name: str, out: str) -> None:
+    """transformers' load-balancing loss (load_balancing_loss_func, unweighted) of the stored model on its tokens."""
+    import torch
+    import transformers
+
+    directory = os.path.join(out, name)
+    config = json.load(open(os.path.join(directory, "config.json")))
+    model = getattr(transformers, config["architectures"][0]).from_pretrained(directory, attn_implementation="eager")
+    tokens = torch.from_numpy(np.load(os.path.join(directory, "tokens.npy"))).long()
+    with torch.no_grad():
+        value = model.float().eval()(tokens, output_router_logits=True).aux_loss
+    np.save(os.path.join(directory, "aux_loss.npy"), np.float32(value))
+    print(f"{directory}/aux_loss.npy: {float(value):.6f}")
 
 
 def window_logits(out: str, window: int = 32) -> None:
@@ -183,6 +208,8 @@ def main() -> None:
             token_losses(name, args.out)
             if name == "mistral":
                 window_logits(args.out)
+            if name in MOE:
+                aux_loss(name, args.out)
         check_export(name, args.out, args.maxctx_python)
 
 

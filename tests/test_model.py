@@ -79,8 +79,10 @@ GEMMA = [("gemma2-2b", 2_614_341_888), ("gemma2-9b", 9_241_705_984), ("gemma2-27
 
 
 @pytest.mark.parametrize("name,expected", [("llama3-8b", 8_030_261_248), ("llama2-7b", 6_738_415_616),
-                                           ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552)]
-                         + QWEN_OLMO + GEMMA)
+                                           ("llama3.1-70b", 70_553_706_496), ("mistral-7b", 7_248_023_552),
+                                           ("mixtral-8x7b", 46_702_792_704),
+                                           ("mixtral-8x22b", 140_620_634_112), ("qwen3-30b-a3b", 30_532_122_624),
+                                           ("qwen3-235b-a22b", 235_093_634_560)] + QWEN_OLMO + GEMMA)
 def test_published_parameter_counts(name, expected):
     from maxctx.model import families
 
@@ -88,6 +90,19 @@ def test_published_parameter_counts(name, expected):
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     assert count_params(nnx.state(abstract)) == expected
     assert families.shape(config).num_params == expected  # the family's formula, which the planner uses
+
+
+# The model cards' active parameters (rounded there: Qwen3-30B-A3B's 3.35B is "3.3B"); the matmul FLOPs, and so
+# MFU, count a token's experts only.
+@pytest.mark.parametrize("name,card", [("mixtral-8x7b", 12.9e9), ("mixtral-8x22b", 39e9), ("qwen3-30b-a3b", 3.3e9),
+                                       ("qwen3-235b-a22b", 22e9)])
+def test_published_active_parameter_counts(name, card):
+    from maxctx.model import families
+
+    shape = families.shape(_model_config(model_name=name)[0])
+    assert abs(shape.active_params / card - 1) < 0.02
+    assert shape.matmul_params == shape.active_params - shape.emb_dim * (shape.vocab_size + 1) - \
+        shape.num_layers * (2 * shape.emb_dim + shape.qk_norm_params)
 
 
 def test_the_family_names_every_logical_axis_its_parameters_use():

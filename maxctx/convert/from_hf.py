@@ -93,8 +93,10 @@ def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list
     used, result = set(), []
     for t in families.get(keys["decoder_block"]).hf_layout.tensors(keys):
         infos = []
-        for i in range(t.layers(keys)) if t.per_layer else [None]:
-            name = t.name(i)
+        parts = range(t.parts(keys)) if t.parts(keys) > 1 else [None]
+        for i, j in ((i, j) for i in (range(t.layers(keys)) if t.per_layer else [None])
+                     for j in parts):
+            name = t.name(i, j)
             if name == "lm_head.weight" and name not in files and hf_keys["logits_via_embedding"]:
                 name = "model.embed_tokens.weight"  # tied in the checkpoint, untied in this config
             info = files.get(name)
@@ -133,13 +135,20 @@ def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list
 def _deferred(t: Tensor, infos: list[safetensors.TensorInfo], keys: dict, dtype: np.dtype, progress) -> Deferred:
     """The parameter as a leaf made when written: layer i from its HF tensor (or the one tensor)."""
 
-    def make(i: int | None) -> np.ndarray:
-        info = infos[0 if i is None else i]
+    parts = t.parts(keys)
+
+    def part(info: safetensors.TensorInfo) -> np.ndarray:
         value = t.to_maxctx(safetensors.read(info), keys).astype(dtype)
         progress(info, t)
         return value
 
-    shape = ((len(infos),) if t.per_layer else ()) + t.mx_shape(keys)
+    def make(i: int | None) -> np.ndarray:
+        first = (0 if i is None else i) * parts
+        if parts == 1:
+            return part(infos[first])
+        return np.stack([part(info) for info in infos[first:first + parts]])  # one layer's experts
+
+    shape = ((len(infos) // parts,) if t.per_layer else ()) + t.mx_shape(keys)
     return Deferred(shape, dtype, make, stacked=t.per_layer)
 
 

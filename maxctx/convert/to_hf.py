@@ -82,8 +82,9 @@ def _tensor_plan(step_dir: epath.Path, keys: dict[str, Any]) -> list[tuple]:
         if saved[path][0] != want:
             raise ConfigError(f"checkpoint {step_dir}: '{'/'.join(path)}' has shape {list(saved[path][0])} but "
                               f"this config gives {list(want)}; check the model keys (key=value)")
+        parts = range(t.parts(keys)) if t.parts(keys) > 1 else [None]
         for i in range(layers) if t.per_layer else [None]:
-            plan.append((t.name(i), t.hf_shape(keys), t, i))
+            plan.extend((t.name(i, j), t.hf_shape(keys), t, i if j is None else (i, j)) for j in parts)
     return plan
 
 
@@ -111,16 +112,24 @@ class _Reader:
                                                           families.get(keys["decoder_block"]).hf_layout.tensors(keys)])
         self.whole: dict[tuple, np.ndarray] = {}
 
-    def __call__(self, t: Tensor, layer: int | None) -> np.ndarray:
+    def __call__(self, t: Tensor, layer: int | tuple[int, int] | None) -> np.ndarray:
+        """The HF tensor of `layer`, or of (layer, part) for one of a layer's parts (Tensor.parts)."""
+        layer, part = layer if isinstance(layer, tuple) else (layer, None)
         path = ("params", *t.path)
         array = self.opened[path]
-        if t.per_layer and array.chunk_layout.read_chunk.shape[0] == 1:  # layer chunks (from_hf): one layer
+        if t.per_layer and array.chunk_layout.read_chunk.shape[0] == 1 and part is None:  # layer chunks (from_hf)
             value = np.asarray(array[layer].read().result())
+        elif t.per_layer and array.chunk_layout.read_chunk.shape[0] == 1:  # a layer once for all its parts
+            if (path, layer) not in self.whole:
+                self.whole.clear()
+                self.whole[(path, layer)] = np.asarray(array[layer].read().result())
+            value = self.whole[(path, layer)]
         else:  # chunks span the layers (a training run's shards): the parameter once, then its layers
             if path not in self.whole:
                 self.whole.clear()
                 self.whole[path] = np.asarray(array.read().result())
             value = self.whole[path][layer] if t.per_layer else self.whole[path]
+        value = value if part is None else value[part]
         return np.ascontiguousarray(t.to_hf(value, self.keys).astype(self.out_dtype))
 
 

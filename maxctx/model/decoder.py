@@ -45,7 +45,15 @@ class Decoder(nnx.Module):
         """(sum of weighted token cross-entropy, sum of weights). With num_vocab_tiling = N > 1 the output
         projection and the cross-entropy run over N chunks of each device's tokens (maxctx.model.tiling), so at
         most B x S / (C N) x V logits are live at once, in the forward and in the backward."""
-        x_BSD = self.hidden(inputs_BS, positions_BS, segment_ids_BS)
+        return self.loss_terms(inputs_BS, positions_BS, segment_ids_BS, targets_BS, weights_BS)[:2]
+
+    def loss_terms(self, inputs_BS, positions_BS, segment_ids_BS, targets_BS, weights_BS):
+        """`loss_sums` and the layers' auxiliary loss terms, {name: (weight, value)} (maxctx.model.stacks.aux_terms:
+        {} for a family without; maxctx.train_step adds sum(weight x value) to the loss)."""
+        x_BSD, sums = self._hidden(inputs_BS, positions_BS, segment_ids_BS)
+        return (*self._cross_entropy_sums(x_BSD, targets_BS, weights_BS), stacks.aux_terms(self.cfg, sums))
+
+    def _cross_entropy_sums(self, x_BSD, targets_BS, weights_BS):
         w, tied, cfg = *self._output_weight(), self.cfg
         weights_BS = weights_BS.astype(jnp.float32)
 
@@ -69,6 +77,10 @@ class Decoder(nnx.Module):
 
     def hidden(self, inputs_BS, positions_BS, segment_ids_BS):
         """The final-normed hidden states x[B, S, D] (before the output projection)."""
+        return self._hidden(inputs_BS, positions_BS, segment_ids_BS)[0]
+
+    def _hidden(self, inputs_BS, positions_BS, segment_ids_BS):
+        """(`hidden`, the layers' auxiliary sums over every stack: maxctx.model.stacks)."""
         cfg = self.cfg
         embed_VD = self.embed[...]
         if cfg.use_iota_embed:  # MaxText's option: a one-hot matmul instead of a gather (exact: one 1 per row)
@@ -85,11 +97,13 @@ class Decoder(nnx.Module):
         if _options(cfg).embed_scale:  # as transformers' Gemma: sqrt(D) rounded to the activation dtype first
             x = x * jnp.asarray(cfg.emb_dim**0.5, cfg.dtype)
         x = constrain_activations(x, self.mesh)
-        first = 0
+        first, sums = 0, {}
         for name, stack in zip(self._stack_names(cfg), cfg.layer_stacks):
-            x = stacks.run(stack, getattr(self, name), x, positions_BS, segment_ids_BS, cfg, self.mesh, first)
+            x, aux = stacks.run(stack, getattr(self, name), x, positions_BS, segment_ids_BS, cfg, self.mesh, first)
+            for key, value in aux.items():
+                sums[key] = sums[key] + value if key in sums else value
             first += stack.count
-        return self.final_norm(x)
+        return self.final_norm(x), sums
 
 
 def _cross_entropy(logits_BSV, targets_BS):

@@ -7,11 +7,17 @@ Legend: B batch, S sequence, D model width.
 A stack's parameters are stacked on a leading `layers` axis (so checkpoints do not depend on `scan_layers`); with
 a window pattern of period P > 1 the scan runs over the count / P groups, P layers each. Activations between layers
 are laid out x[B_(data,fsdp), S_(context,context_a2a), D].
+
+Auxiliary terms: a layer kind whose class has `aux_terms` (maxctx.model.moe) returns (x_BSD, aux), aux a dict of
+float32 arrays that add over layers (counts and sums, never ratios); the runner carries their sum through the scan
+and `run` returns (x, sums), which `aux_terms` turns into the loss's terms. Other kinds return x_BSD and carry an
+empty dict, so their programs are unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -24,6 +30,7 @@ from maxctx.model.family import Stack
 from maxctx.model.gemma.layers import GemmaLayer
 from maxctx.model.layers import ModelConfig, constrain_activations, names_policy, remat_names
 from maxctx.model.llama.layers import DecoderLayer
+from maxctx.model.moe.layers import MoeLayer, Qwen3MoeLayer
 from maxctx.model.olmo.layers import OlmoLayer
 from maxctx.model.qwen.layers import QwenLayer
 from maxctx.model.qwen35.layers import Qwen35Period
@@ -35,6 +42,7 @@ _KINDS: dict[str, Callable[..., nnx.Module]] = {"llama": DecoderLayer}
 _KINDS.update(qwen=QwenLayer, olmo=OlmoLayer)
 _KINDS.update(gemma=GemmaLayer)
 _KINDS.update(qwen3_5=Qwen35Period)
+_KINDS.update(mixtral=MoeLayer, qwen3_moe=Qwen3MoeLayer)
 
 
 def register_layer(kind: str, make: Callable[..., nnx.Module]) -> None:
@@ -74,36 +82,61 @@ def remat_policy(cfg: ModelConfig):
 
 def run(stack: Stack, layers: nnx.Module, x, positions_BS, segment_ids_BS, cfg: ModelConfig, mesh=None,
         first: int = 0):
-    """x[B, S, D] through the stack's layers; `first`: the layers of the stacks before it (host_input_layers
-    counts over the whole decoder)."""
+    """(x[B, S, D] through the stack's layers, the sums of their auxiliary terms: {} for a kind without);
+    `first`: the layers of the stacks before it (host_input_layers counts over the whole decoder)."""
     graphdef, stacked = nnx.split(layers)
+    carry = (x, _aux_zeros(stack, graphdef, stacked, x, positions_BS, segment_ids_BS))
     rest = stack.count % len(stack.windows)
     if not rest:
-        return _run(stack, graphdef, stacked, x, positions_BS, segment_ids_BS, cfg, mesh, first)
+        return _run(stack, graphdef, stacked, carry, positions_BS, segment_ids_BS, cfg, mesh, first)
     # The periods, then the last `rest` layers as a stack of their own windows (one period of `rest` layers).
     whole = stack.count - rest
     if whole:
-        x = _run(dataclasses.replace(stack, count=whole), graphdef, jax.tree.map(lambda a: a[:whole], stacked), x,
-                 positions_BS, segment_ids_BS, cfg, mesh, first)
+        carry = _run(dataclasses.replace(stack, count=whole), graphdef, jax.tree.map(lambda a: a[:whole], stacked),
+                     carry, positions_BS, segment_ids_BS, cfg, mesh, first)
     return _run(Stack(stack.kind, rest, stack.windows[:rest]), graphdef, jax.tree.map(lambda a: a[whole:], stacked),
-                x, positions_BS, segment_ids_BS, cfg, mesh, first + whole)
+                carry, positions_BS, segment_ids_BS, cfg, mesh, first + whole)
 
 
-def _run(stack: Stack, graphdef, stacked, x, positions_BS, segment_ids_BS, cfg: ModelConfig, mesh, first: int):
-    """`run` over a stack whose count is a multiple of its pattern's period, its layers' state `stacked`."""
+def _aux_zeros(stack: Stack, graphdef, stacked, x, positions_BS, segment_ids_BS) -> dict:
+    """Zeros of the auxiliary sums one layer of the stack returns ({} for a kind without `aux_terms`)."""
+    if not hasattr(_KINDS[stack.kind], "aux_terms"):
+        return {}
+    one = jax.tree.map(lambda a: a[0], stacked)
+    shapes = jax.eval_shape(lambda s: nnx.merge(graphdef, s)(x, positions_BS, segment_ids_BS)[1], one)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def aux_terms(cfg: ModelConfig, sums: dict) -> dict:
+    """The loss's auxiliary terms, {name: (weight, value)}, from the layers' summed `aux` (each kind that has
+    `aux_terms` turns its own sums into terms)."""
+    terms: dict = {}
+    for kind in dict.fromkeys(stack.kind for stack in cfg.layer_stacks):
+        make = _KINDS.get(kind)
+        if sums and hasattr(make, "aux_terms"):
+            terms.update(make.aux_terms(sums, cfg))
+    return terms
+
+
+def _run(stack: Stack, graphdef, stacked, carry, positions_BS, segment_ids_BS, cfg: ModelConfig, mesh, first: int):
+    """`run` over a stack whose count is a multiple of its pattern's period, its layers' state `stacked`; `carry`
+    is (x, the auxiliary sums so far)."""
     windows, count = stack.windows, stack.count
     period = len(windows)
+    with_aux = hasattr(_KINDS[stack.kind], "aux_terms")
 
     def make_layer_fn(window: int, cfg: ModelConfig, tag: bool = True):
         def layer_fn(x_BSD, layer_state):
             layer = nnx.merge(graphdef, layer_state)
             if tag:  # untagged inside a strided run: its policy would keep every layer's input (module doc)
                 x_BSD = name_layer_input(x_BSD, mesh)
-            return constrain_activations(layer(x_BSD, positions_BS, segment_ids_BS, window), mesh)
+            out = layer(x_BSD, positions_BS, segment_ids_BS, window)
+            x_BSD, aux = out if with_aux else (out, {})
+            return constrain_activations(x_BSD, mesh), aux
 
         if cfg.remat_policy != "none":
-            return jax.checkpoint(layer_fn, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
-        return layer_fn
+            layer_fn = jax.checkpoint(layer_fn, policy=remat_policy(cfg), prevent_cse=not cfg.scan_layers)
+        return functools.partial(_accumulate, layer_fn)
 
     # Layers [0, host) run under the policy as given; with decoder_layer_input=offload and host_input_layers
     # = k < L, layers [k, L) keep their input on the device instead (two scans). With layer_input_stride = N > 1
@@ -118,33 +151,41 @@ def _run(stack: Stack, graphdef, stacked, x, positions_BS, segment_ids_BS, cfg: 
     if not cfg.scan_layers:
         for i in range(count):
             fns = layer_fns if i < host else kept_fns
-            x = fns[i % period](x, jax.tree.map(lambda a, i=i: a[i], stacked))
-        return x
+            carry = fns[i % period](carry, jax.tree.map(lambda a, i=i: a[i], stacked))
+        return carry
     groups = jax.tree.map(lambda a: a.reshape(count // period, period, *a.shape[1:]), stacked)
     if cfg.layer_input_stride > 1:
         strided_fns = [make_layer_fn(w, cfg_kept, tag=False) for w in windows]
         unroll = any(name != "decoder_layer_input" for name in remat_names(cfg)[1])
-        return _strided_scan(strided_fns, x, groups, cfg.layer_input_stride, remat_policy(cfg), mesh, unroll)
+        return _strided_scan(strided_fns, carry, groups, cfg.layer_input_stride, remat_policy(cfg), mesh, unroll)
     split = host // period
     if split > 0:
-        x = _scan(layer_fns, x, jax.tree.map(lambda a: a[:split], groups))
+        carry = _scan(layer_fns, carry, jax.tree.map(lambda a: a[:split], groups))
     if split < count // period:
-        x = _scan(kept_fns, x, jax.tree.map(lambda a: a[split:], groups))
-    return x
+        carry = _scan(kept_fns, carry, jax.tree.map(lambda a: a[split:], groups))
+    return carry
 
 
-def _scan(fns, x_BSD, groups):
-    """x through the stacked periods `groups` (leading axis: periods), each period's layers `fns` in order."""
-    return jax.lax.scan(lambda carry, group_state: (_period(fns, carry, group_state), None), x_BSD, groups)[0]
+def _accumulate(layer_fn, carry, layer_state):
+    """One layer on carry = (x, auxiliary sums): its output, and its aux added to the sums."""
+    x_BSD, sums = carry
+    x_BSD, aux = layer_fn(x_BSD, layer_state)
+    return x_BSD, jax.tree.map(jnp.add, sums, aux)
 
 
-def _period(fns, x_BSD, group_state):
+def _scan(fns, carry, groups):
+    """carry = (x, aux sums) through the stacked periods `groups` (leading axis: periods), each period's layers
+    `fns` in order."""
+    return jax.lax.scan(lambda c, group_state: (_period(fns, c, group_state), None), carry, groups)[0]
+
+
+def _period(fns, carry, group_state):
     for j, fn in enumerate(fns):
-        x_BSD = fn(x_BSD, jax.tree.map(lambda a, j=j: a[j], group_state))
-    return x_BSD
+        carry = fn(carry, jax.tree.map(lambda a, j=j: a[j], group_state))
+    return carry
 
 
-def _strided_scan(fns, x_BSD, groups, stride: int, policy, mesh, unroll: bool):
+def _strided_scan(fns, carry, groups, stride: int, policy, mesh, unroll: bool):
     """`_scan` with each run of `stride` periods rematerialised as one under `policy`: only a run's input is kept
     (or offloaded) as decoder_layer_input. With `unroll` (the policy offloads tensors inside the layers) a run's
     periods are unrolled, not scanned, so what goes to the host is stacked over the runs only: libtpu 0.0.42 brings
@@ -152,7 +193,7 @@ def _strided_scan(fns, x_BSD, groups, stride: int, policy, mesh, unroll: bool):
     slice only supports slicing in 1 dimension"). Otherwise they stay a scan: unrolled, the 2^25-token llama3-8b
     step on v5p-128 needed 104.61 GiB per chip instead of 84.40 (docs/long_context.md)."""
     def stride_fn(carry, stride_state):
-        carry = name_layer_input(carry, mesh)
+        carry = (name_layer_input(carry[0], mesh), carry[1])
         if not unroll:
             return _scan(fns, carry, stride_state), None
         for i in range(stride):
@@ -160,7 +201,7 @@ def _strided_scan(fns, x_BSD, groups, stride: int, policy, mesh, unroll: bool):
         return carry, None
 
     strides = jax.tree.map(lambda a: a.reshape(a.shape[0] // stride, stride, *a.shape[1:]), groups)
-    return jax.lax.scan(jax.checkpoint(stride_fn, policy=policy, prevent_cse=False), x_BSD, strides)[0]
+    return jax.lax.scan(jax.checkpoint(stride_fn, policy=policy, prevent_cse=False), carry, strides)[0]
 
 
 # libtpu (0.0.42) aborts in llo_loop.cc ("index_space_.start <= index_space_.limit (0 vs. -1)") when it compiles

@@ -22,7 +22,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 DECODER_BLOCKS = {"llama": "llama2", "mistral": "mistral"}  # architecture -> maxctx's decoder_block
 # Shape letters -> the maxctx key that sets them.
 DIM_KEYS = {"D": "base_emb_dim", "H": "base_num_query_heads", "K": "base_num_kv_heads", "E": "head_dim",
-            "F": "base_mlp_dim", "V": "vocab_size"}
+            "F": "base_mlp_dim", "V": "vocab_size", "X": "num_experts", "M": "base_moe_mlp_dim"}
 # maxctx key -> the config.json entry that gives it, required.
 HF_SIZES = {"base_emb_dim": "hidden_size", "base_num_query_heads": "num_attention_heads",
             "base_mlp_dim": "intermediate_size", "base_num_decoder_layers": "num_hidden_layers",
@@ -61,8 +61,13 @@ class Tensor:
         """Layers this per-layer tensor is stacked over (a family whose layers differ: maxctx.model.qwen35)."""
         return keys["base_num_decoder_layers"]
 
-    def name(self, layer: int | None = None) -> str:
-        return self.hf_name.format(i=layer)
+    def parts(self, keys: dict[str, Any]) -> int:
+        """HF tensors that make one layer's slice, stacked on its first axis in maxctx (a MoE family's per-expert
+        tensors, `{j}` in their names: maxctx.model.moe.hf_layout); 1 for a tensor of its own."""
+        return 1
+
+    def name(self, layer: int | None = None, part: int | None = None) -> str:
+        return self.hf_name.format(i=layer, j=part)
 
 
 _LAYER = "model.layers.{i}."

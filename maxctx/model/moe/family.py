@@ -1,0 +1,142 @@
+"""The MoE families as maxctx.model.family states a family (no JAX): Mixtral (Llama's attention) and Qwen3-MoE (Qwen
+3's, with per-head QK-norm), every layer a dropless routed MoE layer (maxctx.model.moe.layers).
+
+Legend: D model, H query heads, K kv heads, Dh head dim, X experts, k experts per token, M an expert's width,
+L layers, T tensor parallelism, b bytes per activation. Per layer:
+
+    parameters   attention, two norms, router D X, experts 3 X D M            (total: what the model holds)
+    active       attention, router D X, k of the experts: 3 k D M             (what a token multiplies: MFU)
+
+Per token and device, the remat names as maxctx.model.llama.family has them, the MLP's being the experts':
+
+    mlpwi        2 k M/T b     forward 4 k D M/T FLOPs, and the router's 2 D X (and its softmax, top-k)
+    mlpwo        D b           2 k M/T D, and the combine's 2 k D
+    besides      the sorted copy of the token [k D] and each slot's output [k D] (b each), p [X] fp32
+
+The layer's working set is Llama's fit (maxctx.model.llama.family.WORK): not yet calibrated on a compiled MoE step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxctx.config import Config, ConfigError, layer_windows
+from maxctx.model.family import Stack, Tensor
+from maxctx.model.llama import family as llama
+from maxctx.model.moe import hf_layout
+from maxctx.model.qwen import family as qwen
+
+ROUTER_FLOPS = 8  # per token and expert besides the matmul: softmax (exp, sum, divide) and the top-k compares
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeOptions(qwen.AttentionOptions):
+    """What the MoE layer kinds read (ModelConfig.options): Qwen's attention settings, and the experts'."""
+
+    num_experts: int = 1
+    top_k: int = 1
+    mlp_dim: int = 1
+    renormalize: bool = False
+    load_balance_loss_weight: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeShape(qwen.AttentionShape):
+    """The attention's shape with X experts of width M, k per token: `mlp_params` counts what a token multiplies
+    (the router and k experts: the matmul FLOPs and MFU), `num_params` every expert."""
+
+    num_experts: int = 1
+    top_k: int = 1
+    moe_mlp_dim: int = 1
+
+    @classmethod
+    def from_config(cls, config: Config) -> MoeShape:
+        base = qwen.AttentionShape.from_config(config)
+        return cls(**dataclasses.asdict(base), num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                   moe_mlp_dim=expert_width(config))
+
+    @property
+    def router_params(self) -> int:
+        return self.emb_dim * self.num_experts
+
+    @property
+    def mlp_params(self) -> int:
+        return self.router_params + 3 * self.top_k * self.emb_dim * self.moe_mlp_dim
+
+    @property
+    def idle_params(self) -> int:
+        """The experts a token does not run, over the layers: (X - k) 3 D M L."""
+        return self.num_layers * 3 * (self.num_experts - self.top_k) * self.emb_dim * self.moe_mlp_dim
+
+    @property
+    def num_params(self) -> int:
+        return super().num_params + self.idle_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses, as model cards count them (embedding and output projection included)."""
+        return self.num_params - self.idle_params
+
+
+def expert_width(config: Config) -> int:
+    return config.base_moe_mlp_dim or config.base_mlp_dim
+
+
+def tensors(shape: MoeShape, tp: int, context_copies: int) -> dict[str, Tensor]:
+    named = qwen.tensors(shape, tp, context_copies)
+    d, k, m, x = shape.emb_dim, shape.top_k, shape.moe_mlp_dim / tp, shape.num_experts
+    router = 2 * d * x + ROUTER_FLOPS * x
+    named["mlpwi"] = Tensor(2 * k * m * shape.itemsize, 4 * k * d * m + router)
+    named["mlpwo"] = Tensor(d * shape.itemsize, 2 * k * m * d + 2 * k * d)
+    return named
+
+
+def activation(shape: MoeShape, tp: int) -> float:
+    """The attention's bytes (Llama's, Qwen's norms), the experts' in place of the SwiGLU's: [k M / T] three times,
+    the sorted copy and the slots' outputs [k D], and the router's probabilities [X] fp32, each written and read."""
+    dense = qwen.activation(shape, tp) - 2 * shape.itemsize * 3 * shape.mlp_dim / tp
+    k, b = shape.top_k, shape.itemsize
+    return dense + 2 * (b * (3 * k * shape.moe_mlp_dim / tp + 2 * k * shape.emb_dim) + 4 * shape.num_experts)
+
+
+def tile(shape: MoeShape, tp: int) -> float:
+    """Bytes per token of the experts' tile: gate, up and product [k M / T], the sorted copy and the slots'
+    outputs [k D], the router's probabilities [X] fp32."""
+    k, b = shape.top_k, shape.itemsize
+    return b * (3 * k * shape.moe_mlp_dim / tp + 2 * k * shape.emb_dim) + 4 * shape.num_experts
+
+
+def check(config: Config) -> None:
+    llama.check(config)
+    if config.num_experts < 2:
+        raise ConfigError(f"num_experts={config.num_experts}: decoder_block={config.decoder_block} is a mixture "
+                          f"of experts; set num_experts >= 2 (Mixtral 8x7B: 8)")
+    if not 1 <= config.num_experts_per_tok <= config.num_experts:
+        raise ConfigError(f"num_experts_per_tok={config.num_experts_per_tok} must be between 1 and "
+                          f"num_experts={config.num_experts}")
+    if config.base_moe_mlp_dim < 0:
+        raise ConfigError(f"base_moe_mlp_dim={config.base_moe_mlp_dim} is negative; give the experts' width, or 0 "
+                          f"for base_mlp_dim")
+    if config.decoder_block == "mixtral" and not config.norm_topk_prob:
+        raise ConfigError("norm_topk_prob=false: Mixtral always renormalises its top-k router weights; set "
+                          "norm_topk_prob=true, or use decoder_block=qwen3_moe for a router without it")
+
+
+def options(config: Config) -> MoeOptions:
+    return MoeOptions(bias=config.attention_bias, qk_norm=config.use_qk_norm, num_experts=config.num_experts,
+                      top_k=config.num_experts_per_tok, mlp_dim=expert_width(config),
+                      renormalize=config.norm_topk_prob, load_balance_loss_weight=config.load_balance_loss_weight)
+
+
+def _stacks(kind: str):
+    def stacks(config: Config) -> tuple[Stack, ...]:
+        return (Stack(kind, config.base_num_decoder_layers, layer_windows(config)),)
+
+    return stacks
+
+
+MIXTRAL = dataclasses.replace(
+    llama.LLAMA, name="mixtral", shape=MoeShape.from_config, tensors=tensors, activation=activation, tile=tile,
+    check=check, stacks=_stacks("mixtral"), hf_layout=hf_layout, options=options,
+    logical_axes=(*llama.LLAMA.logical_axes, "expert"))
+QWEN3_MOE = dataclasses.replace(MIXTRAL, name="qwen3_moe", stacks=_stacks("qwen3_moe"))

@@ -1,0 +1,149 @@
+"""The dropless routed MoE layer and the `mixtral` / `qwen3_moe` layer kinds (maxctx.model.stacks), as transformers'
+MixtralSparseMoeBlock and Qwen3MoeSparseMoeBlock compute them.
+
+Legend: B batch, S sequence, D model width, X experts, k experts per token, M an expert's SwiGLU width,
+T one device's tokens of one chunk.
+
+Per device, its own tokens only (a shard_map over the mesh; the expert weights gathered whole, M split over tensor):
+
+    router    p[T, X] = softmax(x W_r), (w, i)[T, k] = top-k of p, w / sum(w) where renormalised
+    sort      the T k (token, slot) pairs sorted by expert; group sizes [X] = tokens per expert
+    experts   jax.lax.ragged_dot over the sorted copy xs[T k, D]: gate, up [T k, M], down [T k, D]
+    combine   y[T, D] = sum over k of w x the slot's output, unsorted
+
+No capacity: every token reaches its k experts (a skewed router only makes one group larger). The layer runs over
+mlp_sequence_chunks chunks of each device's tokens (maxctx.model.tiling), so its [T k, D] and [T k, M] buffers exist
+for one chunk at a time. The load-balancing sums run over the global [B, S] arrays (plain reductions under jit), so
+they count every token of the batch whatever the mesh.
+
+Load balancing (Switch Transformer eq. 4-6, transformers' load_balancing_loss_func): with f_x the share of the
+(token, slot) assignments to expert x and P_x its mean router probability, both over every MoE layer's tokens
+(padding, segment id 0, left out), the term is X sum_x f_x P_x (k when balanced); `aux_terms` forms it from the
+layers' summed counts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from maxctx.attention.cp.sharded import shard_map
+from maxctx.model.layers import Attention, ModelConfig, RMSNorm, param
+from maxctx.model.qwen.layers import QwenAttention
+from maxctx.model.tiling import map_chunks, sum_chunks
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
+
+
+def route(x_TD, router_DX, top_k: int, renormalize: bool, dtype):
+    """(p[..., X] fp32, the top-k weights [..., k] fp32, their experts [..., k] int32) for tokens x[..., D]."""
+    logits = jnp.einsum("...D,DX->...X", x_TD, router_DX.astype(dtype), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, weights, experts
+
+
+def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down):
+    """sum over k of weights x expert(x) for tokens x[T, D]: the (token, slot) pairs sorted by expert, each expert's
+    SwiGLU a group of jax.lax.ragged_dot; w_gate, w_up [X, D, M], w_down [X, M, D] in the compute dtype."""
+    t, k = experts_TK.shape
+    flat = experts_TK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pair (token t, slot j) is entry t k + j
+    sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    xs = jnp.take(x_TD, order // k, axis=0)  # [T k, D], grouped by expert
+    gate = checkpoint_name(jax.lax.ragged_dot(xs, w_gate, sizes), "mlpwi")
+    up = checkpoint_name(jax.lax.ragged_dot(xs, w_up, sizes), "mlpwi")
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
+    y_TKD = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)
+    return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(ys.dtype), preferred_element_type=jnp.float32)
+
+
+def load_sums(x_BSD, segment_ids_BS, router_DX, top_k: int, dtype) -> dict:
+    """The load-balancing counts of one layer over every token given (segment id 0, padding, left out):
+    moe_load[X] (assignments), moe_prob[X] (router probabilities), moe_tokens (tokens)."""
+    probs, _, experts = route(x_BSD, router_DX, top_k, False, dtype)
+    mask = (segment_ids_BS != 0).astype(jnp.float32)
+    assigned = jnp.sum(jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32), axis=-2)
+    return {"moe_load": jnp.einsum("BSX,BS->X", assigned, mask), "moe_prob": jnp.einsum("BSX,BS->X", probs, mask),
+            "moe_tokens": jnp.sum(mask)}
+
+
+def aux_terms(sums: dict, cfg: ModelConfig) -> dict:
+    """{name: (weight, value)}: the load-balancing loss (weight load_balance_loss_weight) and the busiest expert's
+    load over the mean (logged only), over every MoE layer's tokens."""
+    rows = jnp.maximum(sums["moe_tokens"], 1.0)
+    load, prob = sums["moe_load"], sums["moe_prob"]
+    balance = cfg.options.num_experts * jnp.sum(load / rows * (prob / rows))
+    peak = jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
+    return {"load_balance_loss": (cfg.options.load_balance_loss_weight, balance), "moe_max_load_ratio": (0.0, peak)}
+
+
+class MoeBlock(nnx.Module):
+    """router [D, X], w_gate, w_up [X, D, M], w_down [X, M, D]; returns (y[B, S, D], `load_sums`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
+        d, x, m, wd = cfg.emb_dim, cfg.options.num_experts, cfg.options.mlp_dim, cfg.weight_dtype
+        self.router = param(rngs, (d, x), ("embed", "expert"), wd)
+        self.w_gate = param(rngs, (x, d, m), ("expert", "embed", "mlp"), wd, scale=d**-0.5)
+        self.w_up = param(rngs, (x, d, m), ("expert", "embed", "mlp"), wd, scale=d**-0.5)
+        self.w_down = param(rngs, (x, m, d), ("expert", "mlp", "embed"), wd, scale=m**-0.5)
+        self.cfg, self.mesh = cfg, mesh
+
+    def __call__(self, x_BSD, segment_ids_BS):
+        cfg, opts = self.cfg, self.cfg.options
+        router, weights = self.router[...], (self.w_gate[...], self.w_up[...], self.w_down[...])
+        y = map_chunks(lambda x: self._experts(x, router, *weights), cfg.mlp_sequence_chunks, self.mesh, x_BSD)
+        # The router once more over the global arrays for the counts: 2 D X FLOPs a token, against the experts'
+        # 6 k D M, so that the counts are plain reductions over the batch rather than per-device partial sums.
+        sums = sum_chunks(lambda x, seg: load_sums(x, seg, router, opts.top_k, cfg.dtype), cfg.mlp_sequence_chunks,
+                          self.mesh, x_BSD, segment_ids_BS)
+        return checkpoint_name(y, "mlpwo"), sums
+
+    def _experts(self, x_BSD, router, w_gate, w_up, w_down):
+        cfg, opts, mesh = self.cfg, self.cfg.options, self.mesh
+        dt = cfg.dtype
+        tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
+        split = tp > 1 and opts.mlp_dim % tp == 0
+
+        def local(x, router, w_gate, w_up, w_down):
+            b, s, d = x.shape
+            x_TD = x.reshape(b * s, d)
+            _, weights, experts = route(x_TD, router, opts.top_k, opts.renormalize, dt)
+            y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down)
+            if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
+                y = jax.lax.psum(y, TENSOR_AXIS)
+            return y.astype(dt).reshape(b, s, d)
+
+        cast = [w.astype(dt) for w in (w_gate, w_up, w_down)]
+        if mesh is None:
+            return local(x_BSD, router, *cast)
+        act, m = P(BATCH_AXES, CONTEXT_AXES, None), TENSOR_AXIS if split else None
+        specs = (act, P(), P(None, None, m), P(None, None, m), P(None, m, None))
+        return shard_map(local, mesh, specs, act)(x_BSD, router, *cast)
+
+
+class MoeLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + moe(norm(x)); returns (x, the MoE layer's `load_sums`). Mixtral's
+    (Llama's attention); Qwen3MoeLayer swaps in Qwen 3's attention (QK-norm)."""
+
+    attention = Attention
+    aux_terms = staticmethod(aux_terms)
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
+        self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
+        self.attn = self.attention(cfg, rngs, mesh)
+        self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
+        self.moe = MoeBlock(cfg, rngs, mesh)
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, window)
+        y_BSD, sums = self.moe(self.mlp_norm(x_BSD), segment_ids_BS)
+        return x_BSD + y_BSD, sums
+
+
+class Qwen3MoeLayer(MoeLayer):
+    attention = QwenAttention

@@ -1,0 +1,115 @@
+"""The dropless MoE layer (maxctx.model.moe): a skewed router computes every token as a dense per-token reference
+does; the load-balancing loss is transformers' (the mixtral fixture's aux_loss.npy) and does not depend on the
+mesh (loss and gradients at C = 1 and C = 4); Mixtral's renormalised top-k weights are what give transformers'
+logits."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxctx.attention.cp.load_balance import reorder_batch
+from maxctx.convert.from_hf import import_hf
+from maxctx.mesh import batch_sharding
+from maxctx.model.decoder import Decoder
+from maxctx.model.layers import ModelConfig
+from maxctx.model.moe.family import MoeOptions
+from maxctx.model.moe.layers import MoeBlock
+from maxctx.train_step import loss_terms
+from tests.support.hf import FIXTURES, logits, relative_error, setup
+
+quiet = lambda *args, **kwargs: None  # noqa: E731
+
+
+def _dense_reference(x_TD, router, w_gate, w_up, w_down, top_k: int, renormalize: bool) -> np.ndarray:
+    """Each token through its top-k experts one at a time, in float64."""
+    out = np.zeros_like(x_TD)
+    for t, x in enumerate(x_TD):
+        logits_ = x @ router
+        p = np.exp(logits_ - logits_.max())
+        p /= p.sum()
+        chosen = np.argsort(-p)[:top_k]
+        w = p[chosen] / (p[chosen].sum() if renormalize else 1.0)
+        for weight, e in zip(w, chosen):
+            gate, up = x @ w_gate[e], x @ w_up[e]
+            out[t] += weight * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
+    return out
+
+
+@pytest.mark.parametrize("renormalize,chunks", [(True, 1), (False, 2)])
+def test_a_skewed_router_computes_every_token_as_the_dense_reference(renormalize, chunks):
+    d, experts, width, top_k, seq = 16, 4, 24, 2, 32
+    options = MoeOptions(num_experts=experts, top_k=top_k, mlp_dim=width, renormalize=renormalize)
+    cfg = ModelConfig(emb_dim=d, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=width, num_layers=1,
+                      vocab_size=8, dtype="float32", options=options, mlp_sequence_chunks=chunks)
+    block = MoeBlock(cfg, nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, seq, d)).astype(np.float32) + 1.0  # a shared direction the router favours
+    router = rng.normal(size=(d, experts)).astype(np.float32) * 0.1
+    router[:, 0] += 1.0  # expert 0 first for almost every token
+    block.router[...] = jnp.asarray(router)
+    top = np.argsort(-(x.reshape(-1, d) @ router), axis=-1)[:, :top_k]
+    assert (top[:, 0] == 0).mean() > 0.9  # skewed: an expert with capacity for its share would drop most of them
+
+    y, sums = jax.jit(lambda m, x: m(x, jnp.ones(x.shape[:2], jnp.int32)))(block, jnp.asarray(x))
+    weights = [np.asarray(w[...], np.float64) for w in (block.w_gate, block.w_up, block.w_down)]
+    expected = _dense_reference(x.reshape(-1, d).astype(np.float64), router.astype(np.float64), *weights, top_k,
+                                renormalize)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, d), expected, rtol=1e-4, atol=1e-5)
+    assert float(sums["moe_load"].sum()) == 2 * seq * top_k  # every (token, slot) assignment counted
+    assert float(sums["moe_load"][0]) == (top == 0).sum()
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("moe") / "mixtral"
+    import_hf(str(FIXTURES / "mixtral"), str(out), [], say=quiet)
+    return out
+
+
+def _loss_and_grads(checkpoint: Path, cp: int, *overrides: str):
+    """(loss, {term: value}, gradients) of the fixture's tokens at C = cp (zig-zag order under CP)."""
+    tokens = np.load(FIXTURES / "mixtral" / "tokens.npy")
+    config, made, state = setup(checkpoint, cp, f"ici_context_parallelism={cp}", *overrides)
+    seq = tokens.shape[1]
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "positions": np.arange(seq, dtype=np.int32)[None], "segment_ids": np.ones_like(tokens),
+             "weights": (np.arange(seq) < seq - 1).astype(np.float32)[None]}  # the last token has no next
+    batch = reorder_batch(batch, cp) if cp > 1 else batch
+    batch = {k: jax.device_put(v, batch_sharding(made.mesh)) for k, v in batch.items()}
+    grad = jax.jit(jax.value_and_grad(lambda p, b: loss_terms(made.graphdef, p, b), has_aux=True))
+    (total, (weight, terms)), grads = grad(state["params"], batch)
+    return float(total / weight), {k: float(v / weight) for k, v in terms.items()}, grads
+
+
+def test_the_load_balancing_loss_is_transformers_and_the_same_at_every_context_degree(mixtral):
+    loss_1, terms_1, grads_1 = _loss_and_grads(mixtral, 1)
+    aux = np.load(FIXTURES / "mixtral" / "aux_loss.npy")
+    np.testing.assert_allclose(terms_1["load_balance_loss"], aux, rtol=1e-5)
+    # the loss is the cross-entropy plus load_balance_loss_weight (0.01) x the term, as transformers adds it
+    cross_entropy = np.load(FIXTURES / "mixtral" / "token_losses.npy").mean()
+    assert loss_1 == pytest.approx(cross_entropy + 0.01 * aux, rel=1e-5)
+    loss_4, terms_4, grads_4 = _loss_and_grads(mixtral, 4, "context_parallel_strategy=p2p")
+    assert loss_4 == pytest.approx(loss_1, rel=1e-5)
+    assert terms_4["load_balance_loss"] == pytest.approx(terms_1["load_balance_loss"], rel=1e-5)
+    for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads_4)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_mixtral_without_renormalised_top_k_weights_is_not_transformers(mixtral):
+    expected = np.load(FIXTURES / "mixtral" / "logits.npy")
+    tokens = np.load(FIXTURES / "mixtral" / "tokens.npy")
+    assert relative_error(logits(mixtral, tokens), expected) < 1e-5
+    _, made, state = setup(mixtral, 1)
+    cfg = made.model_config
+    plain = dataclasses.replace(cfg, options=dataclasses.replace(cfg.options, renormalize=False))
+    graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(plain, nnx.Rngs(0))))[0]
+    positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+    got = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens, positions, np.ones_like(tokens)))(state["params"])
+    assert relative_error(np.asarray(got), expected) > 1e-2
