@@ -5,16 +5,25 @@ Qwen3.5 logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.attention.cp.load_balance import zigzag_permutation
+from maxctx.convert.from_hf import import_hf
+from maxctx.loader import load_config
+from maxctx.model import families
+from maxctx.model.decoder import Decoder, count_params
+from maxctx.model.layers import ModelConfig
 from maxctx.model.qwen35 import cp as gdn_cp, gdn
+from maxctx.model.qwen35.family import QWEN3_5
+from tests.support.hf import FIXTURES, logits, relative_error
 from tests.support.hlo import collective_bytes
 from tests.support.meshes import make_mesh
 
@@ -111,3 +120,40 @@ def permute_bytes(seq: int, cp: int, zigzag: bool) -> int:
 def test_permute_bytes_are_the_formula_at_two_lengths(cp, zigzag):
     want = gdn_cp.comm_bytes(B, N, K, V, X, W, 4, cp, zigzag)
     assert permute_bytes(128, cp, zigzag) == permute_bytes(512, cp, zigzag) == want
+
+
+@pytest.mark.parametrize("name,expected", [("qwen3.5-9b", 8_953_803_264), ("qwen3.5-27b", 26_895_998_464)])
+def test_preset_parameter_counts(name, expected):
+    """transformers' Qwen3_5ForCausalLM of the release's text config counts these (tests/fixtures' venv, meta
+    device); so do the parameter tree and the family's formula."""
+    config = load_config(["configs/base.yml", f"model_name={name}"])
+    abstract = nnx.eval_shape(lambda: Decoder(ModelConfig.from_config(config), nnx.Rngs(0)))
+    assert count_params(nnx.state(abstract)) == families.shape(config).num_params == expected
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3_5") / "ckpt"
+    import_hf(str(FIXTURES / "qwen3_5"), str(out), [], say=lambda *a, **k: None)
+    return out
+
+
+def drop_conv(x_BSX, w_XW, segment_ids_BS, halo_BHX, halo_ids_BH):
+    return jax.nn.silu(x_BSX.astype(jnp.float32) * w_XW[:, -1].astype(jnp.float32))  # the token's own tap only
+
+
+def full_rope(config):
+    return dataclasses.replace(QWEN3_5.options(config), rotary_dims=config.head_dim)
+
+
+@pytest.mark.parametrize("piece", ["conv", "partial_rope"])
+def test_each_piece_is_what_gives_transformers_logits(qwen3_5, monkeypatch, piece):
+    """Without the short convolution's earlier taps, or with RoPE on the whole head instead of its quarter, the
+    logits leave transformers' (tests/test_family_matrix.py: within 1e-5 of the range with every piece)."""
+    if piece == "conv":
+        monkeypatch.setattr(gdn, "causal_conv", drop_conv)
+    else:
+        monkeypatch.setattr(families, "_FAMILIES", {**families._FAMILIES, "qwen3_5": dataclasses.replace(
+            QWEN3_5, options=full_rope)})
+    tokens = np.load(FIXTURES / "qwen3_5" / "tokens.npy")
+    assert relative_error(logits(qwen3_5, tokens), np.load(FIXTURES / "qwen3_5" / "logits.npy")) > 1e-3
