@@ -16,12 +16,14 @@ from flax import nnx
 
 from maxctx.attention.cp.load_balance import reorder_batch
 from maxctx.convert.from_hf import import_hf
-from maxctx.mesh import batch_sharding
+from maxctx.loader import load_config
+from maxctx.mesh import batch_sharding, create_mesh
 from maxctx.model.decoder import Decoder
 from maxctx.model.layers import ModelConfig
 from maxctx.model.moe.family import MoeOptions
 from maxctx.model.moe.layers import MoeBlock
-from maxctx.train_step import loss_terms
+from maxctx.plan import planner, step_time
+from maxctx.train_step import loss_terms, make_setup
 from tests.support.hf import FIXTURES, logits, relative_error, setup
 
 quiet = lambda *args, **kwargs: None  # noqa: E731
@@ -113,3 +115,20 @@ def test_mixtral_without_renormalised_top_k_weights_is_not_transformers(mixtral)
     positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
     got = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens, positions, np.ones_like(tokens)))(state["params"])
     assert relative_error(np.asarray(got), expected) > 1e-2
+
+
+def test_expert_weights_shard_over_fsdp_and_context_and_the_planner_prices_the_experts():
+    config = load_config(["configs/base.yml", "decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2",
+                          "norm_topk_prob=true", "ici_fsdp_parallelism=2", "ici_context_parallelism=4"])
+    made = make_setup(config, create_mesh(config, jax.devices()[:8]))
+    moe = made.state_shardings["params"]["layers"]["moe"]
+    assert moe["w_gate"].spec == jax.sharding.PartitionSpec(None, ("fsdp", "context"), None, None)  # [L, X, D, M]
+    assert moe["w_down"].spec == jax.sharding.PartitionSpec(None, ("fsdp", "context"), None, None)
+    # a token's experts, not all of them: mlpwi is k gate and up projections and the router
+    flops = step_time.per_token(config, 1)["flops"]
+    d, m, x, k = config.base_emb_dim, config.base_mlp_dim, 8, 2
+    assert flops["mlpwi"] == 4 * k * d * m + 2 * d * x + 8 * x
+    qwen = load_config(["configs/base.yml", "compile_topology=v5p-128", "model_name=qwen3-30b-a3b",
+                        "max_target_length=1048576", "ici_context_parallelism=64", "per_device_batch_size=0.015625",
+                        "attention=splash", "context_parallel_strategy=auto"])
+    assert planner.plan(qwen).choice.valid
