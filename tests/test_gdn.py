@@ -23,6 +23,7 @@ from maxctx.model.decoder import Decoder, count_params
 from maxctx.model.layers import ModelConfig
 from maxctx.model.qwen35 import cp as gdn_cp, gdn
 from maxctx.model.qwen35.family import QWEN3_5
+from maxctx.plan import planner, step_time
 from tests.support.hf import FIXTURES, logits, relative_error
 from tests.support.hlo import collective_bytes
 from tests.support.meshes import make_mesh
@@ -157,3 +158,15 @@ def test_each_piece_is_what_gives_transformers_logits(qwen3_5, monkeypatch, piec
             QWEN3_5, options=full_rope)})
     tokens = np.load(FIXTURES / "qwen3_5" / "tokens.npy")
     assert relative_error(logits(qwen3_5, tokens), np.load(FIXTURES / "qwen3_5" / "logits.npy")) > 1e-3
+
+
+def test_the_planner_prices_the_linear_layers_and_plans_a_million_tokens():
+    """The linear layers' delta rule has FLOPs of its own (a softmax layer's `context` has none; its attention is
+    counted apart), and qwen3.5-9b at 2^20 tokens on v5p-128 gets a plan (an estimate, not a compile)."""
+    config = load_config(["configs/base.yml", "compile_topology=v5p-128", "model_name=qwen3.5-9b",
+                          "max_target_length=1048576", "ici_context_parallelism=64", "ici_fsdp_parallelism=1",
+                          "per_device_batch_size=0.015625", "attention=splash", "context_parallel_strategy=auto",
+                          "remat_policy=full"])
+    flops = step_time.per_token(config, 1)["flops"]
+    assert flops["context"] > 0
+    assert planner.plan(config).choice.valid

@@ -9,8 +9,18 @@ and the two norms (2 D):
     full     q (with its output gate) [D, H, 2, E], k, v [D, K, E], o [H, E, D], q_norm, k_norm [E]
     linear   qkv [D, X], z [D, Nv, Dv], b, a [D, Nv], conv [X, W], A_log, dt_bias [Nv], norm [Dv], out [Nv, Dv, D]
 
-The planner's tensors, activation and tile are Llama's (a linear layer priced as an attention layer of H heads);
-pricing the linear layers' own tensors and state is left to do (maxctx.model.qwen35's report).
+The planner's view is per layer, so `tensors` and `activation` are the average over a period of (P - 1) linear
+layers and one full one. A linear layer's tensors per token and device (its heads are not split over tensor
+parallelism: maxctx.model.qwen35.cp runs them whole):
+
+    query_proj   X b        forward 2 D X           q | k | v before the convolution
+    context      Nv Dv b                            the delta rule's output; its chunked FLOPs, about
+                                                    2 Nv (2 L (Dk + Dv) + 3 Dk Dv) with chunk L = 64, counted here
+    out_proj     D b        2 Nv Dv D (and 2 D (Nv Dv + 2 Nv) for z, b, a, which no remat name keeps)
+
+and the full layer's are Llama's with the query's output gate (q twice as wide). `tile`: the larger of the
+SwiGLU's and the delta rule's fp32 chunk operands per token, 4 Nv (5 Dk + 2 Dv + 3 L). The calibrated `work` is
+Llama's, fitted on llama3-8b, not on this family.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from maxctx.config import Config, ConfigError
-from maxctx.model.family import DecoderOptions, Stack
+from maxctx.model.family import DecoderOptions, Stack, Tensor
 from maxctx.model.llama import family as llama
 from maxctx.model.qwen35 import hf_layout
 from maxctx.model.shape import ModelShape
@@ -72,6 +82,47 @@ class Qwen35Shape(ModelShape):
         return super().attention_flops(pairs) * self.full_layers / self.num_layers
 
 
+CHUNK = 64  # maxctx.model.qwen35.gdn.CHUNK (that module needs JAX)
+
+
+def _average(shape: Qwen35Shape, full: dict[str, Tensor], linear: dict[str, Tensor]) -> dict[str, Tensor]:
+    share = shape.full_layers / shape.num_layers
+    return {name: Tensor(share * full[name].bytes + (1 - share) * linear.get(name, Tensor(0.0)).bytes,
+                         share * full[name].flops + (1 - share) * linear.get(name, Tensor(0.0)).flops)
+            for name in full}
+
+
+def tensors(shape: Qwen35Shape, tp: int, context_copies: int) -> dict[str, Tensor]:
+    """Per token and device, averaged over a period (module doc)."""
+    full = llama.tensors(shape, tp, context_copies)
+    d, b = shape.emb_dim, shape.itemsize
+    q = full["query_proj"]
+    full["query_proj"] = Tensor(2 * q.bytes, 2 * q.flops)
+    nk, nv, dk, dv = shape.linear_dims
+    x = 2 * nk * dk + nv * dv
+    linear = {"decoder_layer_input": full["decoder_layer_input"], "query_proj": Tensor(x * b, 2 * d * x),
+              "context": Tensor(nv * dv * b, 2 * nv * (2 * CHUNK * (dk + dv) + 3 * dk * dv)),
+              "out_proj": Tensor(d * b, 2 * nv * dv * d + 2 * d * (nv * dv + 2 * nv)),
+              "mlpwi": full["mlpwi"], "mlpwo": full["mlpwo"]}
+    return _average(shape, full, linear)
+
+
+def activation(shape: Qwen35Shape, tp: int) -> float:
+    """Bytes per token of one layer's forward through HBM, averaged over a period: a linear layer writes and reads
+    its six [t, D], q | k | v before and after the convolution, z, b, a, the delta rule's output, the SwiGLU's."""
+    nk, nv, dk, dv = shape.linear_dims
+    linear = 2 * shape.itemsize * (6 * shape.emb_dim + 2 * (2 * nk * dk + nv * dv) + 2 * nv * dv + 2 * nv
+                                   + 3 * shape.mlp_dim / tp)
+    full = llama.activation(shape, tp) + 2 * shape.itemsize * shape.num_heads * shape.head_dim / tp
+    share = shape.full_layers / shape.num_layers
+    return share * full + (1 - share) * linear
+
+
+def tile(shape: Qwen35Shape, tp: int) -> float:
+    nk, nv, dk, dv = shape.linear_dims
+    return max(llama.tile(shape, tp), 4 * nv * (5 * dk + 2 * dv + 3 * CHUNK))
+
+
 def _linear_dims(config: Config) -> tuple[int, int, int, int]:
     return (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
             config.linear_value_head_dim)
@@ -113,4 +164,5 @@ def stacks(config: Config) -> tuple[Stack, ...]:
 
 
 QWEN3_5 = dataclasses.replace(
-    llama.LLAMA, name="qwen3_5", shape=shape, check=check, stacks=stacks, hf_layout=hf_layout, options=options)
+    llama.LLAMA, name="qwen3_5", shape=shape, tensors=tensors, activation=activation, tile=tile, check=check,
+    stacks=stacks, hf_layout=hf_layout, options=options)

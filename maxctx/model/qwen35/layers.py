@@ -47,7 +47,7 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
         dt = self.cfg.dtype
-        qkv = jnp.einsum("BSD,DX->BSX", x_BSD, self.w_qkv[...].astype(dt))
+        qkv = checkpoint_name(jnp.einsum("BSD,DX->BSX", x_BSD, self.w_qkv[...].astype(dt)), "query_proj")
         z = jnp.einsum("BSD,DNV->BSNV", x_BSD, self.w_z[...].astype(dt))
         b = jnp.einsum("BSD,DN->BSN", x_BSD, self.w_b[...].astype(dt))
         a = jnp.einsum("BSD,DN->BSN", x_BSD, self.w_a[...].astype(dt))
