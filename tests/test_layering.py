@@ -19,14 +19,15 @@ LAYERS = [
      "maxctx.model.shape", "maxctx.model.family", "maxctx.model.families", "maxctx.model.llama.family",
      "maxctx.model.qwen.family", "maxctx.model.qwen.hf_layout", "maxctx.model.olmo.family",
      "maxctx.model.olmo.hf_layout",
-     "maxctx.model.llama.hf_layout", "maxctx.model.gemma.family", "maxctx.model.gemma.hf_layout"],
+     "maxctx.model.llama.hf_layout", "maxctx.model.gemma.family", "maxctx.model.gemma.hf_layout",
+     "maxctx.model.qwen35.family", "maxctx.model.qwen35.hf_layout"],
     ["maxctx.attention.kernels"],  # what one device computes
     ["maxctx.attention.cp"],  # context parallelism over the kernels
     ["maxctx.attention"],  # dispatch.py: picks kernel and strategy
     ["maxctx.plan", "maxctx.validate", "maxctx.loader"],
     ["maxctx.mesh", "maxctx.runtime", "maxctx.peers"],
     ["maxctx.model", "maxctx.model.llama", "maxctx.model.qwen", "maxctx.model.olmo",
-     "maxctx.model.gemma", "maxctx.data"],
+     "maxctx.model.gemma", "maxctx.model.qwen35", "maxctx.data"],
     ["maxctx.train_step"],
     ["maxctx.checkpoint", "maxctx.evaluate"],
     ["maxctx.compile", "maxctx.train", "maxctx.convert", "maxctx.launch"],
