@@ -121,6 +121,26 @@ class Config:
     base_moe_mlp_dim: int = 0
     norm_topk_prob: bool = False
     load_balance_loss_weight: float = 0.01
+    # DeepSeek (decoder_block deepseek; MaxText's keys): multi-head latent attention's query LoRA rank (0: a plain
+    # query projection), KV LoRA rank, per-head dims without and with RoPE, value head dim, YaRN's softmax mscale
+    # (transformers' mscale_all_dim; 0: none); the first first_num_dense_layers layers dense (base_mlp_dim), the
+    # rest MoE with shared_experts always-on experts of base_moe_mlp_dim each and the routed weights times
+    # routed_scaling_factor, top-k within topk_routing_group of n_routing_groups expert groups (-1: no groups).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mscale: float = 0.0
+    first_num_dense_layers: int = 0
+    shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_routing_groups: int = -1
+    topk_routing_group: int = -1
+    # DeepSeek-V3's router (MaxText's keys): sigmoid scores (else softmax), and a per-expert correction bias added
+    # to the scores for the choice only (not to the weights).
+    routed_score_func: str = "softmax"
+    routed_bias: bool = False
     # Numerics and memory.
     dtype: DType = "bfloat16"
     weight_dtype: DType = "float32"
@@ -327,6 +347,9 @@ MODEL_KEYS = (
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
     "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mscale",
+    "first_num_dense_layers", "shared_experts", "routed_scaling_factor", "n_routing_groups", "topk_routing_group",
+    "routed_score_func", "routed_bias",
 )
 FIELD_TYPES = get_type_hints(Config)
 

@@ -30,12 +30,19 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
     gemma3     Gemma3ForCausalLM (transformers 5's config form): 3 layers local, global, local (a pattern that ends
                part-way), window 32, QK-norm, local RoPE theta 1e4 against global 1e6 with linear scaling 8,
                query_pre_attn_scalar 24
-    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads, 4 value heads
-               of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head)
     mixtral    MixtralForCausalLM: every layer 4 experts, 2 per token (renormalised); also aux_loss.npy:
                transformers' load-balancing loss (output_router_logits) on the tokens
     qwen3_moe  Qwen3MoeForCausalLM: QK-norm, 4 experts 48 wide, 2 per token, norm_topk_prob false (the router
                form without renormalisation); also aux_loss.npy
+    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads, 4 value heads
+               of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head)
+    deepseek2  DeepseekV2ForCausalLM: layer 0 dense, layers 1-2 MoE (4 experts 24 wide, 2 per token, one shared
+               expert, routed_scaling_factor 1.5); MLA without query LoRA: latent 16, q/k heads 12 + 8 RoPE dims,
+               value heads 10 (narrower than q/k's 20); YaRN factor 4 over 32 positions with mscale 1.0 and
+               mscale_all_dim 0.8 (both the rotary's attention factor and the softmax scale move)
+    deepseek3  DeepseekV3ForCausalLM: deepseek2's shape with query LoRA 12, 8 experts in 4 groups (top 2 per token
+               from the best 2 groups, a group scored by its best two), sigmoid router with a random correction
+               bias, norm_topk_prob, routed_scaling_factor 2.5, two shared experts
 MoE routers get weights 3x the others' scale, so no token's top-k choice hangs on a rounding difference.
 """
 
@@ -79,15 +86,32 @@ MODELS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
-        num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-6, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         rope_theta=1e6, tie_word_embeddings=False, sliding_window=None, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         rope_theta=1e6, tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=48, norm_topk_prob=False)),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-6, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})),
+    "deepseek2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-6, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        routed_scaling_factor=1.5, topk_method="greedy",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8,
+                         "beta_fast": 32.0, "beta_slow": 1.0})),
+    "deepseek3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, head_dim=8, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        n_shared_experts=2, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8,
+                         "beta_fast": 32.0, "beta_slow": 1.0})),
 }
 MOE = ("mixtral", "qwen3_moe")
 
@@ -115,8 +139,12 @@ def make(name: str, out: str) -> None:
                 centre = 0 if name == "qwen3_5" and "norm" in pname and "linear_attn" not in pname else 1
                 p.copy_(centre + 0.2 * torch.randn_like(p))
             else:
-                router = 3.0 if name in MOE and pname.endswith("gate.weight") else 1.0
+                routed = name in MOE or name.startswith("deepseek")
+                router = 3.0 if routed and pname.endswith("gate.weight") else 1.0
                 p.copy_(torch.randn_like(p) * (1.0 if "embed" in pname else router * p.shape[1] ** -0.5))
+        for bname, buffer in model.named_buffers():  # DeepSeek-V3's router bias: enough to change some choices
+            if bname.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     directory = os.path.join(out, name)
     model.save_pretrained(directory, safe_serialization=True)
     tokens = np.random.default_rng(100 + list(MODELS).index(name)).integers(0, VOCAB, (1, SEQ)).astype(np.int32)

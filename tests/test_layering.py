@@ -20,6 +20,8 @@ LAYERS = [
      "maxctx.model.qwen.family", "maxctx.model.qwen.hf_layout", "maxctx.model.olmo.family",
      "maxctx.model.olmo.hf_layout",
      "maxctx.model.llama.hf_layout", "maxctx.model.gemma.family", "maxctx.model.gemma.hf_layout",
+     "maxctx.model.moe.family", "maxctx.model.moe.hf_layout", "maxctx.model.deepseek.family",
+     "maxctx.model.deepseek.hf_layout",
      "maxctx.model.qwen35.family", "maxctx.model.qwen35.hf_layout"],
     ["maxctx.attention.kernels"],  # what one device computes
     ["maxctx.attention.cp"],  # context parallelism over the kernels
@@ -27,7 +29,8 @@ LAYERS = [
     ["maxctx.plan", "maxctx.validate", "maxctx.loader"],
     ["maxctx.mesh", "maxctx.runtime", "maxctx.peers"],
     ["maxctx.model", "maxctx.model.llama", "maxctx.model.qwen", "maxctx.model.olmo",
-     "maxctx.model.gemma", "maxctx.model.qwen35", "maxctx.data"],
+     "maxctx.model.gemma", "maxctx.model.moe", "maxctx.model.deepseek", "maxctx.model.qwen35",
+     "maxctx.data"],
     ["maxctx.train_step"],
     ["maxctx.checkpoint", "maxctx.evaluate"],
     ["maxctx.compile", "maxctx.train", "maxctx.convert", "maxctx.launch"],

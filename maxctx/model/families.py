@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from maxctx.config import Config, ConfigError
+from maxctx.model.deepseek.family import DEEPSEEK
 from maxctx.model.family import ModelFamily
 from maxctx.model.gemma.family import GEMMA2, GEMMA3
 from maxctx.model.llama.family import LLAMA
@@ -17,6 +18,7 @@ from maxctx.model.shape import ModelShape
 _FAMILIES: dict[str, ModelFamily] = {"llama2": LLAMA, "mistral": LLAMA}
 _FAMILIES.update(qwen2=QWEN, qwen3=QWEN, olmo2=OLMO, olmo3=OLMO)
 _FAMILIES.update(gemma2=GEMMA2, gemma3=GEMMA3)
+_FAMILIES.update(deepseek=DEEPSEEK)
 _FAMILIES.update(qwen3_5=QWEN3_5)
 _FAMILIES.update(mixtral=MIXTRAL, qwen3_moe=QWEN3_MOE)
 

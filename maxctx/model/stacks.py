@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from maxctx.model.deepseek.layers import DeepseekDenseLayer, DeepseekLayer
 from maxctx.model.family import Stack
 from maxctx.model.gemma.layers import GemmaLayer
 from maxctx.model.layers import ModelConfig, constrain_activations, names_policy, remat_names
@@ -41,6 +42,7 @@ from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 _KINDS: dict[str, Callable[..., nnx.Module]] = {"llama": DecoderLayer}
 _KINDS.update(qwen=QwenLayer, olmo=OlmoLayer)
 _KINDS.update(gemma=GemmaLayer)
+_KINDS.update(deepseek_dense=DeepseekDenseLayer, deepseek=DeepseekLayer)
 _KINDS.update(qwen3_5=Qwen35Period)
 _KINDS.update(mixtral=MoeLayer, qwen3_moe=Qwen3MoeLayer)
 

@@ -1,0 +1,171 @@
+"""The DeepSeek layer kinds (`deepseek_dense`, `deepseek` in maxctx.model.stacks): multi-head latent attention (MLA)
+with a dense SwiGLU, or with a routed MoE and shared experts, as transformers' DeepseekV2 modeling computes them.
+
+Legend: B batch, S sequence, D model width, H heads, N head dim without RoPE (Dn), P with (Dr), Q = N + P, V value
+head dim, R the KV latent (kv_lora_rank), A the query LoRA rank, T tokens, X experts, k experts per token.
+
+MLA: q = x wq (or norm(x wq_a) wq_b) [B, S, H, Q]; the latent and shared key [B, S, R + P] = x wkv_a; the latent
+RMSNormed and expanded per head, [B, S, H, N + V] = norm(c) wkv_b, into k's first N dims and v; k's last P dims are
+the one RoPE key, broadcast over the heads; q's last P dims are rotated at the same positions. The rotation is on
+interleaved pairs (dims 2i, 2i + 1, transformers' complex form, as the released checkpoints were trained), with
+YaRN's frequencies and attention factor (maxctx.model.rope). With YaRN's `mscale` the softmax scale is
+Q^-1/2 (0.1 mscale ln(factor) + 1)^2: q is multiplied by the square, the kernels apply Q^-1/2. Then any kernel and
+CP strategy (maxctx.attention.attend) with V narrower than Q, and out [B, S, H, V] wo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from maxctx.attention.cp.sharded import shard_map
+from maxctx.attention.dispatch import attend
+from maxctx.model.layers import MLP, ModelConfig, RMSNorm, param
+from maxctx.model.llama.layers import DecoderLayer
+from maxctx.model.moe.layers import MoeBlock, aux_terms, grouped_swiglu
+from maxctx.model.rope import RopeSpec, inverse_frequencies
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
+
+
+def rotary_interleaved(x_BSNP, positions_BS, rope: RopeSpec):
+    """RoPE on interleaved pairs (x[2i], x[2i + 1]) rotated by position x frequency i, times YaRN's attention factor;
+    fp32 inside."""
+    angles = positions_BS[..., None].astype(jnp.float32) * inverse_frequencies(rope, x_BSNP.shape[-1])
+    sin, cos = jnp.sin(angles)[:, :, None], jnp.cos(angles)[:, :, None]
+    if rope.attention_scaling != 1.0:
+        sin, cos = sin * rope.attention_scaling, cos * rope.attention_scaling
+    pairs = x_BSNP.astype(jnp.float32).reshape(*x_BSNP.shape[:-1], -1, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.reshape(x_BSNP.shape).astype(x_BSNP.dtype)
+
+
+class MlaAttention(nnx.Module):
+    """Multi-head latent attention (module doc); cfg.options is a DeepseekOptions."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
+        o, d, h, wd = cfg.options, cfg.emb_dim, cfg.num_heads, cfg.weight_dtype
+        q = o.nope_dim + o.rope_dim
+        if o.q_lora_rank:
+            self.wq_a = param(rngs, (d, o.q_lora_rank), ("embed", "norm"), wd)
+            self.q_norm = RMSNorm(o.q_lora_rank, cfg.norm_eps, wd, rngs)
+            self.wq_b = param(rngs, (o.q_lora_rank, h, q), ("norm", "heads", "head_dim"), wd)
+        else:
+            self.wq = param(rngs, (d, h, q), ("embed", "heads", "head_dim"), wd)
+        self.wkv_a = param(rngs, (d, o.kv_lora_rank + o.rope_dim), ("embed", "norm"), wd)
+        self.kv_norm = RMSNorm(o.kv_lora_rank, cfg.norm_eps, wd, rngs)
+        self.wkv_b = param(rngs, (o.kv_lora_rank, h, o.nope_dim + o.v_dim), ("norm", "heads", "head_dim"), wd)
+        self.wo = param(rngs, (h, o.v_dim, d), ("heads", "head_dim", "embed"), wd, scale=(h * o.v_dim) ** -0.5)
+        self.cfg, self.mesh = cfg, mesh
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
+        spec = dataclasses.replace(self.cfg.attention, window=window)
+        q, k, v = self.qkv(x_BSD, positions_BS)
+        out_BSHV = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, spec, self.mesh), "context")
+        out = jnp.einsum("BSHV,HVD->BSD", out_BSHV, self.wo[...].astype(self.cfg.dtype))
+        return checkpoint_name(out, "out_proj")
+
+    def qkv(self, x_BSD, positions_BS):
+        """(q[B, S, H, Q], k[B, S, H, Q], v[B, S, H, V]), rotated, q times YaRN's mscale^2."""
+        cfg, o, dt = self.cfg, self.cfg.options, self.cfg.dtype
+        if o.q_lora_rank:
+            small = self.q_norm(jnp.einsum("BSD,DA->BSA", x_BSD, self.wq_a[...].astype(dt)))
+            q = jnp.einsum("BSA,AHQ->BSHQ", small, self.wq_b[...].astype(dt))
+        else:
+            q = jnp.einsum("BSD,DHQ->BSHQ", x_BSD, self.wq[...].astype(dt))
+        q = checkpoint_name(q, "query_proj")
+        latent = jnp.einsum("BSD,DR->BSR", x_BSD, self.wkv_a[...].astype(dt))
+        c, k_rope = latent[..., :o.kv_lora_rank], latent[..., o.kv_lora_rank:]
+        kv = jnp.einsum("BSR,RHU->BSHU", self.kv_norm(c), self.wkv_b[...].astype(dt))
+        k_nope, v = kv[..., :o.nope_dim], checkpoint_name(kv[..., o.nope_dim:], "value_proj")
+        k_rope = rotary_interleaved(k_rope[:, :, None], positions_BS, cfg.rope)
+        q = jnp.concatenate([q[..., :o.nope_dim], rotary_interleaved(q[..., o.nope_dim:], positions_BS, cfg.rope)],
+                            axis=-1)
+        if o.query_scale != 1.0:
+            q = q * jnp.asarray(o.query_scale, q.dtype)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], o.rope_dim))], axis=-1)
+        return q, checkpoint_name(k, "key_proj"), v
+
+
+class DeepseekDenseLayer(DecoderLayer):
+    """Llama's pre-norm block with MLA: the dense first layers."""
+
+    attention = MlaAttention
+
+
+def route(x_TD, router_DX, o, dtype, bias_X=None):
+    """(scores [T, X] fp32, the top-k weights times routed_scaling_factor [T, k], their experts). Scores are the
+    softmax (V2) or the sigmoid (V3, `o.sigmoid`) of the logits; the experts are chosen by the scores plus the
+    correction bias (V3; no gradient flows into it), their weights are the scores (renormalised to sum 1 where
+    `o.renormalize`). With groups, the choice is among the experts of each token's `top_groups` best groups, a
+    group scored by its best expert (V2's group_limited_greedy) or its best two (V3's noaux_tc)."""
+    logits = jnp.einsum("TD,DX->TX", x_TD, router_DX.astype(dtype), preferred_element_type=jnp.float32)
+    scores = jax.nn.sigmoid(logits) if o.sigmoid else jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias_X is None else scores + jax.lax.stop_gradient(bias_X.astype(jnp.float32))
+    if o.groups > 1:
+        grouped = choice.reshape(*choice.shape[:-1], o.groups, -1)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1) if o.sigmoid else grouped.max(-1)
+        _, best = jax.lax.top_k(group_scores, o.top_groups)
+        keep = jnp.sum(jax.nn.one_hot(best, o.groups, dtype=jnp.int32), axis=-2) > 0
+        choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(scores.shape)
+    _, experts = jax.lax.top_k(choice, o.top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if o.renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return scores, weights * o.routed_scaling_factor, experts
+
+
+class DeepseekMoe(MoeBlock):
+    """The MoE layer's routed experts (MoeBlock's parameters, load counts and grouped matmuls) under DeepSeek's
+    router (`route`, with V3's correction bias [X]), and the shared experts: one SwiGLU of shared_experts x M that
+    every token runs."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
+        super().__init__(cfg, rngs, mesh)
+        o = cfg.options
+        if o.routed_bias:
+            self.bias = nnx.Param(jnp.zeros((o.num_experts,), jnp.float32), axes=("norm",))
+        if o.shared_experts:
+            self.shared = MLP(dataclasses.replace(cfg, mlp_dim=o.shared_experts * o.mlp_dim), rngs, mesh)
+
+    def __call__(self, x_BSD, segment_ids_BS):
+        y, sums = super().__call__(x_BSD, segment_ids_BS)
+        return (y + self.shared(x_BSD) if self.cfg.options.shared_experts else y), sums
+
+    def _experts(self, x_BSD, router, w_gate, w_up, w_down):
+        opts, mesh, dt = self.cfg.options, self.mesh, self.cfg.dtype
+
+        def local(x, router, bias, w_gate, w_up, w_down):
+            b, s, d = x.shape
+            x_TD = x.reshape(b * s, d)
+            _, weights, experts = route(x_TD, router, opts, dt, bias if opts.routed_bias else None)
+            return grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down).astype(dt).reshape(b, s, d)
+
+        bias = self.bias[...] if opts.routed_bias else jnp.zeros((), jnp.float32)
+        cast = [w.astype(dt) for w in (w_gate, w_up, w_down)]
+        if mesh is None:
+            return local(x_BSD, router, bias, *cast)
+        act = P(BATCH_AXES, CONTEXT_AXES, None)
+        return shard_map(local, mesh, (act, P(), P(), P(), P(), P()), act)(x_BSD, router, bias, *cast)
+
+
+class DeepseekLayer(nnx.Module):
+    """Pre-norm block: x + mla(norm(x)), then + moe(norm(x)); returns (x, the MoE layer's load counts)."""
+
+    aux_terms = staticmethod(aux_terms)
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
+        self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
+        self.attn = MlaAttention(cfg, rngs, mesh)
+        self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
+        self.moe = DeepseekMoe(cfg, rngs, mesh)
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, window)
+        y_BSD, sums = self.moe(self.mlp_norm(x_BSD), segment_ids_BS)
+        return x_BSD + y_BSD, sums

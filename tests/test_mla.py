@@ -1,0 +1,173 @@
+"""Multi-head latent attention and the DeepSeek-V2 / V3 family (maxctx.model.deepseek): attention with a value head
+dim apart from the query/key one under every kernel path and CP strategy, with packing and both load-balance orders;
+each MLA and router feature is what gives transformers' logits on the deepseek2 / deepseek3 fixtures (dropped, the
+logits move); the presets' parameter counts are the released models'.
+
+Under CP strategies at C = 4 and across kernels, tests/test_family_matrix.py runs the same fixture; the formulas of
+the bytes each strategy moves with Dv != D are tests/test_attention_comm.py's (test_mla_value_head_dim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxctx.attention.dispatch import AttentionSpec, attend
+from maxctx.attention.kernels.dot_product import mask_from_positions
+from maxctx.model.deepseek.layers import rotary_interleaved, route
+from maxctx.model.rope import rotary
+from tests.support.hf import FIXTURES, logits, relative_error
+from tests.support.meshes import FAST_COMPILE, make_mesh
+from tests.test_softcap import orders
+
+DQ, DV = 12, 8  # q/k and v head dims (MLA's 192 and 128, small)
+
+
+def inputs(seq: int, lengths: tuple[int, ...]):
+    """q, k [2, seq, H, DQ], v [2, seq, K, DV], dout, positions, segment ids: row 0 one document, row 1 `lengths`."""
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(2, seq, 4, DQ)), rng.normal(size=(2, seq, 2, DQ))
+    v, dout = rng.normal(size=(2, seq, 2, DV)), rng.normal(size=(2, seq, 4, DV))
+    seg = np.stack([np.ones(seq), np.repeat(np.arange(1, len(lengths) + 1), lengths)]).astype(np.int32)
+    pos = np.stack([np.arange(seq), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
+    return [x.astype(np.float32) for x in (q, k, v)] + [pos, seg, dout.astype(np.float32)]
+
+
+def dense(q, k, v, pos, seg, window: int):
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) * q.shape[-1] ** -0.5
+    mask = mask_from_positions(pos, seg, pos, seg, window)[:, None]
+    return jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1), v)
+
+
+def grads(fn, q, k, v, pos, seg, dout):
+    out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, pos, seg), q, k, v)
+    return [out, *pullback(dout)]
+
+
+def check(spec: AttentionSpec, ring: int, a2a: int, seq: int, lengths, order_names):
+    """attend's out, dq, dk, dv under `spec` (a mesh of ring x a2a, the batch stored in each order) equal the dense
+    reference's, fp32 1e-5 relative."""
+    args = inputs(seq, lengths)
+    want = jax.jit(functools.partial(grads, functools.partial(dense, window=spec.window)))(*args)
+    mesh = make_mesh(ring, a2a)
+    sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    fn = jax.jit(functools.partial(grads, functools.partial(attend, spec=spec, mesh=mesh)))
+    fn = fn.lower(*[jax.device_put(x, sharding) for x in args]).compile(FAST_COMPILE)
+    for name in order_names:
+        perm = orders(seq, ring * a2a, args[3], args[4])[name]
+        stored = [np.take_along_axis(x, perm.reshape(*perm.shape, *[1] * (x.ndim - 2)), 1) for x in args]
+        got = fn(*[jax.device_put(x, sharding) for x in stored])
+        for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            g = np.stack([np.asarray(g)[b][np.argsort(perm[b])] for b in range(2)])
+            err = np.abs(g - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+            assert err < 1e-5, f"{spec.kernel} {spec.strategy} {name} window={spec.window} {what}: {err:.1e}"
+
+
+@pytest.mark.parametrize("strategy,ring,a2a,window,names", [
+    ("usp", 2, 2, 0, ("natural", "zigzag", "documents")),  # the all-to-all and the ring's joined K/V hops
+    ("all_gather", 4, 1, 6, ("zigzag",))])  # a local layer's halo exchange of joined K/V pieces
+def test_value_head_dim_under_strategies(strategy, ring, a2a, window, names):
+    spec = AttentionSpec(kernel="blockwise", strategy=strategy, block_q=4, block_kv=4, window=window,
+                         load_balance="documents" if names == ("documents",) else True)
+    check(spec, ring, a2a, 32, (5, 11, 9, 7), names)
+
+
+def test_splash_pads_the_value_head_dim():
+    # Splash's call and its ring hops' dQ/dK/dV kernels get V zero-padded to q's head dim, out and dV sliced back.
+    from maxctx.attention.kernels import splash
+
+    spec = AttentionSpec(kernel="splash", strategy="p2p", block_q=128, block_kv=128,
+                         splash_blocks=splash.Blocks(ring_backward=True))
+    check(spec, 2, 1, 256, (100, 156), ("zigzag",))
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """name -> (the fixture imported into a maxctx checkpoint, its tokens, transformers' logits), made once."""
+    from maxctx.convert.from_hf import import_hf
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            out = tmp_path_factory.mktemp(name)
+            import_hf(str(FIXTURES / name), str(out), [], say=lambda *a, **k: None)
+            made[name] = out, np.load(FIXTURES / name / "tokens.npy"), np.load(FIXTURES / name / "logits.npy")
+        return made[name]
+
+    return get
+
+
+def rotate_half(x, positions, rope):
+    return rotary(x, positions, rope)
+
+
+def unrotated_key(x, positions, rope):
+    return x if x.shape[2] == 1 else rotary_interleaved(x, positions, rope)  # [B, S, 1, P]: the shared key
+
+
+def unbiased(x_TD, router_DX, o, dtype, bias_X=None):
+    return route(x_TD, router_DX, o, dtype, None)
+
+
+# With every feature, the fixtures give transformers' logits (< 1e-5 of their range: tests/test_family_matrix.py,
+# on 1 device and under each strategy); without any one of them, not.
+@pytest.mark.parametrize("name,change,patch", [
+    ("deepseek2", "mscale=0", None),  # YaRN's mscale_all_dim out of the softmax scale
+    ("deepseek2", "routed_scaling_factor=1.0", None),
+    ("deepseek2", None, ("rotary_interleaved", rotate_half)),  # rotate-half where the checkpoint rotates pairs
+    ("deepseek2", None, ("rotary_interleaved", unrotated_key)),  # the shared RoPE key left unrotated
+    ("deepseek3", "n_routing_groups=-1", None),  # V3's group-limited top-k
+    ("deepseek3", None, ("route", unbiased))])  # V3's correction bias out of the choice
+def test_each_feature_is_needed_for_transformers_logits(imported, monkeypatch, name, change, patch):
+    from maxctx.model.deepseek import layers
+
+    checkpoint, tokens, expected = imported(name)
+    if patch is not None:
+        monkeypatch.setattr(layers, *patch)
+    error = relative_error(logits(checkpoint, tokens, 1, *([change] if change else [])), expected)
+    assert error > 1e-3, f"{name} {change or patch[1].__name__}: the logits do not move ({error:.1e})"
+
+
+def test_group_limited_routing():
+    # transformers' group_limited_greedy: experts outside each token's best groups (by their best score) never win.
+    from maxctx.model.deepseek.family import DeepseekOptions
+
+    rng = np.random.default_rng(1)
+    x, router = rng.normal(size=(64, 8)).astype(np.float32), rng.normal(size=(8, 16)).astype(np.float32)
+    opts = DeepseekOptions(num_experts=16, top_k=3, groups=4, top_groups=2, routed_scaling_factor=2.5)
+    probs, weights, experts = (np.asarray(a) for a in route(x, router, opts, jnp.float32))
+    best = np.argsort(-probs.reshape(64, 4, 4).max(-1), axis=-1)[:, :2]
+    masked = np.where((np.arange(16)[None, None] // 4 == best[:, :, None]).any(1), probs, 0.0)
+    want = np.sort(np.argsort(-masked, axis=-1)[:, :3], axis=-1)
+    np.testing.assert_array_equal(np.sort(experts, axis=-1), want)
+    np.testing.assert_allclose(np.sort(weights, -1), np.sort(2.5 * np.take_along_axis(probs, want, -1), -1),
+                               rtol=1e-6)
+    ungrouped = route(x, router, dataclasses.replace(opts, groups=1, top_groups=1), jnp.float32)[2]
+    assert (np.sort(np.asarray(ungrouped), -1) != want).any()  # the groups change some token's experts here
+
+
+# Parameters of transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM for the released config.json (counted on
+# the meta device; V3's with its routers' correction biases, which it holds as buffers, and without the
+# multi-token prediction layer).
+@pytest.mark.parametrize("name,count", [("deepseek2-16b", 15_706_484_224), ("deepseek2-236b", 235_741_434_880),
+                                        ("deepseek3-671b", 671_026_419_200), ("kimi-k2-1t", 1_026_408_232_448)])
+def test_preset_parameter_counts(name, count):
+    from flax import nnx
+
+    from maxctx.model import families
+    from maxctx.model.decoder import Decoder, count_params
+    from tests.test_model import _model_config
+
+    config, cfg = _model_config(model_name=name)
+    assert count_params(nnx.state(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))) == count
+    shape = families.shape(config)
+    assert shape.num_params == count  # the family's formula, which the planner uses
+    assert shape.active_params < shape.num_params / 5  # 2.7B of 15.7B, 21.4B of 236B, 37.6B of 671B, 32.9B of 1T
