@@ -26,7 +26,7 @@ from maxctx.model.qwen35.family import QWEN3_5
 from maxctx.plan import planner, step_time
 from tests.support.hf import FIXTURES, logits, relative_error
 from tests.support.hlo import collective_bytes
-from tests.support.meshes import make_mesh
+from tests.support.meshes import FAST_COMPILE, make_mesh
 
 B, HK, N, K, V, W = 2, 2, 4, 8, 6, 4
 X = 2 * HK * K + N * V
@@ -49,11 +49,12 @@ def test_chunked_equals_recurrent_across_documents_and_padding():
     seg[0, 37:], seg[1, 64:], seg[1, 90:] = 2, 2, 0  # a start mid-chunk, one on a chunk boundary, padding
     starts = gdn.document_starts(jnp.asarray(seg), jnp.full((B,), -1))
     start_state = jnp.asarray(r.normal(size=(B, N, K, V)), jnp.float32)
-    want, want_state = gdn.recurrent(q, k, v, g, beta, starts, start_state)
-    got, got_state = gdn.chunked(q, k, v, g, beta, starts, start_state, chunk=16)
+    args = (q, k, v, g, beta, starts, start_state)
+    want, want_state = fast(gdn.recurrent, *args)
+    got, got_state = fast(functools.partial(gdn.chunked, chunk=16), *args)
     np.testing.assert_allclose(got, want, atol=2e-6)
     np.testing.assert_allclose(got_state, want_state, atol=2e-6)
-    a, u = gdn.transition(q, k, v, g, beta, starts, chunk=16)
+    a, u = fast(functools.partial(gdn.transition, chunk=16), *args[:-1])
     np.testing.assert_allclose(jnp.einsum("BNKJ,BNJV->BNKV", a, start_state) + u, want_state, atol=2e-6)
 
 
@@ -62,7 +63,12 @@ def cp_mix(mesh, seg, *args):
     def loss(args):
         return jnp.sum(jnp.sin(gdn_cp.sharded_mix(mesh, *args[:3], seg, *args[3:], (HK, K, V))))
 
-    return jax.jit(jax.value_and_grad(loss))(args)
+    return fast(jax.value_and_grad(loss), args)
+
+
+def fast(fn, *args):
+    """fn(*args) compiled without XLA's backend optimisations (compile time dominates these tests)."""
+    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
 
 
 def test_prefix_scan_at_four_ranks_equals_one_device():
@@ -81,9 +87,9 @@ def test_zigzag_order_at_four_ranks_equals_one_device():
     seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 44], B, 0), jnp.int32)
     order = zigzag_permutation(seq, cp)
     mesh = make_mesh(cp, 1)
-    got = jax.jit(lambda *x: gdn_cp.sharded_mix(mesh, *x[:3], seg[:, order], *x[3:], (HK, K, V), zigzag=True))(
-        *(x[:, order] if x.ndim == 3 else x for x in args))
-    want = gdn_cp.sharded_mix(None, *args[:3], seg, *args[3:], (HK, K, V))
+    got = fast(lambda *x: gdn_cp.sharded_mix(mesh, *x[:3], seg[:, order], *x[3:], (HK, K, V), zigzag=True),
+               *(x[:, order] if x.ndim == 3 else x for x in args))
+    want = fast(lambda *x: gdn_cp.sharded_mix(None, *x[:3], seg, *x[3:], (HK, K, V)), *args)
     np.testing.assert_allclose(got[:, np.argsort(order)], want, rtol=1e-5, atol=1e-6)
 
 
@@ -93,10 +99,12 @@ def test_a_document_start_on_a_rank_boundary_leaks_no_state():
     mesh = make_mesh(4, 1)
     seg = jnp.asarray(np.repeat([[1] * 32 + [2] * 32], B, 0), jnp.int32)
     qkv, b, a, *params = inputs(seq)
-    mixed = jax.jit(lambda *x: gdn_cp.sharded_mix(mesh, *x, seg, *params, (HK, K, V)))
+    mixed = jax.jit(lambda *x: gdn_cp.sharded_mix(mesh, *x, seg, *params, (HK, K, V))).lower(qkv, b, a)
+    mixed = mixed.compile(FAST_COMPILE)
     base = mixed(qkv, b, a)
     other = mixed(*(x.at[:, :32].set(-x[:, :32]) for x in (qkv, b, a)))
-    alone = gdn_cp.sharded_mix(None, qkv[:, 32:], b[:, 32:], a[:, 32:], seg[:, 32:], *params, (HK, K, V))
+    alone = fast(lambda *x: gdn_cp.sharded_mix(None, *x, seg[:, 32:], *params, (HK, K, V)),
+                 qkv[:, 32:], b[:, 32:], a[:, 32:])
     np.testing.assert_allclose(base[:, 32:], alone, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(base[:, 32:], other[:, 32:])
     assert not np.allclose(base[:, :32], other[:, :32])
@@ -113,7 +121,7 @@ def collective_kinds(seq: int, cp: int, zigzag: bool) -> dict:
     def fwd(qkv, b, a, conv, a_log, dt_bias, seg):
         return gdn_cp.sharded_mix(mesh, qkv, b, a, seg, conv, a_log, dt_bias, (HK, K, V), zigzag)
 
-    hlo = jax.jit(fwd).lower(*args, seg).compile().as_text()
+    hlo = jax.jit(fwd).lower(*args, seg).compile(FAST_COMPILE).as_text()
     return dict(collective_bytes(hlo))
 
 
