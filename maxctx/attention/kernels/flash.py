@@ -157,7 +157,8 @@ def flash_backward(q_BSHD, k_BTKD, v_BTKD, q_pos, q_seg, kv_pos, kv_seg, out_BSH
         return jnp.moveaxis(x_BHS.reshape(b, k, g, nq, s // nq), 3, 0)
 
     qp_blocks, qs_blocks = _blocks(q_pos, nq), _blocks(q_seg, nq)
-    q_side = (_blocks(q_BSHD.reshape(b, s, k, g, d), nq), _blocks(dout_BSHD.reshape(b, s, k, g, -1), nq),
+    dv = dout_BSHD.shape[-1]  # v's head dim (MLA: below q's); no -1 in the reshape, which a size-0 array refuses
+    q_side = (_blocks(q_BSHD.reshape(b, s, k, g, d), nq), _blocks(dout_BSHD.reshape(b, s, k, g, dv), nq),
               by_q(lse), by_q(delta), qp_blocks, qs_blocks, block_ranges(qp_blocks, qs_blocks), jnp.arange(nq))
     kp_blocks, ks_blocks = _blocks(kv_pos, nk), _blocks(kv_seg, nk)
     kv_side = (_blocks(k_BTKD, nk), _blocks(v_BTKD, nk), kp_blocks, ks_blocks, block_ranges(kp_blocks, ks_blocks))
