@@ -6,6 +6,7 @@ logits."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -15,11 +16,13 @@ import pytest
 from flax import nnx
 
 from maxctx.attention.cp.load_balance import reorder_batch
+from maxctx.config import ConfigError
 from maxctx.convert.from_hf import import_hf
 from maxctx.loader import load_config
 from maxctx.mesh import batch_sharding, create_mesh
 from maxctx.model.decoder import Decoder
 from maxctx.model.layers import ModelConfig
+from maxctx.model.moe import hf_layout
 from maxctx.model.moe.family import MoeOptions
 from maxctx.model.moe.layers import MoeBlock
 from maxctx.plan import planner, step_time
@@ -132,3 +135,13 @@ def test_expert_weights_shard_over_fsdp_and_context_and_the_planner_prices_the_e
                         "max_target_length=1048576", "ici_context_parallelism=64", "per_device_batch_size=0.015625",
                         "attention=splash", "context_parallel_strategy=auto"])
     assert planner.plan(qwen).choice.valid
+
+
+@pytest.mark.parametrize("change,match", [({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                                          ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+                                          ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1")])
+def test_layouts_the_released_models_lack_are_refused_in_one_line(change, match):
+    hf = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    assert hf_layout.model_keys(hf, "config.json")["num_experts"] == 4
+    with pytest.raises(ConfigError, match=match):
+        hf_layout.model_keys({**hf, **change}, "config.json")

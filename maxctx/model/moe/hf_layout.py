@@ -126,6 +126,9 @@ def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]
     if keys["attention_bias"] or keys["use_qk_norm"] != (arch == "qwen3_moe"):
         raise ConfigError(f"attention_bias={keys['attention_bias']} use_qk_norm={keys['use_qk_norm']} has no "
                           f"{name} equivalent: Mixtral has neither, Qwen3-MoE QK-norm only; train with those")
+    if arch == "mixtral" and not keys["norm_topk_prob"]:
+        raise ConfigError("norm_topk_prob=false has no MixtralForCausalLM equivalent (it always renormalises); "
+                          "train with norm_topk_prob=true, or export decoder_block=qwen3_moe")
     config = llama.hf_config(keys, "llama", dtype, extra)
     for key in ("mlp_bias", "attention_bias", EXPERTS_KEY["mixtral"], EXPERTS_KEY["qwen3_moe"]):
         config.pop(key, None)
