@@ -34,8 +34,10 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
                transformers' load-balancing loss (output_router_logits) on the tokens
     qwen3_moe  Qwen3MoeForCausalLM: QK-norm, 4 experts 48 wide, 2 per token, norm_topk_prob false (the router
                form without renormalisation); also aux_loss.npy
-    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads, 4 value heads
-               of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head)
+    qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads of 16, 4 value
+               heads of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head);
+               key heads of 16, not 8: an L2-normalised q or k of 8 silu outputs all near 0 is common enough at
+               random weights to amplify rounding past the 1e-5 comparison
     deepseek2  DeepseekV2ForCausalLM: layer 0 dense, layers 1-2 MoE (4 experts 24 wide, 2 per token, one shared
                expert, routed_scaling_factor 1.5); MLA without query LoRA: latent 16, q/k heads 12 + 8 RoPE dims,
                value heads 10 (narrower than q/k's 20); YaRN factor 4 over 32 positions with mscale 1.0 and
@@ -93,7 +95,7 @@ MODELS = {
         moe_intermediate_size=48, norm_topk_prob=False)),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-6, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})),
     "deepseek2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-6, q_lora_rank=None,
