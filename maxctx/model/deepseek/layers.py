@@ -29,7 +29,7 @@ from maxctx.model.layers import MLP, ModelConfig, RMSNorm, param
 from maxctx.model.llama.layers import DecoderLayer
 from maxctx.model.moe.layers import MoeBlock, aux_terms, grouped_swiglu
 from maxctx.model.rope import RopeSpec, inverse_frequencies
-from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
 
 
 def rotary_interleaved(x_BSNP, positions_BS, rope: RopeSpec):
@@ -138,20 +138,26 @@ class DeepseekMoe(MoeBlock):
         return (y + self.shared(x_BSD) if self.cfg.options.shared_experts else y), sums
 
     def _experts(self, x_BSD, router, w_gate, w_up, w_down):
+        """MoeBlock's experts (per device in a shard_map, M split over tensor) under `route`."""
         opts, mesh, dt = self.cfg.options, self.mesh, self.cfg.dtype
+        split = mesh is not None and mesh.shape[TENSOR_AXIS] > 1 and opts.mlp_dim % mesh.shape[TENSOR_AXIS] == 0
 
         def local(x, router, bias, w_gate, w_up, w_down):
             b, s, d = x.shape
             x_TD = x.reshape(b * s, d)
             _, weights, experts = route(x_TD, router, opts, dt, bias if opts.routed_bias else None)
-            return grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down).astype(dt).reshape(b, s, d)
+            y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down)
+            if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
+                y = jax.lax.psum(y, TENSOR_AXIS)
+            return y.astype(dt).reshape(b, s, d)
 
         bias = self.bias[...] if opts.routed_bias else jnp.zeros((), jnp.float32)
         cast = [w.astype(dt) for w in (w_gate, w_up, w_down)]
         if mesh is None:
             return local(x_BSD, router, bias, *cast)
-        act = P(BATCH_AXES, CONTEXT_AXES, None)
-        return shard_map(local, mesh, (act, P(), P(), P(), P(), P()), act)(x_BSD, router, bias, *cast)
+        act, m = P(BATCH_AXES, CONTEXT_AXES, None), TENSOR_AXIS if split else None
+        specs = (act, P(), P(), P(None, None, m), P(None, None, m), P(None, m, None))
+        return shard_map(local, mesh, specs, act)(x_BSD, router, bias, *cast)
 
 
 class DeepseekLayer(nnx.Module):
