@@ -10,4 +10,5 @@
     tiling.py          map_chunks / sum_chunks: per-token work over chunks of each device's tokens
     llama/             the Llama / Mistral family: its family value, layer kind and HF layout
     gemma/             the Gemma 2 / Gemma 3 family: its family value, layer kind and HF layout
+    deepseek/          the DeepSeek-V2 / V3 family (Kimi K2 too): MLA, dense then MoE stacks, its HF layout
 """
