@@ -121,7 +121,6 @@ def unbiased(x_TD, router_DX, o, dtype, bias_X=None):
 # on 1 device and under each strategy); without any one of them, not.
 @pytest.mark.parametrize("name,change,patch", [
     ("deepseek2", "mscale=0", None),  # YaRN's mscale_all_dim out of the softmax scale
-    ("deepseek2", "routed_scaling_factor=1.0", None),
     ("deepseek2", None, ("rotary_interleaved", rotate_half)),  # rotate-half where the checkpoint rotates pairs
     ("deepseek2", None, ("rotary_interleaved", unrotated_key)),  # the shared RoPE key left unrotated
     ("deepseek3", "n_routing_groups=-1", None),  # V3's group-limited top-k
