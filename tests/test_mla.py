@@ -170,3 +170,24 @@ def test_preset_parameter_counts(name, count):
     shape = families.shape(config)
     assert shape.num_params == count  # the family's formula, which the planner uses
     assert shape.active_params < shape.num_params / 5  # 2.7B of 15.7B, 21.4B of 236B, 37.6B of 671B, 32.9B of 1T
+
+
+def test_weight_decay_takes_the_latent_matrices_not_the_norms_or_the_router_bias():
+    # The LoRA ranks' logical axis is replicated like head_dim; named `norm`, the optimizer would not decay them.
+    from flax import nnx
+
+    from maxctx.model.decoder import Decoder, param_axes
+    from maxctx.optimizer import decay_mask
+    from tests.test_model import _model_config
+
+    sizes = dict(base_num_decoder_layers=2, first_num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                 n_routing_groups=2, topk_routing_group=1, base_emb_dim=32, base_mlp_dim=32, base_moe_mlp_dim=16,
+                 base_num_query_heads=2, base_num_kv_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+                 qk_rope_head_dim=4, v_head_dim=4, vocab_size=32)
+    _, cfg = _model_config(model_name="deepseek3-671b", head_dim=8, **sizes)
+    mask = decay_mask(param_axes(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))))
+    for stack in ("layers", "layers_1"):
+        attn = mask[stack]["attn"]
+        assert all(attn[w] for w in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo"))
+        assert not attn["kv_norm"]["scale"] and not attn["q_norm"]["scale"]
+    assert not mask["layers_1"]["moe"]["bias"]

@@ -52,14 +52,15 @@ class MlaAttention(nnx.Module):
         o, d, h, wd = cfg.options, cfg.emb_dim, cfg.num_heads, cfg.weight_dtype
         q = o.nope_dim + o.rope_dim
         if o.q_lora_rank:
-            self.wq_a = param(rngs, (d, o.q_lora_rank), ("embed", "norm"), wd)
+            # The LoRA ranks are replicated (`head_dim`'s rule), not `norm`: these matrices get weight decay.
+            self.wq_a = param(rngs, (d, o.q_lora_rank), ("embed", "head_dim"), wd)
             self.q_norm = RMSNorm(o.q_lora_rank, cfg.norm_eps, wd, rngs)
-            self.wq_b = param(rngs, (o.q_lora_rank, h, q), ("norm", "heads", "head_dim"), wd)
+            self.wq_b = param(rngs, (o.q_lora_rank, h, q), ("head_dim", "heads", "head_dim"), wd)
         else:
             self.wq = param(rngs, (d, h, q), ("embed", "heads", "head_dim"), wd)
-        self.wkv_a = param(rngs, (d, o.kv_lora_rank + o.rope_dim), ("embed", "norm"), wd)
+        self.wkv_a = param(rngs, (d, o.kv_lora_rank + o.rope_dim), ("embed", "head_dim"), wd)
         self.kv_norm = RMSNorm(o.kv_lora_rank, cfg.norm_eps, wd, rngs)
-        self.wkv_b = param(rngs, (o.kv_lora_rank, h, o.nope_dim + o.v_dim), ("norm", "heads", "head_dim"), wd)
+        self.wkv_b = param(rngs, (o.kv_lora_rank, h, o.nope_dim + o.v_dim), ("head_dim", "heads", "head_dim"), wd)
         self.wo = param(rngs, (h, o.v_dim, d), ("heads", "head_dim", "embed"), wd, scale=(h * o.v_dim) ** -0.5)
         self.cfg, self.mesh = cfg, mesh
 
