@@ -235,6 +235,8 @@ def test_unknown_architecture(tmp_path, capsys):
 
     line = _one_line(capsys, _from_hf(_broken(tmp_path, gpt2), tmp_path))
     assert "config.json" in line and "GPT2LMHeadModel" in line and "LlamaForCausalLM" in line
+    for other in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", "MixtralForCausalLM"):
+        assert other in line, line  # every family's architectures, not Llama's alone
 
 
 def test_dtype_the_model_cannot_take(tmp_path, capsys):

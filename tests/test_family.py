@@ -155,7 +155,7 @@ def test_planned_from_its_own_shape_and_tensors(toy):
 
 
 def test_an_unknown_decoder_block_is_one_line_naming_the_families():
-    with pytest.raises(ConfigError, match=r"decoder_block='toy' is not a model family; use one of llama2, mistral"):
+    with pytest.raises(ConfigError, match=r"decoder_block='toy' is not a model family; use one of .*llama2, mistral"):
         load_config(SMALL)
 
 

@@ -156,7 +156,7 @@ def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -
     """Converts; returns the step directory written."""
     hf = read_hf_config(hf_path)
     where = os.path.join(hf_path, "config.json")
-    layout = families.for_hf(hf).hf_layout
+    layout = families.for_hf(hf, where).hf_layout
     arch = layout.architecture(hf, where)
     hf_keys = {**layout.model_keys(hf, where), "decoder_block": layout.DECODER_BLOCKS[arch]}
     config = target_config(hf_keys, overrides)

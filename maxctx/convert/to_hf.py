@@ -50,8 +50,9 @@ def _meta(step_dir: epath.Path, hf_base: str) -> dict[str, Any]:
         meta = ocp.JsonCheckpointHandler().restore(step_dir / META) or {}
     if hf_base:
         meta = {**meta, "hf_config": read_hf_config(hf_base)}
-        layout = families.for_hf(meta["hf_config"]).hf_layout
-        meta["architecture"] = layout.architecture(meta["hf_config"], os.path.join(hf_base, "config.json"))
+        where = os.path.join(hf_base, "config.json")
+        layout = families.for_hf(meta["hf_config"], where).hf_layout
+        meta["architecture"] = layout.architecture(meta["hf_config"], where)
     return meta
 
 

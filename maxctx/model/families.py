@@ -50,15 +50,16 @@ def for_config(config: Config) -> ModelFamily:
     return get(config.decoder_block)
 
 
-def for_hf(hf_config: dict) -> ModelFamily:
-    """The family whose HF layout names this config.json's architecture (`architectures`, else `model_type`);
-    Llama's when none does, so its layout's refusal names what maxctx converts."""
+def for_hf(hf_config: dict, where: str = "config.json") -> ModelFamily:
+    """The family whose HF layout names this config.json's architecture (`architectures`, else `model_type`); a
+    ConfigError naming `where` and every architecture maxctx converts when none does."""
     names = hf_config.get("architectures") or [hf_config.get("model_type")]
     for family in _FAMILIES.values():
         known = family.hf_layout.ARCHITECTURES
         if any(name in known or name in known.values() for name in names):
             return family
-    return LLAMA
+    every = sorted({name for family in _FAMILIES.values() for name in family.hf_layout.ARCHITECTURES})
+    raise ConfigError(f"{where}: architecture {names} is not one maxctx converts; give one of {', '.join(every)}")
 
 
 def shape(config: Config) -> ModelShape:

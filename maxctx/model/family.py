@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from maxctx.config import Config
+from maxctx.config import Config, ConfigError
 from maxctx.model.shape import ModelShape
 
 
@@ -81,6 +81,19 @@ class HfLayout(Protocol):
     def model_keys(self, hf_config: dict, where: str) -> dict[str, Any]: ...
 
     def hf_config(self, keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def hf_architecture(architectures: dict[str, str], hf_config: dict, where: str) -> str:
+    """The short name (a value of `architectures`, HF class -> short name) of config.json's architecture: the
+    first of its `architectures` listed, else its `model_type`; a ConfigError naming `where` otherwise."""
+    names = hf_config.get("architectures") or []
+    known = [architectures[n] for n in names if n in architectures]
+    if known:
+        return known[0]
+    if not names and hf_config.get("model_type") in architectures.values():
+        return hf_config["model_type"]
+    raise ConfigError(f"{where}: architecture {names or hf_config.get('model_type')} is not one this family "
+                      f"converts; give a {' or '.join(architectures)} checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)

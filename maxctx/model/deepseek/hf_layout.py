@@ -31,6 +31,7 @@ import math
 from typing import Any
 
 from maxctx.errors import ConfigError
+from maxctx.model.family import hf_architecture
 from maxctx.model.llama import hf_layout as llama
 from maxctx.model.llama.hf_layout import DIM_KEYS, Tensor
 
@@ -144,14 +145,7 @@ def tensors(keys: dict[str, Any]) -> tuple[Tensor, ...]:
 
 def architecture(hf_config: dict, where: str) -> str:
     """'deepseek_v2' or 'deepseek_v3', from config.json's `architectures` (or `model_type`)."""
-    names = hf_config.get("architectures") or []
-    known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
-    if known:
-        return known[0]
-    if not names and hf_config.get("model_type") in ARCHITECTURES.values():
-        return hf_config["model_type"]
-    raise ConfigError(f"{where}: architecture {names or hf_config.get('model_type')} is not a DeepSeek one maxctx "
-                      f"converts; give a {' or '.join(ARCHITECTURES)} checkpoint")
+    return hf_architecture(ARCHITECTURES, hf_config, where)
 
 
 def _refuse(hf: dict, arch: str, where: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from maxctx.config import Config
 from maxctx.errors import ConfigError
+from maxctx.model.family import hf_architecture
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 DECODER_BLOCKS = {"llama": "llama2", "mistral": "mistral"}  # architecture -> maxctx's decoder_block
@@ -94,14 +95,7 @@ def tensors(keys: dict[str, Any]) -> tuple[Tensor, ...]:
 
 def architecture(hf_config: dict, where: str) -> str:
     """'llama' or 'mistral', from config.json's `architectures` (or `model_type`)."""
-    names = hf_config.get("architectures") or []
-    known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
-    if known:
-        return known[0]
-    if not names and hf_config.get("model_type") in ARCHITECTURES.values():
-        return hf_config["model_type"]
-    raise ConfigError(f"{where}: architecture {names or hf_config.get('model_type')} is not one maxctx converts; "
-                      f"give a {' or '.join(ARCHITECTURES)} checkpoint (Llama 2, Llama 3, Llama 3.1, Mistral)")
+    return hf_architecture(ARCHITECTURES, hf_config, where)
 
 
 def _positive(value: Any, name: str, where: str, integer: bool = False) -> Any:

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from maxctx.errors import ConfigError
+from maxctx.model.family import hf_architecture
 from maxctx.model.llama import hf_layout as llama
 from maxctx.model.llama.hf_layout import Tensor
 from maxctx.model.qwen.hf_layout import QK_NORMS
@@ -70,14 +71,7 @@ def tensors(keys: dict[str, Any]) -> tuple[Tensor, ...]:
 
 def architecture(hf_config: dict, where: str) -> str:
     """'mixtral' or 'qwen3_moe', from config.json's `architectures` (or `model_type`)."""
-    names = hf_config.get("architectures") or []
-    known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
-    if known:
-        return known[0]
-    if not names and hf_config.get("model_type") in ARCHITECTURES.values():
-        return hf_config["model_type"]
-    raise ConfigError(f"{where}: architecture {names or hf_config.get('model_type')} is not a mixture of experts "
-                      f"maxctx converts; give a {' or '.join(ARCHITECTURES)} checkpoint")
+    return hf_architecture(ARCHITECTURES, hf_config, where)
 
 
 def _refuse(hf: dict, arch: str, where: str) -> None:

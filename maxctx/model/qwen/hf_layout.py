@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from maxctx.errors import ConfigError
+from maxctx.model.family import hf_architecture
 from maxctx.model.llama import hf_layout as llama
 from maxctx.model.llama.hf_layout import Tensor
 
@@ -36,14 +37,7 @@ def tensors(keys: dict[str, Any]) -> tuple[Tensor, ...]:
 
 def architecture(hf_config: dict, where: str) -> str:
     """'qwen2' or 'qwen3', from config.json's `architectures` (or `model_type`)."""
-    names = hf_config.get("architectures") or []
-    known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
-    if known:
-        return known[0]
-    if not names and hf_config.get("model_type") in ARCHITECTURES.values():
-        return hf_config["model_type"]
-    raise ConfigError(f"{where}: architecture {names or hf_config.get('model_type')} is not a Qwen one maxctx "
-                      f"converts; give a {' or '.join(ARCHITECTURES)} checkpoint")
+    return hf_architecture(ARCHITECTURES, hf_config, where)
 
 
 def model_keys(hf: dict, where: str) -> dict[str, Any]:
