@@ -158,18 +158,22 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
     import jax
     import jax.numpy as jnp
 
+    from maxctx.attention.cp.sharded import join_kv, split_kv
+
     me = jax.lax.axis_index(axis)
     b, n = q.shape[:2]
     m, L = p.slots, p.chunk
-    dk = k.shape[-1]
-    kv = jnp.concatenate([k, v], -1)[None]  # [1, B, n, K, Dk + Dv]: one permute for K/V, one for the ids, per round
+    dk, dv = k.shape[-1], v.shape[-1]
+    kv = join_kv(k, v)  # [2, B, n, K, D] or [B, n, K, Dk + Dv]: one permute for K/V, one for the ids, per round
+    kv = kv if dk == dv else kv[None]
+    parts = kv.shape[0]
     ids = jnp.stack([pos, seg])
     received = []
     for rnd in p.rounds:
         start = jnp.asarray(rnd.send_slot, jnp.int32)[me] * L + (L - rnd.rows)
         received.append(tuple(jax.lax.ppermute(jax.lax.dynamic_slice_in_dim(x, start, rnd.rows, axis=2), axis,
                                                 list(rnd.perm)) for x in (kv, ids)))
-    kv_c = kv.reshape(1, b, m, L, *kv.shape[3:])
+    kv_c = kv.reshape(parts, b, m, L, *kv.shape[3:])
     ids_c = ids.reshape(2, b, m, L)
     table = jnp.asarray(p.source, jnp.int32)[me]  # [m, pieces]
     halo_kv, halo_ids = [], []
@@ -179,12 +183,13 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
                       + [jnp.zeros_like(kv_c[:, :, 0, :rows])])
         none_ids = jnp.stack([jnp.zeros((b, rows), ids.dtype), jnp.full((b, rows), -1, ids.dtype)])
         id_options = [x for _, x in from_rounds] + [ids_c[:, :, j, L - rows:] for j in range(m)] + [none_ids]
-        halo_kv.append(jnp.take(jnp.stack(kv_options), table[:, d - 1], axis=0))  # [m, 1, B, rows, K, Dk + Dv]
+        halo_kv.append(jnp.take(jnp.stack(kv_options), table[:, d - 1], axis=0))  # [m, parts, B, rows, K, .]
         halo_ids.append(jnp.take(jnp.stack(id_options), table[:, d - 1], axis=0))
     # Each chunk's keys in original order: the farthest piece first, the chunk itself last.
     own_kv = jnp.moveaxis(kv_c, 2, 0)
     own_ids = jnp.moveaxis(ids_c, 2, 0)
-    keys = jnp.concatenate(halo_kv[::-1] + [own_kv], axis=3)[:, 0]  # [m, B, W + L, K, Dk + Dv]
+    keys = jnp.concatenate(halo_kv[::-1] + [own_kv], axis=3)  # [m, parts, B, W + L, K, .]
+    keys_k, keys_v = (keys[:, 0], keys[:, 1]) if parts == 2 else split_kv(keys[:, 0], dk, dv)
     key_ids = jnp.concatenate(halo_ids[::-1] + [own_ids], axis=3)  # [m, 2, B, W + L]
 
     def fold(x):  # [m, B, ...] -> [m B, ...]
@@ -192,7 +197,7 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
 
     q_c = q.reshape(b, m, L, *q.shape[2:]).swapaxes(0, 1)
     ids_q = ids_c.swapaxes(1, 2).swapaxes(0, 1)  # [m, 2, B, L]
-    out, _ = local.attend(0, fold(q_c), fold(keys[..., :dk]), fold(keys[..., dk:]), fold(ids_q[:, 0]),
+    out, _ = local.attend(0, fold(q_c), fold(keys_k), fold(keys_v), fold(ids_q[:, 0]),
                           fold(ids_q[:, 1]), fold(key_ids[:, 0]), fold(key_ids[:, 1]))
     return out.reshape(m, b, L, *out.shape[2:]).swapaxes(0, 1).reshape(*q.shape[:3], v.shape[-1])
 

@@ -2,8 +2,8 @@
 of the p2p and usp strategies; call inside shard_map).
 
 Legend (per device): B batch, s rows of the local block, H and K heads, D head dim, R ring size. K and V travel
-as one block [B, s, K, Dk + Dv] (their head dims joined, so one permute moves both, of any two head dims: MLA's
-192 and 128).
+as one block (sharded.join_kv: stacked [2, B, s, K, D], or [B, s, K, Dk + Dv] for MLA's 192 and 128), so one
+permute moves both.
 
 Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mod R, sends it on with ppermute
 (issued before the hop's compute, so XLA can overlap them) and merges the hop's (out, lse) into fp32 accumulators
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxctx.attention.cp.sharded import ring_shift
+from maxctx.attention.cp.sharded import join_kv, ring_shift, split_kv
 from maxctx.attention.kernels.local import LocalKernel
 from maxctx.config import ConfigError
 
@@ -81,13 +81,13 @@ def _maybe(window: int, q_pos, q_seg, kv_pos, kv_seg, skipped, compute, *operand
 def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
     q, k, v, qp, qs, kp, ks = _tie(q, k, v, qp, qs, kp, ks)
     b, s, h, _ = q.shape
-    dk = k.shape[-1]
+    dk, dv = k.shape[-1], v.shape[-1]
 
     def compute(hop, out, lse, kv, ids):
         empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
         o_hop, lse_hop = _maybe(local.window, qp, qs, ids[0], ids[1], empty,
                                 functools.partial(local.block_forward, hop),
-                                q, kv[..., :dk], kv[..., dk:], qp, qs, ids[0], ids[1])
+                                q, *split_kv(kv, dk, dv), qp, qs, ids[0], ids[1])
         return _merge(out, lse, o_hop, lse_hop)
 
     def hop_with_send(hop, carry):
@@ -96,7 +96,7 @@ def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
         return (*compute(hop, out, lse, kv, ids), *following)
 
     init = (jnp.zeros((b, s, h, v.shape[-1]), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32),
-            jnp.concatenate([k, v], -1), jnp.stack([kp, ks]))  # one permute each for K/V and for the ids
+            join_kv(k, v), jnp.stack([kp, ks]))  # one permute each for K/V and for the ids
     out, lse, kv, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
     out, lse = compute(size - 1, out, lse, kv, ids)
     return out.astype(q.dtype), lse
@@ -119,18 +119,20 @@ def _ring_fwd(local, axis, size, overlap, q, k, v, qp, qs, kp, ks):
 
 def _ring_bwd(local, axis, size, overlap, res, dout):
     q, k, v, qp, qs, kp, ks, out, lse = res
-    dv = v.shape[-1]  # dK/dV travel joined as [B, s, K, Dk + Dv] fp32, V's part first like vk's
+    dk, dv = k.shape[-1], v.shape[-1]  # dK/dV travel joined like K/V (join_kv), V's part first like vk's
 
     def compute(hop, dq, dkv, vk, ids):
-        zeros = (jnp.zeros_like(dq), jnp.zeros_like(dkv[..., dv:]), jnp.zeros_like(dkv[..., :dv]))
+        dv_part, dk_part = split_kv(dkv, dv, dk)
+        zeros = (jnp.zeros_like(dq), jnp.zeros_like(dk_part), jnp.zeros_like(dv_part))
+        v_blk, k_blk = split_kv(vk, dv, dk)
         dq_h, dk_h, dv_h = _maybe(local.window, qp, qs, ids[1], ids[0], zeros,
                                   functools.partial(local.block_backward, hop),
-                                  q, vk[..., dv:], vk[..., :dv], qp, qs, ids[1], ids[0], out, lse, dout)
-        return dq + dq_h, dkv + jnp.concatenate([dv_h, dk_h], -1)
+                                  q, k_blk, v_blk, qp, qs, ids[1], ids[0], out, lse, dout)
+        return dq + dq_h, dkv + join_kv(dv_h, dk_h)
 
     # The blocks are joined in the other order than in the forward: XLA would otherwise merge the backward's
     # permutes with the forward's (CSE) and keep every rotated K/V block alive until the backward, O(S) memory.
-    vk, ids = jnp.concatenate([v, k], -1), jnp.stack([ks, kp])
+    vk, ids = join_kv(v, k), jnp.stack([ks, kp])
     zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(vk.shape, jnp.float32))
     if not overlap or size == 1:  # one rank: nothing to pipeline (its one hop would run twice below)
         # A hop adds its dK/dV and sends them on at once: the sends wait for the hop's kernel (and XLA's schedule
@@ -161,7 +163,8 @@ def _ring_bwd(local, axis, size, overlap, res, dout):
         dq, dkv, vk, ids = jax.lax.fori_loop(1, size - 1, hop_with_send, (dq, dkv, *following))
         dq, dkv = compute(size - 1, dq, ring_shift(dkv, axis, size), vk, ids)
     dkv = ring_shift(dkv, axis, size)  # after R shifts: at the owner
-    return dq.astype(q.dtype), dkv[..., dv:].astype(k.dtype), dkv[..., :dv].astype(v.dtype), None, None, None, None
+    dv_all, dk_all = split_kv(dkv, dv, dk)
+    return dq.astype(q.dtype), dk_all.astype(k.dtype), dv_all.astype(v.dtype), None, None, None, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

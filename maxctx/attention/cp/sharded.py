@@ -58,3 +58,17 @@ def context_shard_map(body: Callable, mesh: Mesh, q_BSHD, k_BSKD, v_BSKD, positi
 
     fn = shard_map(wrapped, mesh, (q_spec, kv_spec, kv_spec, bs_spec, bs_spec), q_spec)
     return fn(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+
+
+def join_kv(k, v):
+    """K and V as one array, so one permute moves both: stacked [2, ...] when their head dims agree (the leading
+    axis slices apart without copies), else joined along the head dim [..., Dk + Dv] (MLA's 192 and 128)."""
+    import jax.numpy as jnp
+
+    return jnp.stack([k, v]) if k.shape[-1] == v.shape[-1] else jnp.concatenate([k, v], -1)
+
+
+def split_kv(kv, first: int, second: int):
+    """`join_kv`'s two parts, of head dims `first` and `second`."""
+    return (kv[0], kv[1]) if first == second else (kv[..., :first], kv[..., first:])
+
