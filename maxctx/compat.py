@@ -100,7 +100,7 @@ def unsupported(key: str, why: str) -> ConfigError:
     return ConfigError(f"MaxText's {key} is not supported by maxctx: {why}")
 
 
-# MaxText's model families maxctx has no layers for (prefixes of its model_name values).
+# MaxText's model families maxctx has no layers for (prefixes of its model_name values without a maxctx preset).
 MOE_MODELS = ("mixtral", "deepseek", "qwen3-30b", "qwen3-235b", "qwen3-480b", "llama4", "gpt-oss", "kimi")
 OTHER_MODELS = ("gemma", "gpt3", "qwen", "llama3.2-11b", "phi")
 
@@ -111,7 +111,7 @@ def check_model_name(name: str, presets) -> None:
            "its layers (attention or normalisation variants) are not implemented" if name.startswith(OTHER_MODELS)
            else "")
     if why:
-        raise unsupported(f"model_name={name}", f"{why}; the dense Llama/Mistral presets are {', '.join(presets)}")
+        raise unsupported(f"model_name={name}", f"{why}; maxctx's presets are {', '.join(presets)}")
 
 
 def _none(value: Any) -> bool:

@@ -106,7 +106,7 @@ LOADS = {
 REFUSED = {
     "fp8": ("quantization=fp8 dataset_type=synthetic", "MaxText's quantization=fp8 is not supported by maxctx"),
     "hf": ("dataset_type=hf", "MaxText's dataset_type=hf is not supported by maxctx"),
-    "mixtral": ("model_name=mixtral-8x7b attention=flash", "MaxText's model_name=mixtral-8x7b is not supported by "
+    "gpt-oss": ("model_name=gpt-oss-20b attention=flash", "MaxText's model_name=gpt-oss-20b is not supported by "
                 "maxctx: mixture-of-experts"),
 }
 

@@ -51,7 +51,7 @@ def test_topology_names(name, libtpu_name, devices):
     assert topology.num_devices == devices
 
 
-@pytest.mark.parametrize("name", ["v5p-7", "v5p-96", "v5e-512", "v9-8", "h100-8", "v5e:2x2x2", ""])
+@pytest.mark.parametrize("name", ["v5p-7", "v5p-96", "v5e-512", "v9-8", "h100-12", "v5e:2x2x2", ""])
 def test_bad_topology_names_say_what_to_write(name):
     with pytest.raises(ConfigError, match="compile_topology"):
         parse(name)
