@@ -74,23 +74,9 @@ def _set(name: str, value: float) -> None:
 
 
 def fit() -> dict[str, float]:
-    """Each constant bisected so its row's prediction meets the measurement, in turns until they settle (each
-    prediction is monotone in every constant)."""
+    """Each constant bisected so its row's prediction meets the measurement (fit_on, one row each)."""
     rows = {r[0]: r for r in ROWS}
-    values = {}
-    for _ in range(30):
-        for name, seq in FITTED.items():
-            lo, hi = (0.05, 1.0) if "EFFICIENCY" in name else (0.0, 20.0)
-            for _ in range(60):
-                mid = (lo + hi) / 2
-                _set(name, mid)
-                too_slow = predict(rows[seq]).step_s > rows[seq][7]
-                # a higher efficiency is faster; a higher recompute cost is slower
-                lo, hi = ((mid, hi) if too_slow else (lo, mid)) if "EFFICIENCY" in name else \
-                    ((lo, mid) if too_slow else (mid, hi))
-            values[name] = (lo + hi) / 2
-            _set(name, values[name])
-    return values
+    return fit_on({name: [rows[seq]] for name, seq in FITTED.items()}, rounds=30, steps=60)
 
 
 # The rows each constant dominates, for the leave-one-out fit: the matmuls at 64K-256K, splash's attention at
@@ -99,14 +85,15 @@ GROUPS = {"XLA_MATMUL_EFFICIENCY": (65536, 262144), "SPLASH_EFFICIENCY": (104857
           "RECOMPUTE_ATTENTION": (10485760, 14680064)}
 
 
-def fit_on(rows: dict[str, tuple]) -> dict[str, float]:
-    """Each constant bisected so the mean log error over its rows (`rows[name]`, measured rows) is zero, in turns
-    until they settle (each prediction is monotone in every constant)."""
+def fit_on(rows: dict[str, list], rounds: int = 8, steps: int = 40) -> dict[str, float]:
+    """Each constant bisected (`steps` halvings) so the mean log error over its rows (`rows[name]`, measured rows)
+    is zero, in `rounds` turns until they settle (each prediction is monotone in every constant; a higher
+    efficiency is faster, a higher recompute cost slower)."""
     values = {}
-    for _ in range(8):
+    for _ in range(rounds):
         for name, group in rows.items():
             lo, hi = (0.05, 1.0) if "EFFICIENCY" in name else (0.0, 20.0)
-            for _ in range(40):
+            for _ in range(steps):
                 mid = (lo + hi) / 2
                 _set(name, mid)
                 too_slow = sum(math.log(predict(r).step_s / r[7]) for r in group) > 0

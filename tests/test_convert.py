@@ -24,7 +24,13 @@ from maxctx.convert.to_hf import export_hf
 from maxctx.errors import ConfigError
 from maxctx.mesh import batch_sharding
 from maxctx.train_step import jit_train_step
-from tests.support.hf import logits as _logits, relative_error as _relative_error, setup as _setup, tensors as _tensors
+from tests.support.hf import (
+    import_fixtures,
+    logits as _logits,
+    relative_error as _relative_error,
+    setup as _setup,
+    tensors as _tensors,
+)
 from tests.support.processes import python
 from tests.support.strategies import config_args, names as strategy_names
 
@@ -35,10 +41,7 @@ quiet = lambda *args, **kwargs: None  # noqa: E731
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("imported")
-    for name in MODELS:
-        import_hf(str(FIXTURES / name), str(out / name), [], say=quiet)
-    return {name: out / name for name in MODELS}
+    return import_fixtures(tmp_path_factory.mktemp("imported"), MODELS)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maxctx.convert.from_hf import import_hf
 from maxctx.convert.to_hf import export_hf
-from tests.support.hf import FIXTURES, logits, relative_error, tensors
+from tests.support.hf import FIXTURES, import_fixtures, logits, relative_error, tensors
 from tests.support.strategies import config_args, names as strategy_names
 
 LLAMA = ("llama", "llama3_1", "mistral")
@@ -25,10 +24,7 @@ quiet = lambda *args, **kwargs: None  # noqa: E731
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("imported")
-    for name in MODELS:
-        import_hf(str(FIXTURES / name), str(out / name), [], say=quiet)
-    return {name: out / name for name in MODELS}
+    return import_fixtures(tmp_path_factory.mktemp("imported"), MODELS)
 
 
 @pytest.mark.parametrize("cp,strategy", [(1, "all_gather")] + [(4, s) for s in strategy_names()])

@@ -48,3 +48,13 @@ def relative_error(got: np.ndarray, expected: np.ndarray) -> float:
 
 def tensors(directory: Path) -> dict[str, np.ndarray]:
     return {name: safetensors.read(info) for name, info in safetensors.model_tensors(str(directory)).items()}
+
+
+def import_fixtures(out: Path, names) -> dict[str, Path]:
+    """Each named fixture imported (maxctx.convert's from_hf, quietly) under `out`."""
+    from maxctx.convert.from_hf import import_hf
+
+    for name in names:
+        import_hf(str(FIXTURES / name), str(out / name), [], say=lambda *args, **kwargs: None)
+    return {name: out / name for name in names}
+
