@@ -2,8 +2,12 @@
 a tiny random model transformers saved) x every CP strategy: imported through train.py's load path it gives
 transformers' fp32 logits on 1 device and on 4 under each strategy, and exports back bit-identical.
 
-The matrix is the fixture folders: a family lands with its fixture and is tested here without a list to edit
-(the Llama / Mistral ones, with their own negative controls, are tests/test_convert.py's)."""
+The matrix is the fixture folders: a family lands with its fixture and is tested here under every strategy without
+a list to edit (the Llama / Mistral ones, with their own negative controls, are tests/test_convert.py's). The
+fixtures in PLAIN hand the strategies what another fixture here already does (grouped-query attention, causal or
+windowed, with its scale): each runs one strategy at C = 4, the strategies dealt out in turn, to keep the suite's
+time; the rest (soft-cap and windows: gemma2, olmo3; MLA's value head dim: deepseek2; Gated DeltaNet's prefix
+scan: qwen3_5; and any new fixture) run all."""
 
 from __future__ import annotations
 
@@ -19,7 +23,17 @@ from tests.support.strategies import config_args, names as strategy_names
 
 LLAMA = ("llama", "llama3_1", "mistral")
 MODELS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists() and p.name not in LLAMA)
+PLAIN = ("deepseek3", "gemma3", "mixtral", "olmo2", "qwen2", "qwen3", "qwen3_moe")
 quiet = lambda *args, **kwargs: None  # noqa: E731
+
+
+def _cases() -> list[tuple[str, int, str]]:
+    """(fixture, C, strategy): every fixture on 1 device; at C = 4 every strategy, or one for a PLAIN fixture."""
+    every = strategy_names()
+    plain = [name for name in MODELS if name in PLAIN]
+    return ([(name, 1, "all_gather") for name in MODELS]
+            + [(name, 4, s) for name in MODELS if name not in PLAIN for s in every]
+            + [(name, 4, every[i % len(every)]) for i, name in enumerate(plain)])
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +41,7 @@ def imported(tmp_path_factory) -> dict[str, Path]:
     return import_fixtures(tmp_path_factory.mktemp("imported"), MODELS)
 
 
-@pytest.mark.parametrize("cp,strategy", [(1, "all_gather")] + [(4, s) for s in strategy_names()])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name,cp,strategy", _cases())
 def test_logits_match_transformers(imported, name, cp, strategy):
     expected = np.load(FIXTURES / name / "logits.npy")
     got = logits(imported[name], np.load(FIXTURES / name / "tokens.npy"), cp, *config_args(strategy, cp))
