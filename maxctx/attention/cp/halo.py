@@ -24,6 +24,7 @@ blocks outside the band) runs its local layers this way whenever it moves less t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -122,6 +123,7 @@ def plan(order: np.ndarray, devices: int, window: int, chunk: int) -> HaloPlan:
     return HaloPlan(devices, chunk, m, pieces, frozen, source)
 
 
+@functools.lru_cache(maxsize=64)  # the planner prices each shape at every remat placement
 def layout_plan(seq: int, devices: int, load_balance: bool, window: int) -> HaloPlan | None:
     """The plan for `devices` devices holding the sequence in maxctx's stored order, or None when the window
     covers the sequence or a halo would move as much as gathering every key (then the strategy's global path,
