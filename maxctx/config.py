@@ -114,13 +114,14 @@ class Config:
     full_attention_interval: int = 4
     partial_rotary_factor: float = 1.0
     # Mixture of experts (MaxText's keys; decoder_block mixtral, qwen3_moe): experts per MoE layer, experts per
-    # token, each expert's SwiGLU width (0: base_mlp_dim), the top-k weights renormalised to sum to 1, and the
-    # load-balancing loss's weight in the training loss.
+    # token, each expert's SwiGLU width (0: base_mlp_dim), the top-k weights renormalised to sum to 1, the
+    # load-balancing loss's weight in the training loss (HF's router_aux_loss_coef), and the router z-loss's.
     num_experts: int = 1
     num_experts_per_tok: int = 1
     base_moe_mlp_dim: int = 0
     norm_topk_prob: bool = False
     load_balance_loss_weight: float = 0.01
+    router_z_loss_weight: float = 0.0
     # DeepSeek (decoder_block deepseek; MaxText's keys): multi-head latent attention's query LoRA rank (0: a plain
     # query projection), KV LoRA rank, per-head dims without and with RoPE, value head dim, YaRN's softmax mscale
     # (transformers' mscale_all_dim; 0: none); the first first_num_dense_layers layers dense (base_mlp_dim), the
@@ -346,7 +347,7 @@ MODEL_KEYS = (
     "query_pre_attn_scalar", "local_rope_max_timescale", "final_logits_soft_cap", "attn_logits_soft_cap",
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
-    "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob",
+    "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob", "load_balance_loss_weight",
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mscale",
     "first_num_dense_layers", "shared_experts", "routed_scaling_factor", "n_routing_groups", "topk_routing_group",
     "routed_score_func", "routed_bias",

@@ -1,7 +1,8 @@
 """The dropless MoE layer (maxctx.model.moe): a skewed router computes every token as a dense per-token reference
-does; the load-balancing loss is transformers' (the mixtral fixture's aux_loss.npy) and does not depend on the
-mesh (loss and gradients at C = 1 and C = 4); Mixtral's renormalised top-k weights are what give transformers'
-logits."""
+does; the load-balancing loss is transformers' (the mixtral fixture's aux_loss.npy, weighted by its
+router_aux_loss_coef, which conversion carries both ways) and, with the router z-loss, does not depend on the mesh
+(loss and gradients at C = 1 and C = 4); Mixtral's renormalised top-k weights are what give transformers' logits;
+a training run logs each expert's load."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from flax import nnx
 from maxctx.attention.cp.load_balance import reorder_batch
 from maxctx.config import ConfigError
 from maxctx.convert.from_hf import import_hf
+from maxctx.convert.to_hf import export_hf
 from maxctx.loader import load_config
 from maxctx.mesh import batch_sharding, create_mesh
 from maxctx.model.decoder import Decoder
@@ -50,7 +52,8 @@ def _dense_reference(x_TD, router, w_gate, w_up, w_down, top_k: int, renormalize
 @pytest.mark.parametrize("renormalize,chunks", [(True, 1), (False, 2)])
 def test_a_skewed_router_computes_every_token_as_the_dense_reference(renormalize, chunks):
     d, experts, width, top_k, seq = 16, 4, 24, 2, 32
-    options = MoeOptions(num_experts=experts, top_k=top_k, mlp_dim=width, renormalize=renormalize)
+    options = MoeOptions(num_experts=experts, top_k=top_k, mlp_dim=width, renormalize=renormalize,
+                         router_z_loss_weight=0.1)
     cfg = ModelConfig(emb_dim=d, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=width, num_layers=1,
                       vocab_size=8, dtype="float32", options=options, mlp_sequence_chunks=chunks)
     block = MoeBlock(cfg, nnx.Rngs(0))
@@ -62,13 +65,19 @@ def test_a_skewed_router_computes_every_token_as_the_dense_reference(renormalize
     top = np.argsort(-(x.reshape(-1, d) @ router), axis=-1)[:, :top_k]
     assert (top[:, 0] == 0).mean() > 0.9  # skewed: an expert with capacity for its share would drop most of them
 
-    y, sums = jax.jit(lambda m, x: m(x, jnp.ones(x.shape[:2], jnp.int32)))(block, jnp.asarray(x))
+    segment_ids = np.ones((2, seq), np.int32)
+    segment_ids[1, -4:] = 0  # padding: computed, but neither counted nor in the z-loss
+    y, sums = jax.jit(lambda m, x, seg: m(x, seg))(block, jnp.asarray(x), jnp.asarray(segment_ids))
     weights = [np.asarray(w[...], np.float64) for w in (block.w_gate, block.w_up, block.w_down)]
     expected = _dense_reference(x.reshape(-1, d).astype(np.float64), router.astype(np.float64), *weights, top_k,
                                 renormalize)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, d), expected, rtol=1e-4, atol=1e-5)
-    assert float(sums["moe_load"].sum()) == 2 * seq * top_k  # every (token, slot) assignment counted
-    assert float(sums["moe_load"][0]) == (top == 0).sum()
+    real = segment_ids.reshape(-1) != 0
+    assert float(sums["moe_load"].sum()) == real.sum() * top_k  # every real (token, slot) assignment counted
+    assert float(sums["moe_load"][0]) == (top[real] == 0).sum()
+    logits_ = x.reshape(-1, d)[real].astype(np.float64) @ router
+    log_z = logits_.max(-1) + np.log(np.exp(logits_ - logits_.max(-1, keepdims=True)).sum(-1))
+    assert float(sums["moe_z"]) == pytest.approx((log_z**2).sum(), rel=1e-5)  # ST-MoE's z-loss, summed
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +99,27 @@ def _loss_and_grads(checkpoint: Path, cp: int, *overrides: str):
     batch = {k: jax.device_put(v, batch_sharding(made.mesh)) for k, v in batch.items()}
     grad = jax.jit(jax.value_and_grad(lambda p, b: loss_terms(made.graphdef, p, b), has_aux=True))
     (total, (weight, terms)), grads = grad(state["params"], batch)
-    return float(total / weight), {k: float(v / weight) for k, v in terms.items()}, grads
+    return float(total / weight), {k: np.asarray(v / weight) for k, v in terms.items()}, grads
 
 
-def test_the_load_balancing_loss_is_transformers_and_the_same_at_every_context_degree(mixtral):
-    loss_1, terms_1, grads_1 = _loss_and_grads(mixtral, 1)
+def test_the_aux_losses_are_transformers_and_the_same_at_every_context_degree(mixtral):
+    """The load-balancing loss with the fixture's router_aux_loss_coef (0.001, carried by from_hf) and the router
+    z-loss at ST-MoE's weight (0.001: 13% of the router's gradient here): terms, loss and every gradient the same
+    at C = 1 and C = 4."""
+    z = "router_z_loss_weight=0.001"
+    loss_1, terms_1, grads_1 = _loss_and_grads(mixtral, 1, z)
     aux = np.load(FIXTURES / "mixtral" / "aux_loss.npy")
     np.testing.assert_allclose(terms_1["load_balance_loss"], aux, rtol=1e-5)
-    # the loss is the cross-entropy plus load_balance_loss_weight (0.01) x the term, as transformers adds it
+    # the cross-entropy plus router_aux_loss_coef x the term, as transformers adds it, and 0.001 x the z-loss
+    coef = json.loads((FIXTURES / "mixtral" / "config.json").read_text())["router_aux_loss_coef"]
     cross_entropy = np.load(FIXTURES / "mixtral" / "token_losses.npy").mean()
-    assert loss_1 == pytest.approx(cross_entropy + 0.01 * aux, rel=1e-5)
-    loss_4, terms_4, grads_4 = _loss_and_grads(mixtral, 4, "context_parallel_strategy=p2p")
+    assert terms_1["router_z_loss"] > 0
+    assert loss_1 == pytest.approx(cross_entropy + coef * aux + 0.001 * terms_1["router_z_loss"], rel=1e-5)
+    loss_4, terms_4, grads_4 = _loss_and_grads(mixtral, 4, z, "context_parallel_strategy=p2p")
     assert loss_4 == pytest.approx(loss_1, rel=1e-5)
-    assert terms_4["load_balance_loss"] == pytest.approx(terms_1["load_balance_loss"], rel=1e-5)
+    for term in ("load_balance_loss", "router_z_loss"):
+        assert terms_4[term] == pytest.approx(terms_1[term], rel=1e-5), term
+    np.testing.assert_allclose(terms_4["moe_expert_load"], terms_1["moe_expert_load"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads_4)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
@@ -137,6 +154,13 @@ def test_expert_weights_shard_over_fsdp_and_context_and_the_planner_prices_the_e
     assert planner.plan(qwen).choice.valid
 
 
+@pytest.mark.parametrize("key", ["load_balance_loss_weight", "router_z_loss_weight"])
+def test_a_negative_aux_loss_weight_is_refused(key):
+    with pytest.raises(ConfigError, match=f"{key}=-0.1 must be >= 0"):
+        load_config(["configs/base.yml", "decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2",
+                     f"{key}=-0.1"])
+
+
 @pytest.mark.parametrize("change,match", [({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
                                           ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
                                           ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1")])
@@ -145,3 +169,48 @@ def test_layouts_the_released_models_lack_are_refused_in_one_line(change, match)
     assert hf_layout.model_keys(hf, "config.json")["num_experts"] == 4
     with pytest.raises(ConfigError, match=match):
         hf_layout.model_keys({**hf, **change}, "config.json")
+
+
+def test_router_aux_loss_coef_is_the_load_balancing_weight_in_and_out(tmp_path):
+    import shutil
+
+    import yaml
+
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "qwen3_moe", hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "router_aux_loss_coef": 0.02}))
+    import_hf(str(hf), str(tmp_path / "ckpt"), [], say=quiet)
+    assert yaml.safe_load((tmp_path / "ckpt" / "model.yml").read_text())["load_balance_loss_weight"] == 0.02
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "same"), "fp32", say=quiet)
+    assert json.loads((tmp_path / "same" / "config.json").read_text())["router_aux_loss_coef"] == 0.02
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "trained"), "fp32", ["load_balance_loss_weight=0.005"],
+              say=quiet)
+    assert json.loads((tmp_path / "trained" / "config.json").read_text())["router_aux_loss_coef"] == 0.005
+    with pytest.raises(ConfigError, match="router_aux_loss_coef is -1"):
+        hf_layout.model_keys({**config, "router_aux_loss_coef": -1}, "config.json")
+
+
+def test_a_moe_run_logs_each_experts_load(tmp_path):
+    """train.py (2 micro-batches a step): every train record of metrics.jsonl has the per-expert load [X], shares
+    summing to 1, and the busiest expert's load over the mean; TensorBoard a scalar per expert."""
+    from tests.support.processes import metrics, run, train_command
+    from tests.test_metrics_writers import read_scalars
+
+    experts = 4
+    result = run(train_command(f"base_output_directory={tmp_path}", "run_name=moe", "cpu_devices=1", "steps=2",
+                               "log_period=1", "decoder_block=mixtral", f"num_experts={experts}",
+                               "num_experts_per_tok=2", "norm_topk_prob=true", "base_emb_dim=32", "base_mlp_dim=32",
+                               "head_dim=16", "max_target_length=32", "per_device_batch_size=4",
+                               "gradient_accumulation_steps=2", "router_z_loss_weight=0.001", "dtype=float32",
+                               "attention=dot_product", "enable_checkpointing=false", "peak_tflops_per_device=1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [r for r in metrics(tmp_path / "moe") if r.get("event") == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        load = record["moe_expert_load"]
+        assert len(load) == experts and sum(load) == pytest.approx(1.0, abs=1e-5)
+        assert record["moe_max_load_ratio"] >= 1.0 and record["router_z_loss"] > 0
+    scalars = read_scalars(str(tmp_path / "moe" / "tensorboard"))
+    assert [value for _, value in scalars["moe/expert_load/3"]] == pytest.approx([r["moe_expert_load"][3]
+                                                                                  for r in train])

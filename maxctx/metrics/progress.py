@@ -24,12 +24,14 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
 class StepMetrics:
-    """One step's metrics on the host. finished: when the step was seen finished (time.perf_counter); seconds:
-    since the previous step was seen finished (None for the first, or after reset_clock)."""
+    """One step's metrics on the host (floats, and lists of floats for vectors). finished: when the step was seen
+    finished (time.perf_counter); seconds: since the previous step was seen finished (None for the first, or after
+    reset_clock)."""
 
     step: int
     metrics: dict[str, float]
@@ -68,7 +70,8 @@ class PendingMetrics:
             return None
         step, metrics, finished = self._pending
         self._pending = None
-        host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        # A vector (an MoE step's per-expert load) stays a list: metrics.jsonl writes it as one.
+        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
         finished = time.perf_counter() if finished is None else finished
         seconds = None if self._last_finish is None else finished - self._last_finish
         self._last_finish = finished

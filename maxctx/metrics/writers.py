@@ -2,7 +2,9 @@
 
 Record kinds in metrics.jsonl, told apart by the "event" field:
     {"event": "compile", ...}          once, before step 0: the compiled step's memory analysis and FLOPs
-    {"event": "train", "step": n, ...} every log_period steps: the keys of TAGS below, as plain names
+    {"event": "train", "step": n, ...} every log_period steps: the keys of TAGS below, as plain names; a vector
+                                       (moe_expert_load: each expert's share) is a list, one TensorBoard
+                                       scalar per entry (moe/expert_load/3)
     {"event": "eval", "step": n, ...}  after each evaluation; loss_by_position ({"1-2": loss, ...}) and
                                        passkey_accuracy ({"<length>/<depth>": accuracy, ...}) are objects
 
@@ -47,6 +49,8 @@ TAGS = {
     "mfu": "perf/mfu",
     "memory_in_use_gib": "perf/memory_in_use_gib",
     "peak_memory_in_use_gib": "perf/peak_memory_in_use_gib",
+    "moe_expert_load": "moe/expert_load",
+    "moe_max_load_ratio": "moe/max_load_ratio",
 }
 EVAL_TAGS = {"loss": "eval/avg_loss", "tokens": "eval/total_weights"}  # others: 'eval/<key>'
 
@@ -78,7 +82,9 @@ def compile_record(compiled: Any, *, analytic_flops_per_device: float | None = N
 
 
 def _jsonable(value: Any) -> Any:
-    """Python scalars for JSON; NaN and Inf become strings, since JSON has no spelling for them."""
+    """Python scalars (lists of them) for JSON; NaN and Inf become strings, since JSON has no spelling for them."""
+    if isinstance(value, list):
+        return [_jsonable(x) for x in value]
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -133,6 +139,9 @@ class MetricsWriter:
             if isinstance(value, dict):  # a tag per entry: eval/loss_by_position/1-2, eval/passkey_accuracy/4096/0.5
                 for name, entry in value.items():
                     self._tb.add_scalar(f"{prefix}/{key}/{name}", float(entry), global_step=step)
+            elif isinstance(value, list):  # a tag per entry: moe/expert_load/3
+                for i, entry in enumerate(value):
+                    self._tb.add_scalar(f"{tags.get(key, f'{prefix}/{key}')}/{i}", float(entry), global_step=step)
             elif isinstance(value, (int, float)) or hasattr(value, "item"):
                 self._tb.add_scalar(tags.get(key, f"{prefix}/{key}"), float(value), global_step=step)
         self._tb.flush()

@@ -38,6 +38,7 @@ class MoeOptions(qwen.AttentionOptions):
     mlp_dim: int = 1
     renormalize: bool = False
     load_balance_loss_weight: float = 0.0
+    router_z_loss_weight: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,10 @@ def check(config: Config) -> None:
     if config.base_moe_mlp_dim < 0:
         raise ConfigError(f"base_moe_mlp_dim={config.base_moe_mlp_dim} is negative; give the experts' width, or 0 "
                           f"for base_mlp_dim")
+    for key in ("load_balance_loss_weight", "router_z_loss_weight"):
+        if not getattr(config, key) >= 0:  # NaN too
+            raise ConfigError(f"{key}={getattr(config, key)} must be >= 0 (0: off); a negative weight rewards the "
+                              f"imbalance the term measures")
     if config.decoder_block == "mixtral" and not config.norm_topk_prob:
         raise ConfigError("norm_topk_prob=false: Mixtral always renormalises its top-k router weights; set "
                           "norm_topk_prob=true, or use decoder_block=qwen3_moe for a router without it")
@@ -125,7 +130,8 @@ def check(config: Config) -> None:
 def options(config: Config) -> MoeOptions:
     return MoeOptions(bias=config.attention_bias, qk_norm=config.use_qk_norm, num_experts=config.num_experts,
                       top_k=config.num_experts_per_tok, mlp_dim=expert_width(config),
-                      renormalize=config.norm_topk_prob, load_balance_loss_weight=config.load_balance_loss_weight)
+                      renormalize=config.norm_topk_prob, load_balance_loss_weight=config.load_balance_loss_weight,
+                      router_z_loss_weight=config.router_z_loss_weight)
 
 
 def _stacks(kind: str):

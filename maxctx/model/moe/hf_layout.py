@@ -11,7 +11,8 @@ Legend: D model width, X experts, M an expert's width; j the expert.
     block_sparse_moe.experts.{j}.w2   [D, M]         mlp.experts.{j}.down_proj      [D, M]   moe/w_down [X, M, D]
 
 Mixtral's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size (its intermediate_size is the
-dense MLP's, which no released Qwen3-MoE layer has: decoder_sparse_step 1, no mlp_only_layers).
+dense MLP's, which no released Qwen3-MoE layer has: decoder_sparse_step 1, no mlp_only_layers). config.json's
+router_aux_loss_coef is maxctx's load_balance_loss_weight (the same term: transformers' load_balancing_loss_func).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_
 DECODER_BLOCKS = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
 # architecture -> config.json's name of the expert count
 EXPERTS_KEY = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}
+AUX_LOSS_COEF = 0.001  # transformers' MixtralConfig and Qwen3MoeConfig default for a missing router_aux_loss_coef
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +103,21 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
              "num_experts_per_tok": llama._positive(hf.get("num_experts_per_tok"), "num_experts_per_tok", where,
                                                     integer=True)}
     dense = {**hf, "architectures": ["LlamaForCausalLM"], "attention_bias": None, "sliding_window": None}
-    keys = llama.model_keys(dense, where)
+    keys = {**llama.model_keys(dense, where), "load_balance_loss_weight": _aux_loss_coef(hf, where)}
     if arch == "mixtral":
         return {**keys, **sizes, "base_moe_mlp_dim": keys["base_mlp_dim"], "norm_topk_prob": True,
                 "use_qk_norm": False, "attention_bias": False}
     width = llama._positive(hf.get("moe_intermediate_size"), "moe_intermediate_size", where, integer=True)
     return {**keys, **sizes, "base_moe_mlp_dim": width, "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
             "use_qk_norm": True, "attention_bias": False}
+
+
+def _aux_loss_coef(hf: dict, where: str) -> float:
+    coef = hf.get("router_aux_loss_coef", AUX_LOSS_COEF)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
+        raise ConfigError(f"{where}: router_aux_loss_coef is {coef!r}, not a number >= 0; write the load-balancing "
+                          f"loss's weight (transformers' default: {AUX_LOSS_COEF}), or download config.json again")
+    return float(coef)
 
 
 def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +137,8 @@ def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]
     for key in ("mlp_bias", "attention_bias", EXPERTS_KEY["mixtral"], EXPERTS_KEY["qwen3_moe"]):
         config.pop(key, None)
     width = keys["base_moe_mlp_dim"] or keys["base_mlp_dim"]
-    config.update(architectures=[name], model_type=arch, num_experts_per_tok=keys["num_experts_per_tok"])
+    config.update(architectures=[name], model_type=arch, num_experts_per_tok=keys["num_experts_per_tok"],
+                  router_aux_loss_coef=keys["load_balance_loss_weight"])
     config[EXPERTS_KEY[arch]] = keys["num_experts"]
     if arch == "mixtral":
         return {**config, "intermediate_size": width, "sliding_window": None}

@@ -23,7 +23,9 @@ did not compile. A grouped-matmul kernel chosen by key (megablox / tokamax on TP
 Load balancing (Switch Transformer eq. 4-6, transformers' load_balancing_loss_func): with f_x the share of the
 (token, slot) assignments to expert x and P_x its mean router probability, both over every MoE layer's tokens
 (padding, segment id 0, left out), the term is X sum_x f_x P_x (k when balanced); `aux_terms` forms it from the
-layers' summed counts.
+layers' summed counts. The router z-loss (ST-MoE eq. 5, router_z_loss_weight > 0) is the mean of
+logsumexp(router logits)^2 over the same tokens and layers. Logged beside them, not in the loss: each expert's
+share f_x (`moe_expert_load`, summing to 1) and the busiest expert's load over the mean (1 when balanced).
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
 
 
+def router_logits(x_TD, router_DX, dtype):
+    """The router's logits [..., X] fp32 for tokens x[..., D]."""
+    return jnp.einsum("...D,DX->...X", x_TD, router_DX.astype(dtype), preferred_element_type=jnp.float32)
+
+
 def route(x_TD, router_DX, top_k: int, renormalize: bool, dtype):
     """(p[..., X] fp32, the top-k weights [..., k] fp32, their experts [..., k] int32) for tokens x[..., D]."""
-    logits = jnp.einsum("...D,DX->...X", x_TD, router_DX.astype(dtype), preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jax.nn.softmax(router_logits(x_TD, router_DX, dtype), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -66,24 +72,35 @@ def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down):
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(ys.dtype), preferred_element_type=jnp.float32)
 
 
-def load_sums(x_BSD, segment_ids_BS, router_DX, top_k: int, dtype) -> dict:
+def load_sums(x_BSD, segment_ids_BS, router_DX, top_k: int, dtype, z_loss: bool = False) -> dict:
     """The load-balancing counts of one layer over every token given (segment id 0, padding, left out):
-    moe_load[X] (assignments), moe_prob[X] (router probabilities), moe_tokens (tokens)."""
-    probs, _, experts = route(x_BSD, router_DX, top_k, False, dtype)
+    moe_load[X] (assignments), moe_prob[X] (router probabilities), moe_tokens (tokens); with `z_loss`, moe_z
+    (the sum of logsumexp(logits)^2). A layer with another router (DeepSeek's) calls this for the same counts."""
+    logits = router_logits(x_BSD, router_DX, dtype)
+    probs = jax.nn.softmax(logits, axis=-1)
+    experts = jax.lax.top_k(probs, top_k)[1]
     mask = (segment_ids_BS != 0).astype(jnp.float32)
     assigned = jnp.sum(jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32), axis=-2)
-    return {"moe_load": jnp.einsum("BSX,BS->X", assigned, mask), "moe_prob": jnp.einsum("BSX,BS->X", probs, mask),
+    sums = {"moe_load": jnp.einsum("BSX,BS->X", assigned, mask), "moe_prob": jnp.einsum("BSX,BS->X", probs, mask),
             "moe_tokens": jnp.sum(mask)}
+    if z_loss:
+        sums["moe_z"] = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask)
+    return sums
 
 
 def aux_terms(sums: dict, cfg: ModelConfig) -> dict:
-    """{name: (weight, value)}: the load-balancing loss (weight load_balance_loss_weight) and the busiest expert's
-    load over the mean (logged only), over every MoE layer's tokens."""
+    """{name: (weight, value)} over every MoE layer's tokens: the load-balancing loss (weight
+    load_balance_loss_weight), the router z-loss where its sums are there (router_z_loss_weight), and, logged only,
+    each expert's share of the assignments [X] and the busiest expert's load over the mean."""
     rows = jnp.maximum(sums["moe_tokens"], 1.0)
     load, prob = sums["moe_load"], sums["moe_prob"]
     balance = cfg.options.num_experts * jnp.sum(load / rows * (prob / rows))
     peak = jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
-    return {"load_balance_loss": (cfg.options.load_balance_loss_weight, balance), "moe_max_load_ratio": (0.0, peak)}
+    terms = {"load_balance_loss": (cfg.options.load_balance_loss_weight, balance), "moe_max_load_ratio": (0.0, peak),
+             "moe_expert_load": (0.0, load / jnp.maximum(jnp.sum(load), 1e-9))}
+    if "moe_z" in sums:  # each layer saw every token, so this is the mean over tokens and layers
+        terms["router_z_loss"] = (cfg.options.router_z_loss_weight, sums["moe_z"] / rows)
+    return terms
 
 
 class MoeBlock(nnx.Module):
@@ -103,8 +120,9 @@ class MoeBlock(nnx.Module):
         y = map_chunks(lambda x: self._experts(x, router, *weights), cfg.mlp_sequence_chunks, self.mesh, x_BSD)
         # The router once more over the global arrays for the counts: 2 D X FLOPs a token, against the experts'
         # 6 k D M, so that the counts are plain reductions over the batch rather than per-device partial sums.
-        sums = sum_chunks(lambda x, seg: load_sums(x, seg, router, opts.top_k, cfg.dtype), cfg.mlp_sequence_chunks,
-                          self.mesh, x_BSD, segment_ids_BS)
+        z_loss = opts.router_z_loss_weight > 0
+        sums = sum_chunks(lambda x, seg: load_sums(x, seg, router, opts.top_k, cfg.dtype, z_loss),
+                          cfg.mlp_sequence_chunks, self.mesh, x_BSD, segment_ids_BS)
         return checkpoint_name(y, "mlpwo"), sums
 
     def _experts(self, x_BSD, router, w_gate, w_up, w_down):
