@@ -75,14 +75,14 @@ def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down):
 def load_sums(x_BSD, segment_ids_BS, router_DX, top_k: int, dtype, z_loss: bool = False) -> dict:
     """The load-balancing counts of one layer over every token given (segment id 0, padding, left out):
     moe_load[X] (assignments), moe_prob[X] (router probabilities), moe_tokens (tokens); with `z_loss`, moe_z
-    (the sum of logsumexp(logits)^2). A layer with another router (DeepSeek's) calls this for the same counts."""
+    (the sum of logsumexp(logits)^2). Every MoeBlock runs it, DeepSeek's (maxctx.model.deepseek.layers) too."""
     logits = router_logits(x_BSD, router_DX, dtype)
     probs = jax.nn.softmax(logits, axis=-1)
     experts = jax.lax.top_k(probs, top_k)[1]
     mask = (segment_ids_BS != 0).astype(jnp.float32)
     assigned = jnp.sum(jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32), axis=-2)
-    sums = {"moe_load": jnp.einsum("BSX,BS->X", assigned, mask), "moe_prob": jnp.einsum("BSX,BS->X", probs, mask),
-            "moe_tokens": jnp.sum(mask)}
+    sums = {"moe_load": jnp.einsum("BSX,BS->X", assigned, mask),
+            "moe_prob": jnp.einsum("BSX,BS->X", probs, mask), "moe_tokens": jnp.sum(mask)}
     if z_loss:
         sums["moe_z"] = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask)
     return sums
