@@ -241,6 +241,11 @@ def test_resume_compares_what_makes_the_data_and_the_numbers(tmp_path):
     (notice,) = resume_notices(saved, load_config([str(BASE_YML), "dtype=bfloat16"]), 10)
     assert notice.startswith("resuming at step 10 with dtype=bfloat16, not float32 as saved") and \
         notice.endswith("resume with dtype=float32"), notice
+    (notice,) = resume_notices(saved, load_config([str(BASE_YML), "dtype=float32", "load_balance_loss_weight=0.001"]),
+                               10)
+    assert notice.endswith("resume with load_balance_loss_weight=0.01"), notice
+    check_resume_record(saved, load_config([str(BASE_YML), f"tokenizer_path={tokenizer}", "dtype=float32",
+                                            "load_balance_loss_weight=0.001", "router_z_loss_weight=0.001"]), 8, "x")
     old = {k: v for k, v in saved.items() if k not in ("tokenizer_sha256", "enable_data_shuffling", "weight_dtype",
                                                          "dtype")}
     check_resume_record(old, load_config([str(BASE_YML), f"tokenizer_path={tokenizer}", "weight_dtype=bfloat16",

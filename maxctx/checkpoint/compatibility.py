@@ -38,7 +38,9 @@ RESUME_KEYS = ("dataset_type", "dataset_name", "dataset_split", "tfds_data_dir",
                "tokenizer_path", "tokenizer_type", "add_bos", "add_eos", "packing", "data_shuffle_seed",
                "enable_data_shuffling", "max_target_length", "grain_worker_count")
 STATE_KEYS = ("weight_dtype",)  # the dtype the saved state is in
-NOTICE_KEYS = ("schedule_steps", "grain_train_files", "dtype", "global_batch")  # a change is reported, not refused
+# A change is reported, not refused; the auxiliary loss weights (MoE) are stored with the model keys.
+LOSS_WEIGHT_KEYS = ("load_balance_loss_weight", "router_z_loss_weight")
+NOTICE_KEYS = ("schedule_steps", "grain_train_files", "dtype", "global_batch", *LOSS_WEIGHT_KEYS)
 # What the Hugging Face reader reads in a tokenizer's folder (maxctx.data.tokenizer_types).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -124,6 +126,12 @@ def resume_notices(saved: dict[str, Any] | None, config: Config, step: int,
         notices.append(f"resuming at step {step} with dtype={config.dtype}, not {was} as saved: the step computes in "
                        f"{config.dtype} (the saved state is as it was), so the losses from step {step} on differ "
                        f"from what the old run's would have been; to keep them, resume with dtype={was}")
+    for key in LOSS_WEIGHT_KEYS:
+        was = saved.get(key)
+        if was is not None and was != getattr(config, key):
+            notices.append(f"resuming at step {step} with {key}={getattr(config, key)}, not {was} as saved: the "
+                           f"loss from step {step} on weighs that auxiliary term differently; to keep it, resume "
+                           f"with {key}={was}")
     return notices
 
 
