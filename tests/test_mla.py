@@ -191,3 +191,136 @@ def test_weight_decay_takes_the_latent_matrices_not_the_norms_or_the_router_bias
         assert all(attn[w] for w in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo"))
         assert not attn["kv_norm"]["scale"] and not attn["q_norm"]["scale"]
     assert not mask["layers_1"]["moe"]["bias"]
+
+
+def _copy_fixture(directory, name: str, config_edit, tensors_edit) -> None:
+    """The fixture `name` written to `directory` with its config.json and tensors edited."""
+    import json
+
+    from maxctx.convert import safetensors
+    from tests.support.hf import tensors as read_tensors
+
+    directory.mkdir()
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    config_edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    values = read_tensors(FIXTURES / name)
+    tensors_edit(values)
+    safetensors.write(str(directory / "model.safetensors"), [(n, v.dtype, v.shape) for n, v in values.items()],
+                      iter(values.values()))
+
+
+def _quantize(w, block):
+    """(float8 weight, float32 scale per block, the weight they give) as DeepSeek's releases store it: each block's
+    largest magnitude at float8_e4m3fn's largest finite value, 448. The weight given is within half a float8 step
+    of w: 2^-4 |w|, or 2^-10 of the block's scale where w / scale is subnormal."""
+    import ml_dtypes
+
+    rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+    padded = np.zeros((rows * block[0], cols * block[1]), np.float32)
+    padded[:w.shape[0], :w.shape[1]] = w
+    amax = np.abs(padded.reshape(rows, block[0], cols, block[1])).max(axis=(1, 3))
+    scale = (np.maximum(amax, 1e-12) / 448.0).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
+    quantized = (w / full).astype(ml_dtypes.float8_e4m3fn)
+    given = quantized.astype(np.float32) * full
+    assert (np.abs(given - w) <= np.maximum(2.0**-4 * np.abs(w), 2.0**-10 * full) * (1 + 1e-6)).all()
+    return quantized, scale, given
+
+
+FP8_BLOCK = [8, 16]  # not the released [128, 128] (the fixture's dims are smaller), and not square
+
+
+def test_fp8_block_quantised_checkpoint_is_dequantised_on_import(imported, tmp_path):
+    from maxctx.convert.from_hf import import_hf
+    from maxctx.convert.to_hf import export_hf
+    from tests.support.hf import tensors as read_tensors
+
+    reference = {}
+
+    def quantize(values):
+        for name in [n for n in values if n.endswith("_proj.weight") or n.endswith("_proj_with_mqa.weight")]:
+            values[name], values[name + "_scale_inv"], reference[name] = _quantize(values[name], FP8_BLOCK)
+
+    hf = tmp_path / "fp8"
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": FP8_BLOCK}
+    _copy_fixture(hf, "deepseek3", lambda c: c.update(quantization_config=quantization), quantize)
+    assert len(reference) == 3 * 5 + 3 + 2 * (8 * 3 + 3)  # attention x 3 layers, the dense MLP, experts and shared
+    import_hf(str(hf), str(tmp_path / "mx"), [], say=lambda *a, **k: None)
+    export_hf(str(tmp_path / "mx" / "0"), str(tmp_path / "back"), "fp32", say=lambda *a, **k: None)
+    back = read_tensors(tmp_path / "back")
+    for name, want in reference.items():  # bit for bit the float8 values times their blocks' scales
+        np.testing.assert_array_equal(back[name], want, err_msg=name)
+    assert not any(n.endswith("_scale_inv") for n in back)
+    import json
+
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+    # Each weight within half a float8 step of the fixture's (_quantize) moves a token's logits by about 2^-4 of
+    # the weights' share (1e-2 to 3e-2 of the fixture logits' range, measured); a token whose experts change with
+    # them (top-k is not continuous) moves further, up to 0.15: the median token within 3e-2, every one within 0.25.
+    _, tokens, expected = imported("deepseek3")
+    per_token = np.abs(logits(tmp_path / "mx", tokens) - expected).max(-1) / (expected.max() - expected.min())
+    assert 1e-3 < np.median(per_token) < 3e-2 and per_token.max() < 0.25, (np.median(per_token), per_token.max())
+
+
+def _one_line_refusal(capsys, hf, out, *flags: str) -> str:
+    from maxctx.convert.cli import main
+
+    assert main(["from_hf", "--hf_path", str(hf), "--output_path", str(out), *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _drop_scale(values):
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    values[name] = _quantize(values[name], FP8_BLOCK)[0]
+
+
+@pytest.mark.parametrize("quantization,edit,names", [
+    ({"quant_method": "fp8", "weight_block_size": FP8_BLOCK}, _drop_scale, ("experts.3.up_proj.weight'",
+                                                                           "_scale_inv' is missing", "[8, 16]")),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, lambda v: None, ("quant_method='bitsandbytes'",
+                                                                             "FP8 block-quantised")),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, lambda v: None, ("weight_block_size=[128]",))])
+def test_fp8_without_its_scales_or_another_quantization_is_refused(tmp_path, capsys, quantization, edit, names):
+    _copy_fixture(tmp_path / "hf", "deepseek3", lambda c: c.update(quantization_config=quantization), edit)
+    line = _one_line_refusal(capsys, tmp_path / "hf", tmp_path / "out")
+    assert all(n in line for n in names), line
+
+
+def _with_mtp(config):
+    config["num_nextn_predict_layers"] = 1
+
+
+def _mtp_tensors(values):
+    """A made-up multi-token prediction layer after the fixture's 3: its own tensors and a copy of layer 2's."""
+    rng = np.random.default_rng(0)
+    for name in ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "shared_head.head.weight"):
+        values[f"model.layers.3.{name}"] = rng.normal(size=(4, 4)).astype(np.float32)
+    for name in [n for n in values if n.startswith("model.layers.2.")]:
+        values[name.replace("model.layers.2.", "model.layers.3.")] = values[name]
+
+
+def test_multi_token_prediction_layers_are_refused_or_skipped_by_the_flag(tmp_path, capsys):
+    import json
+
+    from maxctx.convert.from_hf import import_hf
+    from maxctx.convert.to_hf import export_hf
+    from tests.support.hf import tensors as read_tensors
+
+    hf = tmp_path / "mtp"
+    _copy_fixture(hf, "deepseek3", _with_mtp, _mtp_tensors)
+    line = _one_line_refusal(capsys, hf, tmp_path / "refused")
+    assert "num_nextn_predict_layers=1" in line and "--skip_mtp_layers" in line, line
+    said = []
+    import_hf(str(hf), str(tmp_path / "mx"), [], say=lambda *a, **k: said.append(a[0]), skip_mtp_layers=True)
+    mtp = sum(n.startswith("model.layers.3.") for n in read_tensors(hf))
+    assert f"skipped {mtp} tensors of multi-token prediction layers (model.layers.3.*)" in said
+    export_hf(str(tmp_path / "mx" / "0"), str(tmp_path / "back"), "fp32", say=lambda *a, **k: None)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    back, fixture = read_tensors(tmp_path / "back"), read_tensors(FIXTURES / "deepseek3")
+    assert back.keys() == fixture.keys()
+    assert all(np.array_equal(back[n], fixture[n]) for n in fixture)

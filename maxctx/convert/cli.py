@@ -1,6 +1,6 @@
 """The converter's command line:
 
-    python -m maxctx.convert from_hf --hf_path DIR --output_path DIR [model_name=... key=value ...]
+    python -m maxctx.convert from_hf --hf_path DIR --output_path DIR [--skip_mtp_layers] [model_name=... key=value ...]
     python -m maxctx.convert to_hf --checkpoint_path DIR --output_path DIR [--dtype bf16|fp32] [key=value ...]
 
 Relative paths are taken from the working directory. Exit status: 0 converted, 2 a bad input (one line naming the
@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="config.json and *.safetensors (with their index)")
     importer.add_argument("--output_path", required=True, type=_path,
                           help="new directory: the checkpoint (load_parameters_path=DIR) and DIR/model.yml")
+    importer.add_argument("--skip_mtp_layers", action="store_true",
+                          help="convert a DeepSeek-V3 checkpoint's main model without its multi-token prediction "
+                               "layers (num_nextn_predict_layers), which maxctx does not train")
     exporter = commands.add_parser("to_hf", help="maxctx checkpoint -> Hugging Face directory")
     exporter.add_argument("--checkpoint_path", required=True, type=_path,
                           help="a step directory (<run>/checkpoints/<step>) or a checkpoints directory (latest step)")
@@ -87,7 +90,7 @@ def main(argv: list[str]) -> int:
         if args.command == "from_hf":
             from maxctx.convert.from_hf import import_hf
 
-            import_hf(args.hf_path, args.output_path, overrides)
+            import_hf(args.hf_path, args.output_path, overrides, skip_mtp_layers=args.skip_mtp_layers)
         else:
             from maxctx.convert.to_hf import export_hf
 

@@ -41,6 +41,7 @@ NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfl
              "float16": np.dtype(np.float16)}
 # Buffers some exports carry that are no parameters (recomputed from the config).
 IGNORED = (".rotary_emb.inv_freq",)
+SCALE = "_scale_inv"  # a block-quantised weight's scales, beside it (DeepSeek-V3's FP8 releases)
 
 
 def read_hf_config(hf_path: str) -> dict[str, Any]:
@@ -85,12 +86,38 @@ def _key_to_change(t: Tensor, hf_keys: dict, keys: dict) -> str:
             "check model_name and the shape keys " + ", ".join(sorted(set(DIM_KEYS.values()))))
 
 
-def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list[safetensors.TensorInfo]]]:
-    """Each parameter with its HF tensors (one per layer), all checked: present, of the expected shape, of a
-    dtype weight_dtype holds exactly; and no HF tensor left over."""
+def _stored(info: safetensors.TensorInfo, files: dict, block: tuple[int, int] | None, used: set,
+            weight_dtype: str) -> safetensors.TensorInfo:
+    """`info`, or where it is a float8 weight of a block-quantised release (`block`), it with its scale tensor
+    (marked used); refused where weight_dtype cannot take its dtype."""
+    if block is not None and info.dtype == "F8_E4M3":
+        scale = files.get(info.name + SCALE)
+        want = tuple(-(-n // b) for n, b in zip(info.shape, block))
+        if scale is None or len(info.shape) != 2 or scale.shape != want or scale.dtype not in EXACT["float32"]:
+            found = "is missing" if scale is None else f"is {scale.dtype}{list(scale.shape)}"
+            raise ConfigError(f"{info.path}: tensor '{info.name}' is F8_E4M3 [O, I] but its '{info.name}{SCALE}' "
+                              f"{found}; maxctx dequantises float8 weights with a float32 scale per block of "
+                              f"quantization_config's weight_block_size {list(block)} ({list(want)} here): "
+                              f"download the file again or give the bf16 release")
+        used.add(scale.name)
+        return safetensors.BlockScaled(info, scale, block)
+    if info.dtype not in EXACT[weight_dtype]:
+        fix = ("it is quantized or not a float the model uses: give the bf16 or fp32 release" if
+               info.dtype not in EXACT["float32"] else "convert with weight_dtype=float32")
+        raise ConfigError(f"{info.path}: tensor '{info.name}' is {info.dtype}, which weight_dtype="
+                          f"{weight_dtype} cannot hold exactly; {fix}")
+    return info
+
+
+def plan(hf_path: str, hf_keys: dict, config: Config, block: tuple[int, int] | None = None,
+         skip: tuple[str, ...] = ()) -> tuple[list[tuple[Tensor, list[safetensors.TensorInfo]]], int]:
+    """(each parameter with its HF tensors (one per layer), the count of tensors skipped), all checked: present,
+    of the expected shape, of a dtype weight_dtype holds exactly (or float8 with its scales, a release quantized
+    in `block`s); no HF tensor left over but those whose names start with a `skip` prefix."""
     keys = {k: getattr(config, k) for k in MODEL_KEYS}
     files = safetensors.model_tensors(hf_path)
-    used, result = set(), []
+    used, result = {n for n in files if n.startswith(skip)} if skip else set(), []
+    skipped = len(used)
     for t in families.get(keys["decoder_block"]).hf_layout.tensors(keys):
         infos = []
         parts = range(t.parts(keys)) if t.parts(keys) > 1 else [None]
@@ -111,13 +138,8 @@ def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list
             if info.shape != t.hf_shape(keys):
                 raise ConfigError(f"{info.path}: tensor '{name}' has shape {list(info.shape)} but this config gives "
                                   f"{list(t.hf_shape(keys))}; {_key_to_change(t, hf_keys, keys)}")
-            if info.dtype not in EXACT[config.weight_dtype]:
-                fix = ("it is quantized or not a float the model uses: give the bf16 or fp32 release" if
-                       info.dtype not in EXACT["float32"] else "convert with weight_dtype=float32")
-                raise ConfigError(f"{info.path}: tensor '{name}' is {info.dtype}, which weight_dtype="
-                                  f"{config.weight_dtype} cannot hold exactly; {fix}")
             used.add(name)
-            infos.append(info)
+            infos.append(_stored(info, files, block, used, config.weight_dtype))
         result.append((t, infos))
     if keys["logits_via_embedding"] and not hf_keys["logits_via_embedding"]:
         raise ConfigError(f"{hf_path}: the checkpoint has its own lm_head.weight but logits_via_embedding=true "
@@ -129,7 +151,7 @@ def plan(hf_path: str, hf_keys: dict, config: Config) -> list[tuple[Tensor, list
                           f"(base_num_decoder_layers={keys['base_num_decoder_layers']}, config.json's "
                           f"num_hidden_layers={hf_keys['base_num_decoder_layers']}); set the keys as config.json "
                           f"has them")
-    return result
+    return result, skipped
 
 
 def _deferred(t: Tensor, infos: list[safetensors.TensorInfo], keys: dict, dtype: np.dtype, progress) -> Deferred:
@@ -152,11 +174,17 @@ def _deferred(t: Tensor, infos: list[safetensors.TensorInfo], keys: dict, dtype:
     return Deferred(shape, dtype, make, stacked=t.per_layer)
 
 
-def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -> str:
-    """Converts; returns the step directory written."""
+def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print, skip_mtp_layers: bool = False) -> str:
+    """Converts; returns the step directory written. `skip_mtp_layers`: a checkpoint's multi-token prediction
+    layers (its layout's `without_mtp`: DeepSeek-V3's) are left out, the rest converted."""
     hf = read_hf_config(hf_path)
     where = os.path.join(hf_path, "config.json")
     layout = families.for_hf(hf, where).hf_layout
+    skip: tuple[str, ...] = ()
+    if skip_mtp_layers and hasattr(layout, "without_mtp"):
+        hf, skip = layout.without_mtp(hf)
+    # Only a layout with `quantization` (DeepSeek's) reads quantized releases; the others refuse their dtypes.
+    block = layout.quantization(hf, where) if hasattr(layout, "quantization") else None
     arch = layout.architecture(hf, where)
     hf_keys = {**layout.model_keys(hf, where), "decoder_block": layout.DECODER_BLOCKS[arch]}
     config = target_config(hf_keys, overrides)
@@ -164,7 +192,10 @@ def import_hf(hf_path: str, output_path: str, overrides: list[str], say=print) -
     for key, value in hf_keys.items():
         if key not in DIM_KEYS.values() and keys[key] != value:
             say(f"note: config.json has {key}={value}, the converted model keeps {key}={keys[key]}")
-    params = plan(hf_path, hf_keys, config)
+    params, skipped = plan(hf_path, hf_keys, config, block, skip)
+    if skip_mtp_layers:
+        where_skipped = ", ".join(p + "*" for p in skip) or "config.json has none"
+        say(f"skipped {skipped} tensors of multi-token prediction layers ({where_skipped})")
     out = epath.Path(os.path.abspath(output_path))  # a local directory: copy it to a bucket afterwards
     if (out / STEP).exists():
         raise ConfigError(f"--output_path {output_path} already holds a checkpoint ({out / STEP}); give a new "

@@ -6,7 +6,8 @@ tensors' bytes, offsets relative to the end of the header. A sharded model adds 
 `{"metadata": {"total_size": bytes}, "weight_map": {"<name>": "<file>"}}`.
 
 Reading is one tensor at a time (`read` fills a fresh array from the file with one `readinto`), so what the
-process holds is the tensor being converted, never the file. Every problem is a ConfigError naming the file.
+process holds is the tensor being converted, never the file. A `BlockScaled` weight (float8 with a scale per block,
+DeepSeek-V3's FP8 releases) is read dequantised. Every problem is a ConfigError naming the file.
 """
 
 from __future__ import annotations
@@ -81,14 +82,36 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     return tensors
 
 
+class BlockScaled(TensorInfo):
+    """A float8 weight [O, I] stored with a scale per b0 x b1 block, `scale` [ceil(O / b0), ceil(I / b1)] (the last
+    block of a dim not a multiple of b partial): its value is float8 x its block's scale, in float32."""
+
+    def __init__(self, info: TensorInfo, scale: TensorInfo, block: tuple[int, int]):
+        super().__init__(info.path, info.name, info.dtype, info.shape, info.begin, info.end)
+        self.scale, self.block = scale, block
+
+
 def read(info: TensorInfo) -> np.ndarray:
-    """The tensor's values (a new array of the file's dtype)."""
+    """The tensor's values (a new array of the file's dtype; a BlockScaled weight's dequantised, float32)."""
+    if isinstance(info, BlockScaled):
+        return _dequantized(info)
     out = np.empty(info.shape, DTYPES[info.dtype])
     with open(info.path, "rb") as f:
         f.seek(info.begin)
         got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
     if got != info.nbytes:
         raise ConfigError(f"{info.path} is truncated at tensor '{info.name}'; download it again")
+    return out
+
+
+def _dequantized(info: BlockScaled) -> np.ndarray:
+    """One block row at a time, so that besides the float8 weight only its float32 result is held."""
+    quantized = read(TensorInfo(info.path, info.name, info.dtype, info.shape, info.begin, info.end))
+    scale = read(info.scale).astype(np.float32)
+    (b0, b1), out = info.block, np.empty(info.shape, np.float32)
+    for r in range(scale.shape[0]):
+        rows = slice(r * b0, (r + 1) * b0)
+        np.multiply(quantized[rows].astype(np.float32), np.repeat(scale[r], b1)[:info.shape[1]], out=out[rows])
     return out
 
 

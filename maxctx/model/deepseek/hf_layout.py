@@ -21,7 +21,9 @@ RoPE: the released checkpoints rotate interleaved pairs (transformers' complex r
 V3, whose de-interleaved output gives the same scores), which the layer does (maxctx.model.deepseek.layers);
 nothing is permuted; V3's rope_interleave false is refused. YaRN as in maxctx.model.llama.hf_layout, with
 rope_scaling's mscale_all_dim as maxctx's `mscale` (the softmax scale's factor). V3's multi-token prediction layers
-(num_nextn_predict_layers) are refused in one line: maxctx neither loads nor trains them yet.
+(num_nextn_predict_layers) are refused in one line: maxctx does not train them; from_hf --skip_mtp_layers converts
+the main model without them (`without_mtp`). FP8 block-quantised releases are dequantised on import
+(`quantization`); the export is the dequantised model, without quantization_config.
 """
 
 from __future__ import annotations
@@ -154,9 +156,10 @@ def _refuse(hf: dict, arch: str, where: str) -> None:
             raise ConfigError(f"{where}: rope_interleave=false is not how the released DeepSeek-V3 models rotate; "
                               f"maxctx converts rope_interleave true (the default)")
         if hf.get("num_nextn_predict_layers"):
-            raise ConfigError(f"{where}: num_nextn_predict_layers={hf['num_nextn_predict_layers']}: maxctx neither "
-                              f"loads nor trains multi-token prediction layers yet; set it to 0 and leave their "
-                              f"tensors (model.layers.{hf.get('num_hidden_layers')}.*) out to convert the rest")
+            raise ConfigError(f"{where}: num_nextn_predict_layers={hf['num_nextn_predict_layers']}: maxctx does not "
+                              f"train multi-token prediction layers; convert the main model without them (their "
+                              f"tensors model.layers.{hf.get('num_hidden_layers')}.* left out) with from_hf "
+                              f"--skip_mtp_layers")
         return
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ConfigError(f"{where}: attention_bias or mlp_bias true is not a DeepSeek-V2 layout maxctx converts; "
@@ -168,6 +171,35 @@ def _refuse(hf: dict, arch: str, where: str) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={hf.get('hidden_act')!r}: maxctx's experts are SwiGLU; give a "
                           f"checkpoint with silu")
+
+
+def without_mtp(hf: dict) -> tuple[dict, tuple[str, ...]]:
+    """(config.json without V3's multi-token prediction layers, their tensors' name prefixes): the released
+    checkpoint holds them after the main model's layers, model.layers.<num_hidden_layers + i>.* (embed_tokens,
+    enorm, hnorm, eh_proj, shared_head and a whole decoder layer each)."""
+    count, first = hf.get("num_nextn_predict_layers") or 0, hf.get("num_hidden_layers")
+    if not (isinstance(count, int) and isinstance(first, int)):
+        return hf, ()  # model_keys names the bad entry
+    return {**hf, "num_nextn_predict_layers": 0}, tuple(f"model.layers.{first + i}." for i in range(count))
+
+
+def quantization(hf: dict, where: str) -> tuple[int, int] | None:
+    """The [b0, b1] blocks of an FP8 block-quantised release (DeepSeek-V3, Kimi K2: config.json's
+    quantization_config), whose float8 weights from_hf dequantises with their `<name>_scale_inv`; None without
+    quantization_config. Any other quantization is refused, naming its entry."""
+    q = hf.get("quantization_config")
+    if q is None:
+        return None
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    wanted = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    bad = ([f"{k}={q.get(k)!r}" for k, v in wanted.items() if q.get(k, v) != v] if isinstance(q, dict) else [repr(q)])
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        bad.append(f"weight_block_size={block!r}")
+    if bad:
+        raise ConfigError(f"{where}: quantization_config {bad[0]} is not a quantization maxctx dequantises; it "
+                          f"converts FP8 block-quantised releases (quant_method 'fp8', fmt 'e4m3', activation_scheme "
+                          f"'dynamic', weight_block_size [b0, b1], as DeepSeek-V3 ships) and bf16 or fp32 ones")
+    return block[0], block[1]
 
 
 def model_keys(hf: dict, where: str) -> dict[str, Any]:
@@ -212,7 +244,7 @@ def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]
         raise ConfigError(f"sliding_window_size={keys['sliding_window_size']} has no DeepseekV2ForCausalLM "
                           f"equivalent; train without the window (sliding_window_size=0)")
     config = llama.hf_config({**keys, "head_dim": keys["qk_rope_head_dim"]}, "llama", dtype, extra)
-    for key in ("mlp_bias", "head_dim"):
+    for key in ("mlp_bias", "head_dim", "quantization_config"):  # the export is the dequantised model
         config.pop(key, None)
     if config.get("rope_scaling") and keys["mscale"]:
         config["rope_scaling"] = {**config["rope_scaling"], "mscale_all_dim": keys["mscale"]}
