@@ -142,6 +142,9 @@ class Config:
     # to the scores for the choice only (not to the weights).
     routed_score_func: str = "softmax"
     routed_bias: bool = False
+    # DeepSeek-V3's sequence-wise balance loss's weight (its paper's alpha, eq. 17-20; 0.0001 there), over each
+    # row's tokens, averaged over rows and MoE layers; 0: off, the step unchanged.
+    sequence_balance_loss_weight: float = 0.0
     # Numerics and memory.
     dtype: DType = "bfloat16"
     weight_dtype: DType = "float32"

@@ -324,3 +324,75 @@ def test_multi_token_prediction_layers_are_refused_or_skipped_by_the_flag(tmp_pa
     back, fixture = read_tensors(tmp_path / "back"), read_tensors(FIXTURES / "deepseek3")
     assert back.keys() == fixture.keys()
     assert all(np.array_equal(back[n], fixture[n]) for n in fixture)
+
+
+def _sequence_balance_reference(x, seg, router, bias, o) -> float:
+    """DeepSeek-V3's eq. 17-20 in float64, a row of the batch as one sequence, padding left out."""
+    terms = []
+    for row in range(x.shape[0]):
+        real = seg[row] != 0
+        s = 1 / (1 + np.exp(-(x[row][real].astype(np.float64) @ router)))
+        chosen = np.asarray(route(jnp.asarray(x[row][real]), jnp.asarray(router), o, jnp.float32,
+                                  jnp.asarray(bias))[2])
+        f = o.num_experts / (o.top_k * real.sum()) * np.bincount(chosen.reshape(-1), minlength=o.num_experts)
+        terms.append(np.sum(f * (s / s.sum(-1, keepdims=True)).mean(0)))
+    return float(np.mean(terms))
+
+
+def test_sequence_balance_loss_is_the_papers_and_the_same_under_context_parallelism():
+    from flax import nnx
+
+    from maxctx.attention.cp.load_balance import zigzag_permutation
+    from maxctx.model.deepseek.family import DeepseekOptions
+    from maxctx.model.deepseek.layers import DeepseekMoe, aux_terms
+    from maxctx.model.layers import ModelConfig
+
+    o = DeepseekOptions(num_experts=8, top_k=2, mlp_dim=8, groups=4, top_groups=2, sigmoid=True, routed_bias=True,
+                        renormalize=True, sequence_balance_loss_weight=0.1)
+    cfg = ModelConfig(emb_dim=16, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=8, num_layers=1, vocab_size=8,
+                      dtype="float32", options=o)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 32, 16)).astype(np.float32)
+    seg = np.stack([np.ones(32), np.repeat([1, 2, 3, 0], [9, 13, 6, 4])]).astype(np.int32)  # packed, padded
+    block = DeepseekMoe(cfg, nnx.Rngs(0))
+    block.bias[...] = jnp.asarray(rng.normal(size=8).astype(np.float32) * 0.1)
+    graphdef, state = nnx.split(block)
+
+    def term(graphdef, state, x, seg):
+        value = aux_terms(nnx.merge(graphdef, state)(x, seg)[1], cfg)["sequence_balance_loss"]
+        return value[1]
+
+    value, grads = jax.jit(jax.value_and_grad(functools.partial(term, graphdef)))(state, x, seg)
+    want = _sequence_balance_reference(x, seg, np.asarray(block.router[...]), np.asarray(block.bias[...]), o)
+    assert float(value) == pytest.approx(want, rel=1e-5)
+    mesh = make_mesh(4, 1)
+    chunked = dataclasses.replace(cfg, mlp_sequence_chunks=2)
+    graphdef_4 = nnx.split(DeepseekMoe(chunked, nnx.Rngs(0), mesh))[0]
+    perm = zigzag_permutation(32, 4)  # the zig-zag order context_parallel_load_balance stores
+    sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    value_4, grads_4 = jax.jit(jax.value_and_grad(functools.partial(term, graphdef_4)))(
+        state, jax.device_put(x[:, perm], sharding), jax.device_put(seg[:, perm], sharding))
+    assert float(value_4) == pytest.approx(float(value), rel=1e-6)
+    router, router_4 = np.asarray(grads["router"][...]), np.asarray(grads_4["router"][...])
+    assert np.abs(router).max() > 0
+    np.testing.assert_allclose(router_4, router, rtol=1e-5, atol=1e-7 * np.abs(router).max())
+
+
+def test_sequence_balance_loss_weight_reaches_the_loss_and_zero_leaves_it_out(imported):
+    from flax import nnx
+
+    from tests.support.hf import setup
+
+    checkpoint, tokens, _ = imported("deepseek3")
+    seq = tokens.shape[1]
+    batch = (tokens, np.arange(seq, dtype=np.int32)[None], np.ones_like(tokens), np.roll(tokens, -1, axis=1),
+             np.ones(tokens.shape, np.float32))
+
+    def terms(made, params):
+        return nnx.merge(made.graphdef, params).loss_terms(*batch)[2]
+
+    _, made, state = setup(checkpoint, 1)
+    assert "sequence_balance_loss" not in jax.eval_shape(functools.partial(terms, made), state["params"])
+    _, made, state = setup(checkpoint, 1, "sequence_balance_loss_weight=0.0001")
+    weight, value = jax.jit(functools.partial(terms, made))(state["params"])["sequence_balance_loss"]
+    assert weight == 0.0001 and 0.5 < float(value) < 4.0  # 1 when balanced, at most X / k = 4

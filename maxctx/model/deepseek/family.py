@@ -49,6 +49,7 @@ class DeepseekOptions(moe.MoeOptions):
     top_groups: int = 1
     sigmoid: bool = False  # V3's router: sigmoid scores (else softmax)
     routed_bias: bool = False  # V3's correction bias on the scores for the choice
+    sequence_balance_loss_weight: float = 0.0  # V3's sequence-wise balance loss (layers.sequence_balance_sums)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +182,9 @@ def check(config: Config) -> None:
     if config.routed_score_func not in ("softmax", "sigmoid"):
         raise ConfigError(f"routed_score_func={config.routed_score_func!r} is not softmax (DeepSeek-V2) or sigmoid "
                           f"(DeepSeek-V3)")
+    if config.sequence_balance_loss_weight < 0:
+        raise ConfigError(f"sequence_balance_loss_weight={config.sequence_balance_loss_weight} must be >= 0 "
+                          f"(DeepSeek-V3: 0.0001; 0: off)")
     groups, top = config.n_routing_groups, config.topk_routing_group
     if groups > 0 and (config.num_experts % groups or not 0 < top <= groups):
         raise ConfigError(f"n_routing_groups={groups} topk_routing_group={top}: the groups must divide num_experts="
@@ -198,7 +202,8 @@ def options(config: Config) -> DeepseekOptions:
         rope_dim=config.qk_rope_head_dim, v_dim=config.v_head_dim, query_scale=factor * factor,
         shared_experts=config.shared_experts, routed_scaling_factor=config.routed_scaling_factor,
         groups=config.n_routing_groups if grouped else 1, top_groups=config.topk_routing_group if grouped else 1,
-        sigmoid=config.routed_score_func == "sigmoid", routed_bias=config.routed_bias)
+        sigmoid=config.routed_score_func == "sigmoid", routed_bias=config.routed_bias,
+        sequence_balance_loss_weight=config.sequence_balance_loss_weight)
 
 
 def stacks(config: Config) -> tuple[Stack, ...]:

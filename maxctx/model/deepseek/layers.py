@@ -11,6 +11,10 @@ interleaved pairs (dims 2i, 2i + 1, transformers' complex form, as the released 
 YaRN's frequencies and attention factor (maxctx.model.rope). With YaRN's `mscale` the softmax scale is
 Q^-1/2 (0.1 mscale ln(factor) + 1)^2: q is multiplied by the square, the kernels apply Q^-1/2. Then any kernel and
 CP strategy (maxctx.attention.attend) with V narrower than Q, and out [B, S, H, V] wo.
+
+DeepSeek-V3's sequence-wise balance loss (sequence_balance_loss_weight > 0; off, the layer's program is unchanged):
+each MoE layer adds per-row sums over the global arrays (`row_sums`, the same under any mesh and sequence order)
+and its rows' terms (`sequence_balance_sums`) to MoeBlock's load-balancing sums; `aux_terms` averages them.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from maxctx.attention.cp.sharded import shard_map
 from maxctx.attention.dispatch import attend
 from maxctx.model.layers import MLP, ModelConfig, RMSNorm, param
 from maxctx.model.llama.layers import DecoderLayer
-from maxctx.model.moe.layers import MoeBlock, aux_terms, grouped_swiglu
+from maxctx.model.moe import layers as moe
+from maxctx.model.moe.layers import MoeBlock, grouped_swiglu
 from maxctx.model.rope import RopeSpec, inverse_frequencies
+from maxctx.model.tiling import sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
 
 
@@ -121,6 +127,41 @@ def route(x_TD, router_DX, o, dtype, bias_X=None):
     return scores, weights * o.routed_scaling_factor, experts
 
 
+def row_sums(x_BSD, segment_ids_BS, router_DX, o, dtype, bias_X=None) -> dict:
+    """Per row of the batch, over its tokens (segment id 0, padding, left out): how many of them route to each
+    expert (the choice `route` makes, with the bias and groups) [B, X], their normalised affinities s_x / sum s
+    summed [B, X], and the tokens [B]."""
+    b, s, d = x_BSD.shape
+    scores, _, experts = route(x_BSD.reshape(b * s, d), router_DX, o, dtype, bias_X)
+    mask = (segment_ids_BS != 0).astype(jnp.float32)
+    affinity = (scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(b, s, -1)
+    chosen = jnp.sum(jax.nn.one_hot(experts, o.num_experts, dtype=jnp.float32), axis=-2).reshape(b, s, -1)
+    return {"count": jnp.einsum("BSX,BS->BX", chosen, mask), "affinity": jnp.einsum("BSX,BS->BX", affinity, mask),
+            "tokens": jnp.sum(mask, axis=-1)}
+
+
+def sequence_balance_sums(rows: dict, o) -> dict:
+    """One layer's share of DeepSeek-V3's sequence-wise balance loss (paper eq. 17-20) from its `row_sums`: per
+    row of T tokens, f_x = X / (k T) x its tokens routed to x, P_x = its mean normalised affinity to x, and the
+    row's term sum_x f_x P_x (1 when balanced); returned as the rows' terms summed and the rows counted (rows
+    without tokens left out), which add over layers. With packing, a row holds several documents and is one
+    sequence here: the balance is asked of what a device computes together, as in the paper's batches."""
+    tokens = jnp.maximum(rows["tokens"], 1.0)
+    per_row = o.num_experts / (o.top_k * tokens * tokens) * jnp.sum(rows["count"] * rows["affinity"], axis=-1)
+    real = rows["tokens"] > 0
+    return {"moe_seq_balance": jnp.sum(jnp.where(real, per_row, 0.0)), "moe_seq_rows": jnp.sum(real, dtype=jnp.float32)}
+
+
+def aux_terms(sums: dict, cfg: ModelConfig) -> dict:
+    """The MoE layer's terms (maxctx.model.moe.layers.aux_terms), and with sequence_balance_loss_weight > 0 the
+    sequence-wise balance loss: the mean over rows and MoE layers of `sequence_balance_sums`' term."""
+    terms = moe.aux_terms(sums, cfg)
+    if "moe_seq_balance" in sums:
+        value = sums["moe_seq_balance"] / jnp.maximum(sums["moe_seq_rows"], 1.0)
+        terms["sequence_balance_loss"] = (cfg.options.sequence_balance_loss_weight, value)
+    return terms
+
+
 class DeepseekMoe(MoeBlock):
     """The MoE layer's routed experts (MoeBlock's parameters, load counts and grouped matmuls) under DeepSeek's
     router (`route`, with V3's correction bias [X]), and the shared experts: one SwiGLU of shared_experts x M that
@@ -136,7 +177,15 @@ class DeepseekMoe(MoeBlock):
 
     def __call__(self, x_BSD, segment_ids_BS):
         y, sums = super().__call__(x_BSD, segment_ids_BS)
-        return (y + self.shared(x_BSD) if self.cfg.options.shared_experts else y), sums
+        o, dt = self.cfg.options, self.cfg.dtype
+        if o.sequence_balance_loss_weight:
+            # Per-row sums over the global arrays (as MoeBlock's counts), added over the chunks before the per-row
+            # products, so the term is the same whatever the mesh and order of the sequence.
+            bias = self.bias[...] if o.routed_bias else None
+            rows = sum_chunks(lambda x, seg: row_sums(x, seg, self.router[...], o, dt, bias),
+                              self.cfg.mlp_sequence_chunks, self.mesh, x_BSD, segment_ids_BS)
+            sums = {**sums, **sequence_balance_sums(rows, o)}
+        return (y + self.shared(x_BSD) if o.shared_experts else y), sums
 
     def _experts(self, x_BSD, router, w_gate, w_up, w_down):
         """MoeBlock's experts (per device in a shard_map, M split over tensor) under `route`."""
