@@ -10,6 +10,9 @@ into an Orbax checkpoint:
     <output_path>/model.yml the model keys, for `python train.py <output_path>/model.yml ...`
 
 Peak host memory: about one HF tensor (read, converted, written), never a whole stacked parameter or the model.
+A layout with `quantization` (DeepSeek's) takes FP8 block-quantised releases: each float8 weight is read with its
+`<name>_scale_inv` and dequantised (safetensors.BlockScaled) as it is converted; with `without_mtp`, the
+multi-token prediction layers are left out on request (`skip_mtp_layers`).
 """
 
 from __future__ import annotations
