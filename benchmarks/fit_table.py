@@ -402,9 +402,14 @@ def keys_table() -> list[str]:
             lines.append(
                 f"| `{keys}` | {status} | {report['total_size_in_bytes'] / GIB:.2f} / "
                 f"{report['hbm_bytes_per_device'] / GIB:.0f} | {host / GIB:.2f} / {chip.host_bytes / GIB:.1f} | "
-                f"{'-' if per_layer is None else f'{per_layer:.2f}'} | {parts.get('attention', 0):.1f} | "
-                f"{parts.get('activations', 0):.1f} | {r['wall_s']:.0f} s |")
+                f"{'-' if per_layer is None else f'{per_layer:.2f}'} | {_part(parts, 'attention')} | "
+                f"{_part(parts, 'activations')} | {r['wall_s']:.0f} s |")
     return lines
+
+
+def _part(parts: dict, name: str) -> str:
+    """A breakdown category's GiB, or - for a compile recorded without XLA's buffer dump (run outside --keys)."""
+    return f"{parts.get(name, 0):.1f}" if parts else "-"
 
 
 def compile_keys(keys: list[str], time_limit_s: float) -> dict:
