@@ -214,3 +214,26 @@ def test_a_moe_run_logs_each_experts_load(tmp_path):
     scalars = read_scalars(str(tmp_path / "moe" / "tensorboard"))
     assert [value for _, value in scalars["moe/expert_load/3"]] == pytest.approx([r["moe_expert_load"][3]
                                                                                   for r in train])
+
+
+@pytest.mark.parametrize("sigmoid,groups,bias", [(True, 4, True), (False, 4, False)])
+def test_the_load_is_the_experts_deepseeks_router_chose(sigmoid, groups, bias):
+    """V3's sigmoid scores with the correction bias, and V2's group-limited choice, pick other experts than a plain
+    softmax top-k: the load (metrics, load balancing) counts the ones chosen, padding left out."""
+    from maxctx.model.deepseek.family import DeepseekOptions
+    from maxctx.model.deepseek.layers import DeepseekMoe, route
+
+    o = DeepseekOptions(num_experts=8, top_k=2, mlp_dim=8, groups=groups, top_groups=1, sigmoid=sigmoid,
+                        routed_bias=bias, renormalize=True)
+    cfg = ModelConfig(emb_dim=16, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=8, num_layers=1, vocab_size=8,
+                      dtype="float32", options=o)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 32, 16)).astype(np.float32)
+    seg = np.stack([np.ones(32), np.repeat([1, 0], [24, 8])]).astype(np.int32)
+    block = DeepseekMoe(cfg, nnx.Rngs(0))
+    if bias:
+        block.bias[...] = jnp.asarray(rng.normal(size=8).astype(np.float32))
+    experts = np.asarray(route(jnp.asarray(x.reshape(64, 16)), block.router[...], o, "float32",
+                               block.bias[...] if bias else None)[2])
+    load = np.asarray(block(jnp.asarray(x), jnp.asarray(seg))[1]["moe_load"])
+    np.testing.assert_array_equal(load, np.bincount(experts[seg.reshape(-1) != 0].reshape(-1), minlength=8))

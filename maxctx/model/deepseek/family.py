@@ -203,7 +203,8 @@ def options(config: Config) -> DeepseekOptions:
         shared_experts=config.shared_experts, routed_scaling_factor=config.routed_scaling_factor,
         groups=config.n_routing_groups if grouped else 1, top_groups=config.topk_routing_group if grouped else 1,
         sigmoid=config.routed_score_func == "sigmoid", routed_bias=config.routed_bias,
-        sequence_balance_loss_weight=config.sequence_balance_loss_weight)
+        sequence_balance_loss_weight=config.sequence_balance_loss_weight,
+        router_z_loss_weight=config.router_z_loss_weight)
 
 
 def stacks(config: Config) -> tuple[Stack, ...]:

@@ -178,13 +178,18 @@ class DeepseekMoe(MoeBlock):
     def __call__(self, x_BSD, segment_ids_BS):
         y, sums = super().__call__(x_BSD, segment_ids_BS)
         o, dt = self.cfg.options, self.cfg.dtype
-        if o.sequence_balance_loss_weight:
+        # MoeBlock counts the softmax top-k's experts; a sigmoid, biased or group-limited router chooses others.
+        own_choice = o.sigmoid or o.routed_bias or o.groups > 1
+        if o.sequence_balance_loss_weight or own_choice:
             # Per-row sums over the global arrays (as MoeBlock's counts), added over the chunks before the per-row
-            # products, so the term is the same whatever the mesh and order of the sequence.
+            # products, so the terms are the same whatever the mesh and order of the sequence.
             bias = self.bias[...] if o.routed_bias else None
             rows = sum_chunks(lambda x, seg: row_sums(x, seg, self.router[...], o, dt, bias),
                               self.cfg.mlp_sequence_chunks, self.mesh, x_BSD, segment_ids_BS)
-            sums = {**sums, **sequence_balance_sums(rows, o)}
+            if own_choice:  # the load (metrics, load balancing) of the experts this router chose
+                sums = {**sums, "moe_load": jnp.sum(rows["count"], axis=0)}
+            if o.sequence_balance_loss_weight:
+                sums = {**sums, **sequence_balance_sums(rows, o)}
         return (y + self.shared(x_BSD) if o.shared_experts else y), sums
 
     def _experts(self, x_BSD, router, w_gate, w_up, w_down):
