@@ -38,6 +38,9 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
                heads of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head);
                key heads of 16, not 8: an L2-normalised q or k of 8 silu outputs all near 0 is common enough at
                random weights to amplify rounding past the 1e-5 comparison
+    qwen3_next Qwen3NextForCausalLM: qwen3_5's layers and head shapes, width 64, with Qwen3-Next's fused linear
+               projections; every MLP 4 experts 24 wide, 2 per token (renormalised), and a shared expert 48 wide (two
+               experts' width) behind its sigmoid gate; also aux_loss.npy
     deepseek2  DeepseekV2ForCausalLM: layer 0 dense, layers 1-2 MoE (4 experts 24 wide, 2 per token, one shared
                expert, routed_scaling_factor 1.5); MLA without query LoRA: latent 16, q/k heads 12 + 8 RoPE dims,
                value heads 10 (narrower than q/k's 20); YaRN factor 4 over 32 positions with mscale 1.0 and
@@ -97,6 +100,12 @@ MODELS = {
         num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-6, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=4, tie_word_embeddings=False, rms_norm_eps=1e-6, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=48,
+        norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                              "partial_rotary_factor": 0.25})),
     "deepseek2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-6, q_lora_rank=None,
         kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1,
@@ -115,7 +124,7 @@ MODELS = {
                          "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8,
                          "beta_fast": 32.0, "beta_slow": 1.0})),
 }
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen3_next")
 
 
 def logits(model, tokens: np.ndarray) -> np.ndarray:
@@ -138,7 +147,8 @@ def make(name: str, out: str) -> None:
             if pname.endswith(".bias"):
                 p.copy_(0.5 * torch.randn_like(p))
             elif p.ndim == 1:  # Qwen3.5's (1 + w) norms around 1 as well, so activations keep their scale
-                centre = 0 if name == "qwen3_5" and "norm" in pname and "linear_attn" not in pname else 1
+                zero_centred = name in ("qwen3_5", "qwen3_next") and "norm" in pname
+                centre = 0 if zero_centred and "linear_attn" not in pname else 1
                 p.copy_(centre + 0.2 * torch.randn_like(p))
             else:
                 routed = name in MOE or name.startswith("deepseek")

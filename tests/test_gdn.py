@@ -24,7 +24,7 @@ from maxctx.model.layers import ModelConfig
 from maxctx.model.qwen35 import cp as gdn_cp, gdn
 from maxctx.model.qwen35.family import QWEN3_5
 from maxctx.plan import planner, step_time
-from tests.support.hf import FIXTURES, logits, relative_error
+from tests.support.hf import FIXTURES, logits, relative_error, tensors
 from tests.support.hlo import collective_bytes
 from tests.support.meshes import FAST_COMPILE, make_mesh
 
@@ -178,3 +178,41 @@ def test_the_planner_prices_the_linear_layers_and_plans_a_million_tokens():
     flops = step_time.per_token(config, 1)["flops"]
     assert flops["context"] > 0
     assert planner.plan(config).choice.valid
+
+
+def test_qwen3_next_preset_counts_are_transformers():
+    """transformers' Qwen3NextForCausalLM of its default (the release's) config counts 79,674,391,296 parameters
+    (meta device), 3,874,929,408 of them a token's (10 of the 512 experts); so do the tree and the formula."""
+    config = load_config(["configs/base.yml", "model_name=qwen3-next-80b-a3b"])
+    abstract = nnx.eval_shape(lambda: Decoder(ModelConfig.from_config(config), nnx.Rngs(0)))
+    shape = families.shape(config)
+    assert count_params(nnx.state(abstract)) == shape.num_params == 79_674_391_296
+    assert shape.active_params == 3_874_929_408
+
+
+def with_mtp(name: str, directory) -> str:
+    """The fixture `name` copied with a released checkpoint's multi-token prediction layer: mtp_num_hidden_layers
+    1 in config.json and an mtp.* tensor beside the model's."""
+    import json
+
+    from maxctx.convert import safetensors
+
+    directory.mkdir()
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    arrays = {**tensors(FIXTURES / name), "mtp.fc.weight": np.zeros((2, 2), np.float32)}
+    safetensors.write(str(directory / "model.safetensors"), [(k, v.dtype, v.shape) for k, v in arrays.items()],
+                      iter(arrays.values()))
+    return str(directory)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_multi_token_prediction_layers_are_refused_or_skipped_on_request(name, tmp_path):
+    from maxctx.errors import ConfigError
+
+    hf = with_mtp(name, tmp_path / "hf")
+    with pytest.raises(ConfigError, match="mtp_num_hidden_layers=1.*--skip_mtp_layers"):
+        import_hf(hf, str(tmp_path / "refused"), [], say=lambda *a, **k: None)
+    said = []
+    import_hf(hf, str(tmp_path / "ckpt"), [], say=lambda *a, **k: said.append(a[0]), skip_mtp_layers=True)
+    assert "skipped 1 tensors of multi-token prediction layers (mtp.*)" in said

@@ -12,6 +12,7 @@ from maxctx.model.llama.family import LLAMA
 from maxctx.model.moe.family import MIXTRAL, QWEN3_MOE
 from maxctx.model.olmo.family import OLMO
 from maxctx.model.qwen.family import QWEN
+from maxctx.model.qwen3_next.family import QWEN3_NEXT
 from maxctx.model.qwen35.family import QWEN3_5
 from maxctx.model.shape import ModelShape
 
@@ -19,7 +20,7 @@ _FAMILIES: dict[str, ModelFamily] = {"llama2": LLAMA, "mistral": LLAMA}
 _FAMILIES.update(qwen2=QWEN, qwen3=QWEN, olmo2=OLMO, olmo3=OLMO)
 _FAMILIES.update(gemma2=GEMMA2, gemma3=GEMMA3)
 _FAMILIES.update(deepseek=DEEPSEEK)
-_FAMILIES.update(qwen3_5=QWEN3_5)
+_FAMILIES.update(qwen3_5=QWEN3_5, qwen3_next=QWEN3_NEXT)
 _FAMILIES.update(mixtral=MIXTRAL, qwen3_moe=QWEN3_MOE)
 
 

@@ -34,6 +34,7 @@ from maxctx.model.llama.layers import DecoderLayer
 from maxctx.model.moe.layers import MoeLayer, Qwen3MoeLayer
 from maxctx.model.olmo.layers import OlmoLayer
 from maxctx.model.qwen.layers import QwenLayer
+from maxctx.model.qwen3_next.layers import Qwen3NextPeriod
 from maxctx.model.qwen35.layers import Qwen35Period
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
 
@@ -43,7 +44,7 @@ _KINDS: dict[str, Callable[..., nnx.Module]] = {"llama": DecoderLayer}
 _KINDS.update(qwen=QwenLayer, olmo=OlmoLayer)
 _KINDS.update(gemma=GemmaLayer)
 _KINDS.update(deepseek_dense=DeepseekDenseLayer, deepseek=DeepseekLayer)
-_KINDS.update(qwen3_5=Qwen35Period)
+_KINDS.update(qwen3_5=Qwen35Period, qwen3_next=Qwen3NextPeriod)
 _KINDS.update(mixtral=MoeLayer, qwen3_moe=Qwen3MoeLayer)
 
 

@@ -103,10 +103,29 @@ def architecture(hf_config: dict, where: str) -> str:
                       f"Qwen3_5ForConditionalGeneration release, its text_config and model.language_model tensors)")
 
 
+MTP_PREFIX = "mtp."  # the released checkpoints' multi-token prediction layers (mtp_num_hidden_layers of them)
+
+
+def without_mtp(hf: dict) -> tuple[dict, tuple[str, ...]]:
+    """(config.json without its multi-token prediction layers, their tensors' name prefix): from_hf
+    --skip_mtp_layers converts the main model without them (Qwen3.5's and Qwen3-Next's alike)."""
+    return {**hf, "mtp_num_hidden_layers": 0}, (MTP_PREFIX,)
+
+
+def refuse_mtp(hf: dict, where: str) -> None:
+    """One line where config.json has multi-token prediction layers, which maxctx does not train."""
+    count = hf.get("mtp_num_hidden_layers") or 0
+    if count:
+        raise ConfigError(f"{where}: mtp_num_hidden_layers={count}: the checkpoint's multi-token prediction layers "
+                          f"({MTP_PREFIX}* tensors) are not something maxctx trains; convert the main model without "
+                          f"them with from_hf --skip_mtp_layers")
+
+
 def model_keys(hf: dict, where: str) -> dict[str, Any]:
     """Llama's keys, the linear layers' and the layer pattern; refuses a layer_types that is not P - 1 linear layers
-    then one full, repeated."""
+    then one full, repeated, and multi-token prediction layers (`refuse_mtp`)."""
     architecture(hf, where)
+    refuse_mtp(hf, where)
     rope = dict(hf.get("rope_parameters") or {})
     factor = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}

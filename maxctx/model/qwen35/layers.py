@@ -45,12 +45,19 @@ class GatedDeltaNet(nnx.Module):
         self.w_out = param(rngs, (nv, dv, d), (None, None, "embed"), wd, scale=(nv * dv) ** -0.5)
         self.cfg, self.mesh, self.dims = cfg, mesh, (nk, dk, dv)
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
+    def project(self, x_BSD):
+        """(qkv[B, S, X], z[B, S, N, V], b, a[B, S, N]); Qwen3-Next's layer (maxctx.model.qwen3_next.layers) takes
+        them from its fused projections."""
         dt = self.cfg.dtype
         qkv = checkpoint_name(jnp.einsum("BSD,DX->BSX", x_BSD, self.w_qkv[...].astype(dt)), "query_proj")
         z = jnp.einsum("BSD,DNV->BSNV", x_BSD, self.w_z[...].astype(dt))
         b = jnp.einsum("BSD,DN->BSN", x_BSD, self.w_b[...].astype(dt))
         a = jnp.einsum("BSD,DN->BSN", x_BSD, self.w_a[...].astype(dt))
+        return qkv, z, b, a
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
+        dt = self.cfg.dtype
+        qkv, z, b, a = self.project(x_BSD)
         o = sharded_mix(self.mesh, qkv, b, a, segment_ids_BS, self.conv[...][:, 0], self.a_log[...],
                         self.dt_bias[...].astype(jnp.float32), self.dims, self.cfg.attention.load_balance is True)
         o = checkpoint_name(o.astype(dt), "context")
