@@ -216,3 +216,26 @@ def test_multi_token_prediction_layers_are_refused_or_skipped_on_request(name, t
     said = []
     import_hf(hf, str(tmp_path / "ckpt"), [], say=lambda *a, **k: said.append(a[0]), skip_mtp_layers=True)
     assert "skipped 1 tensors of multi-token prediction layers (mtp.*)" in said
+
+
+def test_qwen3_next_loss_is_transformers_with_its_load_balancing_term(tmp_path):
+    """The fixture's mean cross-entropy plus router_aux_loss_coef (0.001, carried by from_hf) x the load-balancing
+    term, the term transformers' (aux_loss.npy: output_router_logits over the four layers' routers)."""
+    import json
+
+    from maxctx.train_step import loss_terms
+    from tests.support.hf import setup
+
+    import_hf(str(FIXTURES / "qwen3_next"), str(tmp_path / "ckpt"), [], say=lambda *a, **k: None)
+    tokens = np.load(FIXTURES / "qwen3_next" / "tokens.npy")
+    _, made, state = setup(tmp_path / "ckpt", 1)
+    seq = tokens.shape[1]
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": np.ones_like(tokens),
+             "positions": np.arange(seq, dtype=np.int32)[None],
+             "weights": (np.arange(seq) < seq - 1).astype(np.float32)[None]}  # the last token has no next
+    total, (weight, terms) = jax.jit(lambda p, b: loss_terms(made.graphdef, p, b))(state["params"], batch)
+    aux = np.load(FIXTURES / "qwen3_next" / "aux_loss.npy")
+    np.testing.assert_allclose(terms["load_balance_loss"] / weight, aux, rtol=1e-5)
+    coef = json.loads((FIXTURES / "qwen3_next" / "config.json").read_text())["router_aux_loss_coef"]
+    cross_entropy = np.load(FIXTURES / "qwen3_next" / "token_losses.npy").mean()
+    assert float(total / weight) == pytest.approx(cross_entropy + coef * aux, rel=1e-5)
