@@ -239,3 +239,26 @@ def test_qwen3_next_loss_is_transformers_with_its_load_balancing_term(tmp_path):
     coef = json.loads((FIXTURES / "qwen3_next" / "config.json").read_text())["router_aux_loss_coef"]
     cross_entropy = np.load(FIXTURES / "qwen3_next" / "token_losses.npy").mean()
     assert float(total / weight) == pytest.approx(cross_entropy + coef * aux, rel=1e-5)
+
+
+RELEASED_QWEN3_NEXT = {  # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (transformers 4.57's form), as remembered
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "intermediate_size": 5120, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 10000000,
+    "rope_scaling": None, "partial_rotary_factor": 0.25, "tie_word_embeddings": False, "full_attention_interval": 4,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "mtp_num_hidden_layers": 1}
+
+
+def test_the_released_qwen3_next_config_is_the_preset():
+    """Without layer_types (built from full_attention_interval, as transformers does) and with RoPE's keys at the
+    top level, the release's config.json gives the preset's model keys once its MTP layer is skipped."""
+    from maxctx.model.qwen3_next import hf_layout
+
+    hf, skip = hf_layout.without_mtp(RELEASED_QWEN3_NEXT)
+    keys = hf_layout.model_keys(hf, "config.json")
+    preset = load_config(["configs/base.yml", "model_name=qwen3-next-80b-a3b"])
+    assert skip == ("mtp.",) and keys["full_attention_interval"] == 4
+    assert {k: v for k, v in keys.items() if getattr(preset, k) != v} == {}
