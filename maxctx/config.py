@@ -103,9 +103,9 @@ class Config:
     query_pre_attn_scalar: float = 0.0
     local_rope_max_timescale: float = -1.0
     final_logits_soft_cap: float = 0.0
-    # Gated DeltaNet (decoder_block qwen3_5; transformers' keys): every full_attention_interval-th layer is full
-    # attention, the others linear; their key / value heads and head dims, the short convolution's kernel; the
-    # full layers rotate the first partial_rotary_factor of each head's dims.
+    # Gated DeltaNet (decoder_block qwen3_5, qwen3_next; transformers' keys): every full_attention_interval-th
+    # layer is full attention, the others linear; their key / value heads and head dims, the short convolution's
+    # kernel; the full layers rotate the first partial_rotary_factor of each head's dims.
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     linear_key_head_dim: int = 128
@@ -113,9 +113,9 @@ class Config:
     linear_conv_kernel_dim: int = 4
     full_attention_interval: int = 4
     partial_rotary_factor: float = 1.0
-    # Mixture of experts (MaxText's keys; decoder_block mixtral, qwen3_moe): experts per MoE layer, experts per
-    # token, each expert's SwiGLU width (0: base_mlp_dim), the top-k weights renormalised to sum to 1, the
-    # load-balancing loss's weight in the training loss (HF's router_aux_loss_coef), and the router z-loss's.
+    # Mixture of experts (MaxText's keys; decoder_block mixtral, qwen3_moe, qwen3_next): experts per MoE layer,
+    # experts per token, each expert's SwiGLU width (0: base_mlp_dim), the top-k weights renormalised to sum to 1,
+    # the load-balancing loss's weight in the training loss (HF's router_aux_loss_coef), and the router z-loss's.
     num_experts: int = 1
     num_experts_per_tok: int = 1
     base_moe_mlp_dim: int = 0
