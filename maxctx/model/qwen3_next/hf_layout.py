@@ -38,10 +38,15 @@ ARCHITECTURES = {"Qwen3NextForCausalLM": "qwen3_next"}
 DECODER_BLOCKS = {"qwen3_next": "qwen3_next"}
 
 
+def _width(keys: dict[str, Any]) -> int:
+    """An expert's width M (base_moe_mlp_dim, 0: base_mlp_dim)."""
+    return keys["base_moe_mlp_dim"] or keys["base_mlp_dim"]
+
+
 def _dim(keys: dict[str, Any], c: str) -> int:
     nk, nv, dk, dv = (keys[k] for k in tuple(qwen35.LINEAR_KEYS)[:4])
-    own = {"k": nk, "c": 2 * dk + 2 * (nv // nk) * dv, "g": 2 * nv // nk, "S": keys["shared_experts"] *
-           keys["base_moe_mlp_dim"], "X": keys["num_experts"], "M": keys["base_moe_mlp_dim"]}
+    own = {"k": nk, "c": 2 * dk + 2 * (nv // nk) * dv, "g": 2 * nv // nk, "M": _width(keys),
+           "S": keys["shared_experts"] * _width(keys)}
     return own[c] if c in own else qwen35._dim(keys, c)
 
 
@@ -82,18 +87,20 @@ _MOE = ((("moe", "routed", "router"), "mlp.gate.weight", ("X", "D"), True, False
         (("moe", "shared_gate"), "mlp.shared_expert_gate.weight", ("o", "D"), True, False))
 
 
+def _entries(linear: bool) -> tuple[tuple, ...]:
+    """(path, HF name, HF shape, linear, per expert) of a place's tensors: its mixer's (Qwen3.5's, the linear
+    layer's projections fused), Qwen3.5's two norms, the MoE layer's."""
+    mixer = (*_FUSED, *(t for t in qwen35._LINEAR if t[0][1] not in _SEPARATE)) if linear else qwen35._FULL
+    norms = tuple(t for t in qwen35._BLOCK if t[0][0] != "mlp")
+    return (*((*t, False) for t in (*mixer, *norms)), *_MOE)
+
+
 def tensors(keys: dict[str, Any]) -> tuple[Tensor, ...]:
     period = keys["full_attention_interval"]
     shared = tuple(t for t in llama.tensors(keys) if not t.per_layer)
-    placed = []
-    for place in range(period):
-        linear = place < period - 1
-        own = [(*t, False) for t in (*_FUSED, *(t for t in qwen35._LINEAR if t[0][1] not in _SEPARATE))] \
-            if linear else [(*t, False) for t in qwen35._FULL]
-        norms = [(*t, False) for t in qwen35._BLOCK if t[0][0] != "mlp"]
-        for path, name, hf, is_linear, experts in (*own, *norms, *_MOE):
-            placed.append(NextTensor(("layers", place_name(place, period), *path), "model.layers.{i}." + name, hf,
-                                     is_linear, True, place, period, experts))
+    placed = (NextTensor(("layers", place_name(place, period), *path), "model.layers.{i}." + name, hf, linear, True,
+                         place, period, experts)
+              for place in range(period) for path, name, hf, linear, experts in _entries(place < period - 1))
     return (*shared, *placed)
 
 
@@ -140,6 +147,6 @@ def hf_config(keys: dict[str, Any], arch: str, dtype: str, extra: dict[str, Any]
     config = qwen35.hf_config(keys, "qwen3_5_text", dtype, extra)
     return {**config, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
             "num_experts": keys["num_experts"], "num_experts_per_tok": keys["num_experts_per_tok"],
-            "moe_intermediate_size": keys["base_moe_mlp_dim"], "norm_topk_prob": keys["norm_topk_prob"],
-            "shared_expert_intermediate_size": keys["shared_experts"] * keys["base_moe_mlp_dim"],
+            "moe_intermediate_size": _width(keys), "norm_topk_prob": keys["norm_topk_prob"],
+            "shared_expert_intermediate_size": keys["shared_experts"] * _width(keys),
             "router_aux_loss_coef": keys["load_balance_loss_weight"], "decoder_sparse_step": 1, "mlp_only_layers": []}

@@ -30,6 +30,8 @@ class FusedGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
         super().__init__(cfg, rngs, mesh)
+        # Qwen3.5's four projections give way to the fused two; its convolution, decay, norm and output stay, as
+        # does its forward past `project`.
         del self.w_qkv, self.w_z, self.w_b, self.w_a
         nk, nv, dk, dv = cfg.options.linear_dims
         g, d = nv // nk, cfg.emb_dim
@@ -38,13 +40,13 @@ class FusedGatedDeltaNet(GatedDeltaNet):
 
     def project(self, x_BSD):
         nk, nv, dk, dv = self.cfg.options.linear_dims
-        g, dt, (b, s, _) = nv // nk, self.cfg.dtype, x_BSD.shape
+        g, dt, (batch, seq, _) = nv // nk, self.cfg.dtype, x_BSD.shape
         qkvz = jnp.einsum("BSD,DKC->BSKC", x_BSD, self.w_qkvz[...].astype(dt))
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + g * dv], axis=-1)
-        qkv = jnp.concatenate([q.reshape(b, s, -1), k.reshape(b, s, -1), v.reshape(b, s, -1)], axis=-1)
-        beta, a = jnp.split(jnp.einsum("BSD,DKC->BSKC", x_BSD, self.w_ba[...].astype(dt)), [g], axis=-1)
-        return (checkpoint_name(qkv, "query_proj"), z.reshape(b, s, nv, dv), beta.reshape(b, s, nv),
-                a.reshape(b, s, nv))
+        qkv = jnp.concatenate([t.reshape(batch, seq, -1) for t in (q, k, v)], axis=-1)  # Qwen3.5's q | k | v
+        b, a = jnp.split(jnp.einsum("BSD,DKC->BSKC", x_BSD, self.w_ba[...].astype(dt)), [g], axis=-1)
+        return (checkpoint_name(qkv, "query_proj"), z.reshape(batch, seq, nv, dv), b.reshape(batch, seq, nv),
+                a.reshape(batch, seq, nv))
 
 
 class SharedExpertMoe(nnx.Module):
