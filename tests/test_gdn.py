@@ -262,3 +262,10 @@ def test_the_released_qwen3_next_config_is_the_preset():
     preset = load_config(["configs/base.yml", "model_name=qwen3-next-80b-a3b"])
     assert skip == ("mtp.",) and keys["full_attention_interval"] == 4
     assert {k: v for k, v in keys.items() if getattr(preset, k) != v} == {}
+
+
+def test_qwen3_next_without_its_shared_expert_is_refused():
+    from maxctx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="shared_experts=0: decoder_block=qwen3_next.*set shared_experts >= 1"):
+        load_config(["configs/base.yml", "model_name=qwen3-next-80b-a3b", "shared_experts=0"])
