@@ -269,3 +269,18 @@ def test_qwen3_next_without_its_shared_expert_is_refused():
 
     with pytest.raises(ConfigError, match="shared_experts=0: decoder_block=qwen3_next.*set shared_experts >= 1"):
         load_config(["configs/base.yml", "model_name=qwen3-next-80b-a3b", "shared_experts=0"])
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 .* dense MLP layers"),
+    ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] .* dense MLP layers"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"shared_expert_intermediate_size": 700}, "shared_expert_intermediate_size=700 is not a multiple"),
+    ({"mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers=2: .*--skip_mtp_layers")])
+def test_qwen3_next_layouts_maxctx_does_not_run_are_refused_in_one_line(change, message):
+    from maxctx.errors import ConfigError
+    from maxctx.model.qwen3_next import hf_layout
+
+    with pytest.raises(ConfigError, match=message) as refused:
+        hf_layout.model_keys({**RELEASED_QWEN3_NEXT, **change}, "config.json")
+    assert "\n" not in str(refused.value)
