@@ -272,8 +272,8 @@ def test_qwen3_next_without_its_shared_expert_is_refused():
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 .* dense MLP layers"),
-    ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] .* dense MLP layers"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 .*dense MLP layers"),
+    ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] .*dense MLP layers"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"shared_expert_intermediate_size": 700}, "shared_expert_intermediate_size=700 is not a multiple"),
     ({"mtp_num_hidden_layers": 2}, "mtp_num_hidden_layers=2: .*--skip_mtp_layers")])
