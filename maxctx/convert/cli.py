@@ -36,8 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     importer.add_argument("--output_path", required=True, type=_path,
                           help="new directory: the checkpoint (load_parameters_path=DIR) and DIR/model.yml")
     importer.add_argument("--skip_mtp_layers", action="store_true",
-                          help="convert a DeepSeek-V3 checkpoint's main model without its multi-token prediction "
-                               "layers (num_nextn_predict_layers), which maxctx does not train")
+                          help="convert a checkpoint's main model without its multi-token prediction layers, "
+                               "which maxctx does not train (DeepSeek-V3's num_nextn_predict_layers, Qwen3.5's and "
+                               "Qwen3-Next's mtp_num_hidden_layers)")
     exporter = commands.add_parser("to_hf", help="maxctx checkpoint -> Hugging Face directory")
     exporter.add_argument("--checkpoint_path", required=True, type=_path,
                           help="a step directory (<run>/checkpoints/<step>) or a checkpoints directory (latest step)")
