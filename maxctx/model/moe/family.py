@@ -41,8 +41,27 @@ class MoeOptions(qwen.AttentionOptions):
     router_z_loss_weight: float = 0.0
 
 
+class ExpertCounts:
+    """Every expert's parameters on a shape whose `mlp_params` counts what a token multiplies (X experts of width
+    M, k per token: the fields num_experts, top_k, moe_mlp_dim); shared by the MoE families' shapes."""
+
+    @property
+    def idle_params(self) -> int:
+        """The experts a token does not run, over the layers: (X - k) 3 D M L."""
+        return self.num_layers * 3 * (self.num_experts - self.top_k) * self.emb_dim * self.moe_mlp_dim
+
+    @property
+    def num_params(self) -> int:
+        return super().num_params + self.idle_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses, as model cards count them (embedding and output projection included)."""
+        return self.num_params - self.idle_params
+
+
 @dataclasses.dataclass(frozen=True)
-class MoeShape(qwen.AttentionShape):
+class MoeShape(ExpertCounts, qwen.AttentionShape):
     """The attention's shape with X experts of width M, k per token: `mlp_params` counts what a token multiplies
     (the router and k experts: the matmul FLOPs and MFU), `num_params` every expert."""
 
@@ -63,20 +82,6 @@ class MoeShape(qwen.AttentionShape):
     @property
     def mlp_params(self) -> int:
         return self.router_params + 3 * self.top_k * self.emb_dim * self.moe_mlp_dim
-
-    @property
-    def idle_params(self) -> int:
-        """The experts a token does not run, over the layers: (X - k) 3 D M L."""
-        return self.num_layers * 3 * (self.num_experts - self.top_k) * self.emb_dim * self.moe_mlp_dim
-
-    @property
-    def num_params(self) -> int:
-        return super().num_params + self.idle_params
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token uses, as model cards count them (embedding and output projection included)."""
-        return self.num_params - self.idle_params
 
 
 def expert_width(config: Config) -> int:

@@ -38,7 +38,7 @@ class Qwen3NextOptions(qwen35.Qwen35Options):
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3NextShape(qwen35.Qwen35Shape):
+class Qwen3NextShape(moe.ExpertCounts, qwen35.Qwen35Shape):
     """Qwen3.5's shape with the MoE MLP: `mlp_params` what a token multiplies, `num_params` every expert."""
 
     num_experts: int = 1
@@ -54,20 +54,6 @@ class Qwen3NextShape(qwen35.Qwen35Shape):
     def mlp_params(self) -> int:
         d = self.emb_dim
         return d * self.num_experts + 3 * d * (self.top_k * self.moe_mlp_dim + self.shared_dim) + d
-
-    @property
-    def idle_params(self) -> int:
-        """The experts a token does not run, over the layers: (X - k) 3 D M L."""
-        return self.num_layers * 3 * (self.num_experts - self.top_k) * self.emb_dim * self.moe_mlp_dim
-
-    @property
-    def num_params(self) -> int:
-        return super().num_params + self.idle_params
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token uses, as model cards count them (embedding and output projection included)."""
-        return self.num_params - self.idle_params
 
 
 def shape(config: Config) -> Qwen3NextShape:
