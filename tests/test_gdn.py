@@ -190,16 +190,16 @@ def test_qwen3_next_preset_counts_are_transformers():
     assert shape.active_params == 3_874_929_408
 
 
-def with_mtp(name: str, directory) -> str:
+def with_mtp(name: str, directory, key: bool = True) -> str:
     """The fixture `name` copied with a released checkpoint's multi-token prediction layer: mtp_num_hidden_layers
-    1 in config.json and an mtp.* tensor beside the model's."""
+    1 in config.json (unless not `key`) and an mtp.* tensor beside the model's."""
     import json
 
     from maxctx.convert import safetensors
 
     directory.mkdir()
     config = json.loads((FIXTURES / name / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    (directory / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1} if key else config))
     arrays = {**tensors(FIXTURES / name), "mtp.fc.weight": np.zeros((2, 2), np.float32)}
     safetensors.write(str(directory / "model.safetensors"), [(k, v.dtype, v.shape) for k, v in arrays.items()],
                       iter(arrays.values()))
@@ -216,6 +216,8 @@ def test_multi_token_prediction_layers_are_refused_or_skipped_on_request(name, t
     said = []
     import_hf(hf, str(tmp_path / "ckpt"), [], say=lambda *a, **k: said.append(a[0]), skip_mtp_layers=True)
     assert "skipped 1 tensors of multi-token prediction layers (mtp.*)" in said
+    with pytest.raises(ConfigError, match=r"'mtp.fc.weight' is a multi-token prediction layer's .*--skip_mtp_layers"):
+        import_hf(with_mtp(name, tmp_path / "no_key", key=False), str(tmp_path / "x"), [], say=lambda *a, **k: None)
 
 
 def test_qwen3_next_loss_is_transformers_with_its_load_balancing_term(tmp_path):

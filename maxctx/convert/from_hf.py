@@ -149,6 +149,11 @@ def plan(hf_path: str, hf_keys: dict, config: Config, block: tuple[int, int] | N
                           f"would drop it; set logits_via_embedding=false")
     extra = sorted(n for n in files if n not in used and not n.endswith(IGNORED)
                    and not (n == "lm_head.weight" and hf_keys["logits_via_embedding"]))
+    mtp = [n for n in extra if n.startswith("mtp.")]  # Qwen3.5 / Qwen3-Next releases' prediction layers
+    if mtp:
+        raise ConfigError(f"{files[mtp[0]].path}: tensor '{mtp[0]}' is a multi-token prediction layer's (mtp.*), "
+                          f"which maxctx does not train; convert the main model without them with from_hf "
+                          f"--skip_mtp_layers")
     if extra:
         raise ConfigError(f"{files[extra[0]].path}: tensor '{extra[0]}' has no place in this config's model "
                           f"(base_num_decoder_layers={keys['base_num_decoder_layers']}, config.json's "
