@@ -37,9 +37,9 @@ class BalancedRing(P2P):
         if not config.context_parallel_load_balance:
             raise ConfigError(f"context_parallel_strategy={self.name} needs context_parallel_load_balance=true")
 
-    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H=None):
         ATTENDED.append(self.name)
-        return super().attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec)
+        return super().attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxctx.attention.cp import halo, strategies
-from maxctx.attention.kernels import splash, tokamax_splash
+from maxctx.attention.kernels import sinks, splash, tokamax_splash
 from maxctx.attention.kernels.local import make_local
 from maxctx.config import AttentionKernel, Config, ConfigError
 from maxctx.parallelism import mesh_context_degree
@@ -66,8 +66,10 @@ def resolve_kernel(name: str, platform: str | None = None, dtype=None, softcap: 
     return "blockwise"
 
 
-def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh=None):
-    """Causal, document-masked attention; returns out[B, S, H, D]."""
+def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh=None, sinks_H=None):
+    """Causal, document-masked attention; returns out[B, S, H, D]. `sinks_H`: attention sinks (GPT-OSS), one
+    learned logit per query head in every row's softmax denominator, merged once per row whatever the strategy and
+    kernel (maxctx.attention.kernels.sinks); None: none."""
     platform = mesh.devices.flat[0].platform if mesh is not None else None  # abstract TPU devices say "tpu"
     kernel = tokamax_splash.resolve(resolve_kernel(spec.kernel, platform=platform, dtype=q_BSHD.dtype,
                                                    softcap=spec.logit_softcap), spec.tokamax)
@@ -75,17 +77,17 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
                            group=q_BSHD.shape[2] // k_BSKD.shape[2], window=spec.window,
-                           splash_blocks=spec.splash_blocks, softcap=spec.logit_softcap)
-        return local.attend(0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
-                            segment_ids_BS)[0]
+                           splash_blocks=spec.splash_blocks, softcap=spec.logit_softcap, ring=sinks_H is not None)
+        return sinks.attend(local, 0, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, positions_BS,
+                            segment_ids_BS, sinks_H)
     cp = mesh_context_degree(mesh.shape)
     strategy = strategies.get(spec.strategy if cp > 1 else "all_gather")
     spec = dataclasses.replace(spec, kernel=kernel)
     if spec.window and cp > 1 and strategy.local_by_halo:
-        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec)
+        out = halo.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H)
         if out is not None:  # None: a halo would move as much as the strategy's own path
             return out
-    return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec)
+    return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H)
 
 
 __all__ = ["AttentionSpec", "attend", "resolve_kernel"]

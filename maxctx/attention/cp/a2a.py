@@ -85,11 +85,12 @@ class A2A(Strategy):
     def planner_degrees(self, cp: int) -> tuple[int, ...]:
         return (cp,)
 
-    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H=None):
         from maxctx.attention.cp.load_balance import stored_order
         from maxctx.attention.cp.seq_to_heads import a2a_attention
         from maxctx.attention.cp.sharded import context_shard_map
         from maxctx.attention.kernels.local import make_local
+        from maxctx.attention.kernels.sinks import attend as sink_attend
 
         if mesh.shape[RING_AXIS] > 1:
             raise ConfigError(f"context_parallel_strategy=a2a puts the whole context degree on the all-to-all, but "
@@ -101,15 +102,15 @@ class A2A(Strategy):
                            group=h // replicated_kv_heads(kv_heads, u), window=spec.window,
                            splash_blocks=spec.splash_blocks,
                            documents=spec.load_balance == "documents" and u > 1, sort_keys=True,
-                           softcap=spec.logit_softcap)
+                           softcap=spec.logit_softcap, ring=sinks_H is not None)
 
-        def inner(q, k, v, pos, seg):
-            return local.attend(0, q, k, v, pos, seg, pos, seg)[0]
+        def inner(q, k, v, pos, seg, sinks):
+            return sink_attend(local, 0, q, k, v, pos, seg, pos, seg, sinks)
 
-        def body(q, k, v, pos, seg):
-            return a2a_attention(q, k, v, pos, seg, u, inner)
+        def body(q, k, v, pos, seg, sinks):
+            return a2a_attention(q, k, v, pos, seg, u, inner, sinks)
 
-        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, sinks_H)
 
 
 STRATEGY = A2A()

@@ -42,12 +42,13 @@ class AllGather(Strategy):
         """The backward's gathered dK, dV B S K (D + Dv) b and its dq accumulator B (S/C) H D 4."""
         return s.batch * (s.seq * s.kv_heads * s.kv_width * s.itemsize + s.seq / s.cp * s.heads * s.head_dim * 4)
 
-    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H=None):
         import jax
 
         from maxctx.attention.cp.load_balance import stored_order
         from maxctx.attention.cp.sharded import CONTEXT, context_shard_map
         from maxctx.attention.kernels.local import make_local
+        from maxctx.attention.kernels.sinks import attend as sink_attend
 
         cp = mesh_context_degree(mesh.shape)
         seq, h, kv_heads = q_BSHD.shape[1], q_BSHD.shape[2], k_BSKD.shape[2]
@@ -55,15 +56,14 @@ class AllGather(Strategy):
                            order=stored_order(seq, cp, spec.load_balance), q_shards=cp, q_axes=CONTEXT,
                            group=h // kv_heads, window=spec.window, splash_blocks=spec.splash_blocks,
                            documents=spec.load_balance == "documents" and cp > 1, sort_keys=True,
-                           softcap=spec.logit_softcap)
+                           softcap=spec.logit_softcap, ring=sinks_H is not None)
 
-        def body(q, k, v, pos, seg):
+        def body(q, k, v, pos, seg, sinks):
             k_all, v_all, pos_all, seg_all = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
                                               for x in (k, v, pos, seg))
-            out, _ = local.attend(0, q, k_all, v_all, pos, seg, pos_all, seg_all)
-            return out
+            return sink_attend(local, 0, q, k_all, v_all, pos, seg, pos_all, seg_all, sinks)
 
-        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, sinks_H)
 
 
 STRATEGY = AllGather()

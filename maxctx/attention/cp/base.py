@@ -26,7 +26,8 @@ defaults:
     planner_degrees(cp)               the A2A degrees U the planner tries, one candidate each; default (1,)
     label(cp, a2a)                    the planner's name for a candidate; default the strategy's name
     candidate_config(config, a2a)     the config that runs a candidate
-    attend(q, k, v, positions, segment_ids, mesh, spec) -> out    the shard_map'd attention
+    attend(q, k, v, positions, segment_ids, mesh, spec, sinks_H=None) -> out    the shard_map'd attention, with
+                                      attention sinks [H] merged once per row when given (kernels/sinks.py)
 
 `comm_volume(shape)` is what the roofline and the planner read: a local layer's halo traffic where the halo applies,
 else `global_comm_volume`. Formulas are functions of maxctx.attention.cp.cost.AttentionShape, the single statement of
@@ -107,5 +108,5 @@ class Strategy:
         """The config that runs this strategy at A2A degree `a2a` (one of planner_degrees)."""
         return dataclasses.replace(config, context_parallel_strategy=self.name, context_parallel_a2a_degree=0)
 
-    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H=None):
         raise NotImplementedError(f"{type(self).__name__}.attend")

@@ -153,7 +153,7 @@ def comm_volume(p: HaloPlan, batch: float, kv_heads: int, kv_width: int, itemsiz
             [Collective("collective-permute", kv, p.devices)])
 
 
-def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
+def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg, sinks_H=None):
     """Attention of a local layer inside shard_map over `axis`: q[B, n, H, Dk], k[B, n, K, Dk], v[B, n, K, Dv],
     pos/seg[B, n]; `local` a LocalKernel with the window, for chunk queries against their W + L keys. Returns
     out[B, n, H, Dv]."""
@@ -161,6 +161,7 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
     import jax.numpy as jnp
 
     from maxctx.attention.cp.sharded import join_kv, split_kv
+    from maxctx.attention.kernels.sinks import attend as sink_attend
 
     me = jax.lax.axis_index(axis)
     b, n = q.shape[:2]
@@ -199,12 +200,12 @@ def local_attention(p: HaloPlan, local, axis, q, k, v, pos, seg):
 
     q_c = q.reshape(b, m, L, *q.shape[2:]).swapaxes(0, 1)
     ids_q = ids_c.swapaxes(1, 2).swapaxes(0, 1)  # [m, 2, B, L]
-    out, _ = local.attend(0, fold(q_c), fold(keys_k), fold(keys_v), fold(ids_q[:, 0]),
-                          fold(ids_q[:, 1]), fold(key_ids[:, 0]), fold(key_ids[:, 1]))
+    out = sink_attend(local, 0, fold(q_c), fold(keys_k), fold(keys_v), fold(ids_q[:, 0]), fold(ids_q[:, 1]),
+                      fold(key_ids[:, 0]), fold(key_ids[:, 1]), sinks_H)
     return out.reshape(m, b, L, *out.shape[2:]).swapaxes(0, 1).reshape(*q.shape[:3], v.shape[-1])
 
 
-def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H=None):
     """A local layer over the context axes by halo exchange (any strategy's token layout but a2a's), or None when
     `layout_plan` says the strategy's own path moves no more. `spec`: as a strategy's attend takes it
     (maxctx.attention.cp.base)."""
@@ -219,9 +220,9 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
         return None
     local = make_band(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh, chunk=p.chunk, halo=p.halo,
                       window=spec.window, group=q_BSHD.shape[2] // k_BSKD.shape[2], splash_blocks=spec.splash_blocks,
-                      softcap=spec.logit_softcap)
+                      softcap=spec.logit_softcap, residuals=sinks_H is not None)
 
-    def body(q, k, v, pos, seg):
-        return local_attention(p, local, CONTEXT, q, k, v, pos, seg)
+    def body(q, k, v, pos, seg, sinks):
+        return local_attention(p, local, CONTEXT, q, k, v, pos, seg, sinks)
 
-    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+    return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, sinks_H)

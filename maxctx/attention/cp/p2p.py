@@ -66,7 +66,7 @@ class P2P(Strategy):
     def transient_bytes(self, s: AttentionShape) -> float:
         return ring_transient_bytes(s, self.overlapped_backward)
 
-    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H=None):
         from maxctx.attention.cp.load_balance import stored_order
         from maxctx.attention.cp.ring import check_ring_local, ring_attention
         from maxctx.attention.cp.sharded import CONTEXT, context_shard_map
@@ -82,10 +82,10 @@ class P2P(Strategy):
 
         check_ring_local(local, self.name)
 
-        def body(q, k, v, pos, seg):
-            return ring_attention(local, CONTEXT, cp, spec.ring_backward_overlap, q, k, v, pos, seg, pos, seg)
+        def body(q, k, v, pos, seg, sinks):
+            return ring_attention(local, CONTEXT, cp, spec.ring_backward_overlap, q, k, v, pos, seg, pos, seg, sinks)
 
-        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, sinks_H)
 
 
 STRATEGY = P2P()

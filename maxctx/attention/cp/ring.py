@@ -8,7 +8,8 @@ permute moves both.
 Forward: R hops; at hop t the device holds the K/V block of ring rank (r - t) mod R, sends it on with ppermute
 (issued before the hop's compute, so XLA can overlap them) and merges the hop's (out, lse) into fp32 accumulators
 with a stable log-add-exp (a logit soft-cap is applied in each hop's kernel, before its max and lse, so the merge of
-capped hops is the capped attention). Backward (custom VJP): the same hops in the same order, each computing the hop's
+capped hops is the capped attention; attention sinks are merged once, after the last hop: kernels/sinks.py).
+Backward (custom VJP): the same hops in the same order, each computing the hop's
 (dq, dk, dv) from the *merged* out and lse; dq stays home, dK/dV accumulators (fp32) travel with their block and
 reach its owner after the last hop, so nothing of size O(S) is saved or held. A hop adds its dK/dV and sends them
 on, so the backward's sends wait for its kernel, where every forward K/V send overlaps its hop's attention. With
@@ -38,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.attention.cp.sharded import join_kv, ring_shift, split_kv
 from maxctx.attention.kernels.local import LocalKernel
+from maxctx.attention.kernels.sinks import merge as merge_sink, sink_grad
 from maxctx.config import ConfigError
 
 
@@ -78,7 +80,7 @@ def _maybe(window: int, q_pos, q_seg, kv_pos, kv_seg, skipped, compute, *operand
     return jax.lax.cond(seen, compute, lambda *_: skipped, *operands)
 
 
-def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
+def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks, sinks):
     q, k, v, qp, qs, kp, ks = _tie(q, k, v, qp, qs, kp, ks)
     b, s, h, _ = q.shape
     dk, dv = k.shape[-1], v.shape[-1]
@@ -99,26 +101,30 @@ def _ring_forward(local: LocalKernel, axis, size: int, q, k, v, qp, qs, kp, ks):
             join_kv(k, v), jnp.stack([kp, ks]))  # one permute each for K/V and for the ids
     out, lse, kv, ids = jax.lax.fori_loop(0, size - 1, hop_with_send, init)
     out, lse = compute(size - 1, out, lse, kv, ids)
+    if sinks is not None:  # once, after every hop (a sink merged per hop would count R times)
+        out, lse = merge_sink(out, lse, sinks)
     return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def ring_attention(local: LocalKernel, axis, size: int, overlap: bool, q, k, v, qp, qs, kp, ks):
+def ring_attention(local: LocalKernel, axis, size: int, overlap: bool, q, k, v, qp, qs, kp, ks, sinks=None):
     """Ring attention of local q against the K/V blocks of all `size` ranks of `axis`; call inside shard_map.
-    `overlap`: the software-pipelined backward (module doc; AttentionSpec.ring_backward_overlap)."""
-    return _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)[0]
+    `overlap`: the software-pipelined backward (module doc; AttentionSpec.ring_backward_overlap). `sinks`: the
+    local heads' sink logits [H] (maxctx.attention.kernels.sinks), or None."""
+    return _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks, sinks)[0]
 
 
-def _ring_fwd(local, axis, size, overlap, q, k, v, qp, qs, kp, ks):
-    out, lse = _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks)
+def _ring_fwd(local, axis, size, overlap, q, k, v, qp, qs, kp, ks, sinks):
+    out, lse = _ring_forward(local, axis, size, q, k, v, qp, qs, kp, ks, sinks)
     # The backward's residuals beside q, k, v: named as the layer's attention output, so a remat policy that keeps
     # `context` (on the device or the host) keeps them too and the backward need not run the ring forward again.
     out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
-    return out, (q, k, v, qp, qs, kp, ks, out, lse)
+    return out, (q, k, v, qp, qs, kp, ks, sinks, out, lse)
 
 
 def _ring_bwd(local, axis, size, overlap, res, dout):
-    q, k, v, qp, qs, kp, ks, out, lse = res
+    # With sinks, out and lse are the sink-merged ones: each hop's backward against them is exact (sinks.py).
+    q, k, v, qp, qs, kp, ks, sinks, out, lse = res
     dk, dv = k.shape[-1], v.shape[-1]  # dK/dV travel joined like K/V (join_kv), V's part first like vk's
 
     def compute(hop, dq, dkv, vk, ids):
@@ -164,7 +170,8 @@ def _ring_bwd(local, axis, size, overlap, res, dout):
         dq, dkv = compute(size - 1, dq, ring_shift(dkv, axis, size), vk, ids)
     dkv = ring_shift(dkv, axis, size)  # after R shifts: at the owner
     dv_all, dk_all = split_kv(dkv, dv, dk)
-    return dq.astype(q.dtype), dk_all.astype(k.dtype), dv_all.astype(v.dtype), None, None, None, None
+    dsinks = None if sinks is None else sink_grad(out, lse, dout, sinks)
+    return dq.astype(q.dtype), dk_all.astype(k.dtype), dv_all.astype(v.dtype), None, None, None, None, dsinks
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

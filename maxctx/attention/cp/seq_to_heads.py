@@ -30,9 +30,13 @@ def repeat_kv(x_BSKD, degree: int):
     return jnp.repeat(x_BSKD, reps, axis=2) if reps > 1 else x_BSKD
 
 
-def a2a_attention(q, k, v, pos, seg, degree: int, inner):
-    """Sequence-to-heads over A2A_AXIS, then inner(q, k, v, pos, seg) on [B, S_block, heads/U, D]."""
+def a2a_attention(q, k, v, pos, seg, degree: int, inner, sinks_H=None):
+    """Sequence-to-heads over A2A_AXIS, then inner(q, k, v, pos, seg, sinks) on [B, S_block, heads/U, D], with
+    `sinks_H` (attention sinks [H], or None) cut to the device's heads/U."""
+    heads = q.shape[2] // degree
+    if sinks_H is not None:  # seq_to_heads gives device i of the axis heads [i H/U, (i + 1) H/U)
+        sinks_H = jax.lax.dynamic_slice_in_dim(sinks_H, jax.lax.axis_index(A2A_AXIS) * heads, heads)
     k, v = repeat_kv(k, degree), repeat_kv(v, degree)
     q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
     pos, seg = (jax.lax.all_gather(x, A2A_AXIS, axis=1, tiled=True) for x in (pos, seg))
-    return heads_to_seq(inner(q, k, v, pos, seg))
+    return heads_to_seq(inner(q, k, v, pos, seg, sinks_H))

@@ -36,8 +36,10 @@ def ring_shift(tree, axis, size: int):
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
 
 
-def context_shard_map(body: Callable, mesh: Mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS):
-    """Runs body(q, k, v, positions, segment_ids) on each device's shards; returns out like q.
+def context_shard_map(body: Callable, mesh: Mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS,
+                      sinks_H=None):
+    """Runs body(q, k, v, positions, segment_ids, sinks) on each device's shards; returns out like q. `sinks_H`
+    (attention sinks, one logit per query head, or None) reaches the body as its device's heads' [H_tensor].
 
     With fewer kv heads than the tensor axis (kv replicated over it), each device keeps the one kv head its
     local query heads use, so GQA grouping is the same locally as globally.
@@ -49,15 +51,16 @@ def context_shard_map(body: Callable, mesh: Mesh, q_BSHD, k_BSKD, v_BSKD, positi
     kv_spec = P(BATCH, CONTEXT, TENSOR_AXIS if kv_sharded else None, None)
     bs_spec = P(BATCH, CONTEXT)
 
-    def wrapped(q, k, v, pos, seg):
+    def wrapped(q, k, v, pos, seg, *sinks):
         if not kv_sharded:
             head = jax.lax.axis_index(TENSOR_AXIS) * (h // tp) // (h // kv_heads)
             k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=2)
             v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=2)
-        return body(q, k, v, pos, seg)
+        return body(q, k, v, pos, seg, *sinks or (None,))
 
-    fn = shard_map(wrapped, mesh, (q_spec, kv_spec, kv_spec, bs_spec, bs_spec), q_spec)
-    return fn(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+    sinks = () if sinks_H is None else (sinks_H,)
+    specs = (q_spec, kv_spec, kv_spec, bs_spec, bs_spec) + (P(TENSOR_AXIS),) * len(sinks)
+    return shard_map(wrapped, mesh, specs, q_spec)(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, *sinks)
 
 
 def join_kv(k, v):

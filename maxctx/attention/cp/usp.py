@@ -78,7 +78,7 @@ class USP(Strategy):
     def candidate_config(self, config: Config, a2a: int) -> Config:
         return dataclasses.replace(config, context_parallel_strategy=self.name, context_parallel_a2a_degree=a2a)
 
-    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec):
+    def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H=None):
         from maxctx.attention.cp.load_balance import stored_order
         from maxctx.attention.cp.ring import check_ring_local, ring_attention
         from maxctx.attention.cp.seq_to_heads import a2a_attention
@@ -96,16 +96,16 @@ class USP(Strategy):
 
         check_ring_local(local, self.name)
 
-        def inner(q, k, v, pos, seg):
+        def inner(q, k, v, pos, seg, sinks):
             kp, ks = pos, seg
             if local.documents:  # the a2a group's ranks, one after another: back in document order for the ring
                 kp, ks, k, v = sort_keys(pos, seg, k, v)
-            return ring_attention(local, RING_AXIS, r, spec.ring_backward_overlap, q, k, v, pos, seg, kp, ks)
+            return ring_attention(local, RING_AXIS, r, spec.ring_backward_overlap, q, k, v, pos, seg, kp, ks, sinks)
 
-        def body(q, k, v, pos, seg):
-            return a2a_attention(q, k, v, pos, seg, u, inner)
+        def body(q, k, v, pos, seg, sinks):
+            return a2a_attention(q, k, v, pos, seg, u, inner, sinks)
 
-        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS)
+        return context_shard_map(body, mesh, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, sinks_H)
 
 
 STRATEGY = USP()

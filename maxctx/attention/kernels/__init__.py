@@ -10,6 +10,7 @@
     cudnn.py           GPU: cuDNN's causal and packed mask types where the call's tokens allow
     document_blocks.py splash's tables narrowed to the batch's documents (context_parallel_load_balance=documents)
     index_runs.py      index sets as runs of integers: which splash kernels of a layout have equal masks
+    sinks.py           attention sinks (GPT-OSS): a per-head logit merged once into a row's (out, lse)
     scopes.py          the named scopes the kernels write and maxctx.plan.program reads (no JAX)
 
 Nothing here imports maxctx.attention.cp: a strategy picks a kernel, never the reverse.

@@ -15,6 +15,7 @@ index-based, see splash.py), the others mask from positions. Splash rings run th
 own dQ and dK/dV kernels given the ring's merged out and lse (splash_backward); cuDNN rings, and splash's where this JAX
 lacks those kernels or with Blocks.ring_backward=False, with the blockwise backward (exact, pure JAX): cuDNN
 exposes no backward that takes the merged lse. tokamax rings run tokamax's fused backward kernel the same way.
+Attention sinks (GPT-OSS) run on block_forward / block_backward in every kernel (sinks.py).
 `softcap` > 0 (attn_logits_soft_cap) caps every kernel's scores, splash's and tokamax's through their own
 `attn_logits_soft_cap`, so a ring's hops merge capped scores; cuDNN has no soft-cap and is refused (ConfigError).
 
@@ -233,16 +234,18 @@ def _check_softcap(name: str, softcap: float) -> None:
 
 
 def make_band(name: str, block_q: int, block_kv: int, *, mesh=None, chunk: int, halo: int, window: int,
-              group: int = 1, splash_blocks: splash.Blocks | None = None, softcap: float = 0.0) -> LocalKernel:
+              group: int = 1, splash_blocks: splash.Blocks | None = None, softcap: float = 0.0,
+              residuals: bool = False) -> LocalKernel:
     """The kernel of a local layer's chunk (maxctx.attention.cp.halo): `chunk` queries against the `halo` keys before
-    them and themselves, all in original order; splash gets the one static sliding-window mask they share."""
+    them and themselves, all in original order; splash gets the one static sliding-window mask they share.
+    `residuals`: splash's kernel returns lse, for block_forward / block_backward (attention sinks: sinks.py)."""
     _check_softcap(name, softcap)
     if name not in ("splash", tokamax_splash.NAME):
         return LocalKernel(name, block_q, block_kv, window=window, softcap=softcap)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     build = tokamax_splash.make_kernel if name == tokamax_splash.NAME else splash.make_kernel
     kernel = build(np.arange(halo, halo + chunk), np.arange(halo + chunk), group, block_q, block_kv,
-                   save_residuals=False, interpret=platform != "tpu", window=window,
+                   save_residuals=residuals, interpret=platform != "tpu", window=window,
                    blocks=splash_blocks or splash.Blocks(), softcap=softcap)
     return LocalKernel(name, block_q, block_kv, None, window, (kernel,), ((0,),), softcap=softcap)
 
