@@ -21,7 +21,7 @@ from maxctx.loader import load_config
 from maxctx.model import families
 from maxctx.model.decoder import Decoder, count_params
 from maxctx.model.layers import ModelConfig
-from maxctx.model.qwen35 import cp as gdn_cp, gdn
+from maxctx.model.qwen35 import cp as gdn_cp, family as qwen35_family, gdn
 from maxctx.model.qwen35.family import QWEN3_5
 from maxctx.plan import planner, step_time
 from tests.support.hf import FIXTURES, logits, relative_error, tensors
@@ -127,7 +127,7 @@ def collective_kinds(seq: int, cp: int, zigzag: bool) -> dict:
 
 @pytest.mark.parametrize("cp,zigzag", [(4, False), (8, True)])
 def test_collective_bytes_are_the_formula_at_two_lengths(cp, zigzag):
-    want = gdn_cp.comm_bytes(B, N, K, V, X, W, 4, cp, zigzag)
+    want = qwen35_family.exchange_bytes(B, N, K, V, X, W, 4, cp, zigzag)
     assert collective_kinds(128, cp, zigzag) == collective_kinds(512, cp, zigzag) == {"collective-permute": want}
 
 
@@ -178,6 +178,52 @@ def test_the_planner_prices_the_linear_layers_and_plans_a_million_tokens():
     flops = step_time.per_token(config, 1)["flops"]
     assert flops["context"] > 0
     assert planner.plan(config).choice.valid
+
+
+def million(**changes):
+    """qwen3.5-9b on v5p-128 at 2^20 tokens, C = 64, one sequence; `changes` replace keys."""
+    keys = {"compile_topology": "v5p-128", "model_name": "qwen3.5-9b", "max_target_length": 1048576,
+            "ici_context_parallelism": 64, "ici_fsdp_parallelism": 1, "per_device_batch_size": 0.015625,
+            "attention": "splash", "context_parallel_strategy": "usp", "context_parallel_a2a_degree": 4,
+            "remat_policy": "full", **changes}
+    return load_config(["configs/base.yml", *(f"{k}={v}" for k, v in keys.items())])
+
+
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_the_time_model_prices_the_prefix_scan_by_log2_c_whatever_the_length(zigzag):
+    """A step waits for each linear layer's prefix scan, forward and backward: the same at 2^20 and 2^22 tokens,
+    and each doubling of C adds a collective-permute of the fp32 states (two under the zig-zag's two scans), each
+    with the ICI latency."""
+    def seconds(seq: int, cp: int) -> float:
+        config = million(max_target_length=seq, ici_context_parallelism=cp, ici_fsdp_parallelism=64 // cp,
+                         per_device_batch_size=1 / cp, context_parallel_load_balance=str(zigzag).lower(),
+                         context_parallel_strategy="p2p", context_parallel_a2a_degree=0)
+        hw = step_time.hardware(config, 64)
+        return step_time.linear_exchange_s(config, planner.mesh_plan(config), hw, 1), hw.link_bytes_per_s
+
+    (short, link), (long, _), (wide, _) = seconds(2**20, 8), seconds(2**22, 8), seconds(2**20, 16)
+    scans, passes, layers = 1 + zigzag, 2, 24  # forward and backward; qwen3.5-9b's 32 layers, 8 of them full
+    step = 4 * 32 * (128 * 128 + 128 * 128) / link + step_time.ICI_LATENCY_S
+    assert short == long > 0
+    assert wide - short == pytest.approx(layers * passes * scans * step, rel=1e-9)
+
+
+def test_the_step_runs_the_delta_rule_and_exchanges_only_the_full_layers_attention():
+    """The delta rule's FLOPs join the matmul term (more under CP: each rank also builds its run's map), and the
+    CP strategy's collectives are priced for the 8 full-attention layers, not all 32."""
+    config = million()
+    shape, plan = families.shape(config), planner.mesh_plan(config)
+    hw = step_time.hardware(config, 64)
+    est = step_time.estimate(config, plan, 1, hw)
+    rate = hw.peak_flops * step_time.XLA_MATMUL_EFFICIENCY
+    tokens = 2**20 / 64
+    assert shape.linear_flops(tokens, 64) > shape.linear_flops(tokens, 1) > 0
+    assert est.matmul_s * rate == pytest.approx(shape.matmul_flops(tokens) + shape.linear_flops(tokens, 64))
+    scan = step_time.linear_exchange_s(config, plan, hw, est.forwards_per_layer)
+    attention = step_time._cp_seconds(config, plan, hw, hw.peak_flops * step_time.attention_efficiency(config),
+                                      est.forwards_per_layer)[1]
+    assert scan > 0
+    assert est.exposed_collective_s == pytest.approx(8 * attention + scan)
 
 
 def test_qwen3_next_preset_counts_are_transformers():

@@ -84,6 +84,22 @@ class ModelShape:
         """Forward + backward FLOPs of QK^T and PV over `pairs` (query, key) pairs summed over layers."""
         return 12.0 * self.num_heads * self.head_dim * pairs
 
+    # A hybrid family's linear-attention layers (maxctx.model.qwen35.family) override these three; a softmax
+    # family has none.
+    @property
+    def attention_layers(self) -> int:
+        """Layers whose tokens mix by attention, each with the CP strategy's collectives."""
+        return self.num_layers
+
+    def linear_flops(self, tokens: float, cp: int = 1) -> float:
+        """Forward + backward FLOPs of the linear layers' token mixing over `tokens` tokens per device, C = cp."""
+        return 0.0
+
+    def linear_exchange(self, batch: float, cp: int, zigzag: bool) -> tuple[float, int]:
+        """(bytes one rank receives, collective-permutes waited for in turn) of one linear layer's forward under CP
+        with `batch` rows per device."""
+        return 0.0, 0
+
     @property
     def itemsize(self) -> int:
         """Bytes of one activation element (`dtype`)."""

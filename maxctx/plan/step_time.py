@@ -30,7 +30,9 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
                  of the block it carries, at the attention's calibrated rate; all-gather, reduce-scatter and
                  all-to-all wait), and the weights' gathers, gradients' reductions and tensor-parallel traffic
                  (roofline.traffic's ICI and DCN bytes), which XLA runs asynchronously beside the layers' compute:
-                 exposed by what exceeds that compute
+                 exposed by what exceeds that compute. A hybrid family's linear layers (ModelShape.attention_layers
+                 fewer than its layers) have the prefix scan's instead: linear_exchange_s, exposed in full; their
+                 delta rule's FLOPs (ModelShape.linear_flops) join the matmul term at its rate
     host         bytes to and from pinned host memory (the compiled program's when given, else the offloaded
                  tensors' shapes x layers, each way) at HOST_BYTES_PER_S each way, as asynchronous copies: to the
                  host during the forward, back during the backward; exposed by what one way's time exceeds the
@@ -257,22 +259,38 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     matmul_rate = hw.peak_flops * (hw.matmul_efficiency or XLA_MATMUL_EFFICIENCY)
     redone_s = redone / matmul_rate
     recompute_s = redone_s + (forwards_per_layer - 1) * RECOMPUTE_ATTENTION * forward_attention_s
-    matmul_s = matmul_flops / matmul_rate
+    matmul_s = (matmul_flops + shape.linear_flops(t, cp)) / matmul_rate
     passes = 2 if redone else 1
     moved = traffic(config, mesh, global_batch, passes)
     memory_s = max(0.0, moved["hbm"] / hw.hbm_bytes_per_s - matmul_s - redone_s)
     compute_s = matmul_s + attention_flops / attention_rate + recompute_s + memory_s
 
     cp_total, cp_exposed = _cp_seconds(config, plan, hw, attention_rate, forwards_per_layer)
+    scan_s = linear_exchange_s(config, plan, hw, forwards_per_layer)
     other = moved["ici"] / hw.ici_bytes_per_s + moved["dcn"] / hw.dcn_bytes_per_s
-    exposed = layers * cp_exposed + max(0.0, other - compute_s)
+    exposed = shape.attention_layers * cp_exposed + scan_s + max(0.0, other - compute_s)
     if host_bytes is None:
         host_bytes = 2 * t * sum(per["bytes"][name] * offloading_layers(config, name)
                                  for name, w in where.items() if w == "offload")
     host_s = host_bytes / 2 / hw.host_bytes_per_s  # one way: to the host in the forward, back in the backward
     return StepTime(matmul_s, attention_flops / attention_rate, recompute_s, memory_s,
-                    layers * cp_total + other, exposed, host_s, max(0.0, host_s - compute_s / 3), model_flops,
-                    forwards_per_layer, host_bytes)
+                    shape.attention_layers * cp_total + scan_s + other, exposed, host_s,
+                    max(0.0, host_s - compute_s / 3), model_flops, forwards_per_layer, host_bytes)
+
+
+def linear_exchange_s(config: Config, plan: MeshPlan, hw: Hardware, forwards: float) -> float:
+    """Seconds per step of the linear layers' CP exchange (a hybrid family's: maxctx.model.qwen35.cp): each forward
+    and the backward wait for every collective-permute of the prefix scan in turn, its bytes at one link's rate
+    and a latency each, none hidden behind compute (each step needs the one before). Independent of S."""
+    shape = families.shape(config)
+    linear = shape.num_layers - shape.attention_layers
+    if not linear or plan.cp == 1:
+        return 0.0
+    batch = config.per_device_batch_size * plan.cp * plan.sizes[TENSOR_AXIS]
+    sent, steps = shape.linear_exchange(batch, plan.cp, config.context_parallel_load_balance is True)
+    across = plan.dcn_cp > 1
+    bw = min(hw.link_bytes_per_s, hw.dcn_bytes_per_s) if across else hw.link_bytes_per_s
+    return linear * (forwards + 1) * (sent / bw + steps * (DCN_LATENCY_S if across else ICI_LATENCY_S))
 
 
 def _cp_seconds(config: Config, plan: MeshPlan, hw: Hardware, attention_rate: float,

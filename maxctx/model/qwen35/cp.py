@@ -18,8 +18,8 @@ then a backward scan (rank r after rank r + 1) over the second halves starting f
 its halo from the rank before it in the sequence (rank C - 1's second half from its own first). Twice the bytes.
 Documents placed on the ranks (`documents`) are refused by maxctx.model.qwen35.family.
 
-Bytes one rank receives per linear layer, forward (`comm_bytes`, checked against the compiled HLO by
-tests/test_gdn.py), with h = 2 halves under the zig-zag, else 1:
+Bytes one rank receives per linear layer, forward (maxctx.model.qwen35.family.exchange_bytes, which the time model
+reads; checked against the compiled HLO by tests/test_gdn.py), with h = 2 halves under the zig-zag, else 1:
 
     h [(W - 1) B (X b + 4)  +  4 B N ((steps - 1) (K K + K V) + 2 K V)],   steps = ceil(log2 C)
 
@@ -28,24 +28,12 @@ independent of the sequence length (a softmax layer's ring moves S / C tokens pe
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxctx.model.qwen35 import gdn
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES
-
-
-def comm_bytes(batch: int, heads: int, key_dim: int, value_dim: int, channels: int, width: int, itemsize: int,
-               cp: int, zigzag: bool = False) -> int:
-    """Bytes one rank receives by collective-permute in one linear layer's forward (module doc)."""
-    if cp == 1:
-        return 0
-    steps = math.ceil(math.log2(cp))
-    state = 4 * batch * heads * ((steps - 1) * (key_dim * key_dim + key_dim * value_dim) + 2 * key_dim * value_dim)
-    return (2 if zigzag else 1) * ((width - 1) * batch * (channels * itemsize + 4) + state)
 
 
 def _shift(x, axis, cp: int, distance: int = 1):

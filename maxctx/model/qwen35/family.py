@@ -14,18 +14,24 @@ layers and one full one. A linear layer's tensors per token and device (its head
 parallelism: maxctx.model.qwen35.cp runs them whole):
 
     query_proj   X b        forward 2 D X           q | k | v before the convolution
-    context      Nv Dv b                            the delta rule's output; its chunked FLOPs, about
-                                                    2 Nv (2 L (Dk + Dv) + 3 Dk Dv) with chunk L = 64, counted here
+    context      Nv Dv b                            the delta rule's output; its chunked FLOPs
+                                                    (`delta_rule_flops`, chunk L = 64), which a recompute reruns
     out_proj     D b        2 Nv Dv D (and 2 D (Nv Dv + 2 Nv) for z, b, a, which no remat name keeps)
 
 and the full layer's are Llama's with the query's output gate (q twice as wide). `tile`: the larger of the
-SwiGLU's and the delta rule's fp32 chunk operands per token, 4 Nv (5 Dk + 2 Dv + 3 L). The calibrated `work` is
-Llama's, fitted on llama3-8b, not on this family.
+SwiGLU's and the delta rule's fp32 chunk operands per token, 4 Nv (5 Dk + 2 Dv + 3 L), with the chunk states the
+scan keeps for the backward and, under CP, the run's map (A, U) per chunk: 4 Nv (2 Dk Dv + Dk Dk) / L. The
+calibrated `work` is Llama's, fitted on llama3-8b, not on this family.
+
+The time model (maxctx.plan.step_time) reads the shape's `linear_flops` (the delta rule, forward and backward, at
+the matmul rate) and `linear_exchange` (the CP prefix scan's bytes and its steps, each with the link's latency,
+none hidden behind compute), and prices the CP strategy's collectives for the `attention_layers` only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from maxctx.config import Config, ConfigError
 from maxctx.model.family import DecoderOptions, Stack, Tensor
@@ -81,8 +87,55 @@ class Qwen35Shape(ModelShape):
         """Only the full layers attend: `pairs` summed over every layer, so their share."""
         return super().attention_flops(pairs) * self.full_layers / self.num_layers
 
+    @property
+    def attention_layers(self) -> int:
+        return self.full_layers
+
+    def linear_flops(self, tokens: float, cp: int = 1) -> float:
+        """Forward + backward FLOPs of the linear layers' delta rule over `tokens` tokens: 3 x `delta_rule_flops`."""
+        return 3.0 * (self.num_layers - self.full_layers) * tokens * delta_rule_flops(self.linear_dims, cp)
+
+    def linear_exchange(self, batch: float, cp: int, zigzag: bool) -> tuple[float, int]:
+        nk, nv, dk, dv = self.linear_dims
+        return (exchange_bytes(batch, nv, dk, dv, 2 * nk * dk + nv * dv, self.conv_width, self.itemsize, cp, zigzag),
+                exchange_steps(cp, zigzag))
+
 
 CHUNK = 64  # maxctx.model.qwen35.gdn.CHUNK (that module needs JAX)
+
+
+def delta_rule_flops(linear_dims: tuple[int, int, int, int], cp: int = 1) -> float:
+    """Forward FLOPs per token of one linear layer's chunked delta rule (maxctx.model.qwen35.gdn, chunk L), 2 a
+    multiply-add, per value head: within a chunk k k^T and q k^T (2 L K), the two unit-triangular solves (L K / 2 +
+    L V / 2) and the scores times the corrected values (L V); per token with the state w M, q M, k^T v (3 K V).
+    Under CP (cp > 1) each rank also builds its run's map (gdn.transition): k^T w, k^T u (K K + K V) and the
+    chunk-to-chunk products a_c A, a_c U ((K K K + K K V) / L)."""
+    _, nv, dk, dv = linear_dims
+    macs = CHUNK * (2.5 * dk + 1.5 * dv) + 3 * dk * dv
+    if cp > 1:
+        macs += dk * (dk + dv) * (1 + dk / CHUNK)
+    return 2.0 * nv * macs
+
+
+def exchange_steps(cp: int, zigzag: bool) -> int:
+    """Collective-permutes one linear layer's forward waits for in turn (maxctx.model.qwen35.cp): the halo, the
+    prefix scan's ceil(log2 C) steps and the shift of its result; under the zig-zag the second scan's steps too."""
+    if cp == 1:
+        return 0
+    steps = math.ceil(math.log2(cp))
+    return 2 + steps * (2 if zigzag else 1)
+
+
+def exchange_bytes(batch: float, heads: int, key_dim: int, value_dim: int, channels: int, width: int,
+                   itemsize: int, cp: int, zigzag: bool = False) -> float:
+    """Bytes one rank receives by collective-permute in one linear layer's forward (maxctx.model.qwen35.cp's module
+    doc: the halo and the fp32 states of the prefix scan, whatever the sequence length); the backward's transposed
+    permutes move as many."""
+    if cp == 1:
+        return 0
+    steps = math.ceil(math.log2(cp))
+    state = 4 * batch * heads * ((steps - 1) * (key_dim * key_dim + key_dim * value_dim) + 2 * key_dim * value_dim)
+    return (2 if zigzag else 1) * ((width - 1) * batch * (channels * itemsize + 4) + state)
 
 
 def _average(shape: Qwen35Shape, full: dict[str, Tensor], linear: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -101,7 +154,7 @@ def tensors(shape: Qwen35Shape, tp: int, context_copies: int) -> dict[str, Tenso
     nk, nv, dk, dv = shape.linear_dims
     x = 2 * nk * dk + nv * dv
     linear = {"decoder_layer_input": full["decoder_layer_input"], "query_proj": Tensor(x * b, 2 * d * x),
-              "context": Tensor(nv * dv * b, 2 * nv * (2 * CHUNK * (dk + dv) + 3 * dk * dv)),
+              "context": Tensor(nv * dv * b, delta_rule_flops(shape.linear_dims)),
               "out_proj": Tensor(d * b, 2 * nv * dv * d + 2 * d * (nv * dv + 2 * nv)),
               "mlpwi": full["mlpwi"], "mlpwo": full["mlpwo"]}
     return _average(shape, full, linear)
@@ -118,9 +171,14 @@ def activation(shape: Qwen35Shape, tp: int) -> float:
     return share * full + (1 - share) * linear
 
 
+def delta_rule_tile(linear_dims: tuple[int, int, int, int]) -> float:
+    """Bytes per token of the delta rule's fp32 chunk operands and kept states (module doc)."""
+    _, nv, dk, dv = linear_dims
+    return 4 * nv * (5 * dk + 2 * dv + 3 * CHUNK + (2 * dk * dv + dk * dk) / CHUNK)
+
+
 def tile(shape: Qwen35Shape, tp: int) -> float:
-    nk, nv, dk, dv = shape.linear_dims
-    return max(llama.tile(shape, tp), 4 * nv * (5 * dk + 2 * dv + 3 * CHUNK))
+    return max(llama.tile(shape, tp), delta_rule_tile(shape.linear_dims))
 
 
 def _linear_dims(config: Config) -> tuple[int, int, int, int]:

@@ -87,9 +87,8 @@ def activation(shape: Qwen3NextShape, tp: int) -> float:
 
 def tile(shape: Qwen3NextShape, tp: int) -> float:
     """The larger of the experts' tile (MoE family's, with the shared expert) and the delta rule's chunk operands."""
-    nk, nv, dk, dv = shape.linear_dims
     experts = shape.itemsize * (3 * _experts(shape, tp) + 2 * shape.top_k * shape.emb_dim) + 4 * shape.num_experts
-    return max(experts, 4 * nv * (5 * dk + 2 * dv + 3 * qwen35.CHUNK))
+    return max(experts, qwen35.delta_rule_tile(shape.linear_dims))
 
 
 def check(config: Config) -> None:
