@@ -122,6 +122,11 @@ class Config:
     norm_topk_prob: bool = False
     load_balance_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.0
+    # MoE layers among dense ones (mixtral, qwen3_moe): layer i is MoE when (i + 1) % interleave_moe_layer_step
+    # == 0 (MaxText's key; HF's decoder_sparse_step) and i is not in mlp_only_layers (comma-separated layer
+    # indices, transformers' key), else a dense SwiGLU of base_mlp_dim.
+    interleave_moe_layer_step: int = 1
+    mlp_only_layers: str = ""
     # DeepSeek (decoder_block deepseek; MaxText's keys): multi-head latent attention's query LoRA rank (0: a plain
     # query projection), KV LoRA rank, per-head dims without and with RoPE, value head dim, YaRN's softmax mscale
     # (transformers' mscale_all_dim; 0: none); the first first_num_dense_layers layers dense (base_mlp_dim), the
@@ -351,6 +356,7 @@ MODEL_KEYS = (
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim", "full_attention_interval", "partial_rotary_factor",
     "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob", "load_balance_loss_weight",
+    "interleave_moe_layer_step", "mlp_only_layers",
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mscale",
     "first_num_dense_layers", "shared_experts", "routed_scaling_factor", "n_routing_groups", "topk_routing_group",
     "routed_score_func", "routed_bias",

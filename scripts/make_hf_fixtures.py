@@ -34,6 +34,8 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
                transformers' load-balancing loss (output_router_logits) on the tokens
     qwen3_moe  Qwen3MoeForCausalLM: QK-norm, 4 experts 48 wide, 2 per token, norm_topk_prob false (the router
                form without renormalisation); also aux_loss.npy
+    qwen3_moe_sparse  qwen3_moe's shape in 4 layers with decoder_sparse_step 2 and mlp_only_layers [3]: layers dense,
+               MoE, dense, dense (the dense ones Qwen 3's SwiGLU of intermediate_size); also aux_loss.npy
     qwen3_5    Qwen3_5ForCausalLM: layers linear, linear, linear, full (Gated DeltaNet: 2 key heads of 16, 4 value
                heads of 8, kernel 4; the full layer's output gate, per-head QK-norm, RoPE on a quarter of each head);
                key heads of 16, not 8: an L2-normalised q or k of 8 silu outputs all near 0 is common enough at
@@ -123,8 +125,13 @@ MODELS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8,
                          "beta_fast": 32.0, "beta_slow": 1.0})),
+    # last, so the seeds (a model's index here) of the others stay as they were made
+    "qwen3_moe_sparse": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        rope_theta=1e6, tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=False, num_hidden_layers=4, decoder_sparse_step=2,
+        mlp_only_layers=[3])),
 }
-MOE = ("mixtral", "qwen3_moe", "qwen3_next")
+MOE = ("mixtral", "qwen3_moe", "qwen3_moe_sparse", "qwen3_next")
 
 
 def logits(model, tokens: np.ndarray) -> np.ndarray:

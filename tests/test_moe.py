@@ -161,8 +161,9 @@ def test_a_negative_aux_loss_weight_is_refused(key):
                      f"{key}=-0.1"])
 
 
-@pytest.mark.parametrize("change,match", [({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
-                                          ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+@pytest.mark.parametrize("change,match", [({"decoder_sparse_step": 0}, "decoder_sparse_step is 0"),
+                                          ({"mlp_only_layers": [5]}, r"5 is not a layer index in \[0, 2\)"),
+                                          ({"mlp_only_layers": "0"}, "mlp_only_layers is '0', not a list"),
                                           ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1")])
 def test_layouts_the_released_models_lack_are_refused_in_one_line(change, match):
     hf = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
@@ -237,3 +238,26 @@ def test_the_load_is_the_experts_deepseeks_router_chose(sigmoid, groups, bias):
                                block.bias[...] if bias else None)[2])
     load = np.asarray(block(jnp.asarray(x), jnp.asarray(seg))[1]["moe_load"])
     np.testing.assert_array_equal(load, np.bincount(experts[seg.reshape(-1) != 0].reshape(-1), minlength=8))
+
+
+def test_dense_layers_among_the_moe_ones_are_stacked_by_run_and_counted():
+    """The qwen3_moe_sparse fixture (decoder_sparse_step 2, mlp_only_layers [3]: dense, MoE, dense, dense; its
+    logits and round trip are tests/test_family_matrix.py's): a stack per run of like layers, every parameter of
+    the checkpoint counted (the dense layers' SwiGLU of intermediate_size, no experts), the active ones without
+    the experts a token does not run; a step leaving no MoE layer is refused."""
+    from maxctx.model import families
+    from tests.support.hf import tensors
+
+    hf = json.loads((FIXTURES / "qwen3_moe_sparse" / "config.json").read_text())
+    keys = hf_layout.model_keys(hf, "config.json")
+    assert (keys["interleave_moe_layer_step"], keys["mlp_only_layers"]) == (2, "3")
+    args = ["configs/base.yml", "decoder_block=qwen3_moe", *(f"{k}={v}" for k, v in keys.items())]
+    config = load_config(args)
+    family = families.get("qwen3_moe")
+    assert [(s.kind, s.count) for s in family.stacks(config)] == [("qwen", 1), ("qwen3_moe", 1), ("qwen", 2)]
+    shape = family.shape(config)
+    assert shape.num_params == sum(t.size for t in tensors(FIXTURES / "qwen3_moe_sparse").values())
+    d, m, x, k = 32, 48, 4, 2
+    assert shape.num_params - shape.active_params == 3 * (x - k) * d * m  # one MoE layer's idle experts
+    with pytest.raises(ConfigError, match="leave no MoE layer"):
+        load_config([a.replace("interleave_moe_layer_step=2", "interleave_moe_layer_step=8") for a in args])

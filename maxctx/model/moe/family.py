@@ -13,7 +13,11 @@ Per token and device, the remat names as maxctx.model.llama.family has them, the
     mlpwo        D b           2 k M/T D, and the combine's 2 k D
     besides      the sorted copy of the token [k D] and each slot's output [k D] (b each), p [X] fp32
 
-The layer's working set is Llama's fit (maxctx.model.llama.family.WORK): not yet calibrated on a compiled MoE step.
+Dense layers among the MoE ones (interleave_moe_layer_step, mlp_only_layers: maxctx.model.moe.hf_layout.runs) are
+Llama's (mixtral) or Qwen 3's (qwen3_moe) layer with a SwiGLU of width F, a stack per run of like layers; the
+counts add Ld (3 D F - the MoE MLP's) to the parameters and the matmul FLOPs; the per-token tensors above price
+every layer as a MoE one. The layer's working set is Llama's fit (maxctx.model.llama.family.WORK): not yet
+calibrated on a compiled MoE step.
 """
 
 from __future__ import annotations
@@ -46,9 +50,13 @@ class ExpertCounts:
     M, k per token: the fields num_experts, top_k, moe_mlp_dim); shared by the MoE families' shapes."""
 
     @property
+    def moe_layers(self) -> int:
+        return self.num_layers
+
+    @property
     def idle_params(self) -> int:
-        """The experts a token does not run, over the layers: (X - k) 3 D M L."""
-        return self.num_layers * 3 * (self.num_experts - self.top_k) * self.emb_dim * self.moe_mlp_dim
+        """The experts a token does not run, over the MoE layers: (X - k) 3 D M Lm."""
+        return self.moe_layers * 3 * (self.num_experts - self.top_k) * self.emb_dim * self.moe_mlp_dim
 
     @property
     def num_params(self) -> int:
@@ -63,17 +71,37 @@ class ExpertCounts:
 @dataclasses.dataclass(frozen=True)
 class MoeShape(ExpertCounts, qwen.AttentionShape):
     """The attention's shape with X experts of width M, k per token: `mlp_params` counts what a token multiplies
-    (the router and k experts: the matmul FLOPs and MFU), `num_params` every expert."""
+    in a MoE layer (the router and k experts: the matmul FLOPs and MFU), `num_params` every expert; the
+    `dense_layers` (maxctx.model.moe.hf_layout.runs) have a SwiGLU of width F instead."""
 
     num_experts: int = 1
     top_k: int = 1
     moe_mlp_dim: int = 1
+    dense_layers: int = 0
 
     @classmethod
     def from_config(cls, config: Config) -> MoeShape:
         base = qwen.AttentionShape.from_config(config)
+        dense = config.base_num_decoder_layers - hf_layout.moe_layers(model_keys(config))
         return cls(**dataclasses.asdict(base), num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-                   moe_mlp_dim=expert_width(config))
+                   moe_mlp_dim=expert_width(config), dense_layers=dense)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.dense_layers
+
+    @property
+    def dense_delta(self) -> int:
+        """What the dense layers hold and multiply beyond the MoE layers' `mlp_params`: Ld (3 D F - mlp_params)."""
+        return self.dense_layers * (3 * self.emb_dim * self.mlp_dim - self.mlp_params)
+
+    @property
+    def matmul_params(self) -> int:
+        return super().matmul_params + self.dense_delta
+
+    @property
+    def num_params(self) -> int:
+        return super().num_params + self.dense_delta
 
     @property
     def router_params(self) -> int:
@@ -86,6 +114,11 @@ class MoeShape(ExpertCounts, qwen.AttentionShape):
 
 def expert_width(config: Config) -> int:
     return config.base_moe_mlp_dim or config.base_mlp_dim
+
+
+def model_keys(config: Config) -> dict:
+    return {k: getattr(config, k) for k in ("base_num_decoder_layers", "interleave_moe_layer_step",
+                                            "mlp_only_layers")}
 
 
 def tensors(shape: MoeShape, tp: int, context_copies: int) -> dict[str, Tensor]:
@@ -127,6 +160,11 @@ def check(config: Config) -> None:
         if not getattr(config, key) >= 0:  # NaN too
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 0 (0: off); a negative weight rewards the "
                               f"imbalance the term measures")
+    if not hf_layout.moe_layers(model_keys(config)):
+        raise ConfigError(f"interleave_moe_layer_step={config.interleave_moe_layer_step} mlp_only_layers="
+                          f"{config.mlp_only_layers!r} leave no MoE layer in base_num_decoder_layers="
+                          f"{config.base_num_decoder_layers}; lower the step or list fewer layers (or use a dense "
+                          f"decoder_block)")
     if config.decoder_block == "mixtral" and not config.norm_topk_prob:
         raise ConfigError("norm_topk_prob=false: Mixtral always renormalises its top-k router weights; set "
                           "norm_topk_prob=true, or use decoder_block=qwen3_moe for a router without it")
@@ -139,15 +177,21 @@ def options(config: Config) -> MoeOptions:
                       router_z_loss_weight=config.router_z_loss_weight)
 
 
-def _stacks(kind: str):
+def _stacks(kind: str, dense: str):
     def stacks(config: Config) -> tuple[Stack, ...]:
-        return (Stack(kind, config.base_num_decoder_layers, layer_windows(config)),)
+        """A stack per run of like layers (hf_layout.runs), each with the window pattern from its first
+        layer on: one stack of MoE layers where every layer is one."""
+        windows = layer_windows(config)
+        period = len(windows)
+        return tuple(Stack(kind if run.moe else dense, run.count,
+                           tuple(windows[(run.first + j) % period] for j in range(period)))
+                     for run in hf_layout.runs(model_keys(config)))
 
     return stacks
 
 
 MIXTRAL = dataclasses.replace(
     llama.LLAMA, name="mixtral", shape=MoeShape.from_config, tensors=tensors, activation=activation, tile=tile,
-    check=check, stacks=_stacks("mixtral"), hf_layout=hf_layout, options=options,
+    check=check, stacks=_stacks("mixtral", "llama"), hf_layout=hf_layout, options=options,
     logical_axes=(*llama.LLAMA.logical_axes, "expert"))
-QWEN3_MOE = dataclasses.replace(MIXTRAL, name="qwen3_moe", stacks=_stacks("qwen3_moe"))
+QWEN3_MOE = dataclasses.replace(MIXTRAL, name="qwen3_moe", stacks=_stacks("qwen3_moe", "qwen"))
