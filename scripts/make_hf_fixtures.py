@@ -47,6 +47,10 @@ Models (a Llama 3 tokenizer-free shape, kept small: 2 layers, width 32, 4 query 
                expert, routed_scaling_factor 1.5); MLA without query LoRA: latent 16, q/k heads 12 + 8 RoPE dims,
                value heads 10 (narrower than q/k's 20); YaRN factor 4 over 32 positions with mscale 1.0 and
                mscale_all_dim 0.8 (both the rotary's attention factor and the softmax scale move)
+    gpt_oss    GptOssForCausalLM: layer 0 local (sliding_window 32 < S), layer 1 global, YaRN (factor 4 over 32
+               positions, truncate false); q/k/v/o biases and sinks (about 1, random); 4 experts 48 wide, 2 per
+               token, router bias, the fused gate_up_proj at 4x the scale so the experts' clamp at 7 acts;
+               router_aux_loss_coef 0.02; also aux_loss.npy
     deepseek3  DeepseekV3ForCausalLM: deepseek2's shape with query LoRA 12, 8 experts in 4 groups (top 2 per token
                from the best 2 groups, a group scored by its best two), sigmoid router with a random correction
                bias, norm_topk_prob, routed_scaling_factor 2.5, two shared experts
@@ -130,8 +134,13 @@ MODELS = {
         rope_theta=1e6, tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=48, norm_topk_prob=False, num_hidden_layers=4, decoder_sparse_step=2,
         mlp_only_layers=[3])),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+        sliding_window=32, layer_types=["sliding_attention", "full_attention"], router_aux_loss_coef=0.02,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})),
 }
-MOE = ("mixtral", "qwen3_moe", "qwen3_moe_sparse", "qwen3_next")
+MOE = ("mixtral", "qwen3_moe", "qwen3_moe_sparse", "qwen3_next", "gpt_oss")
 
 
 def logits(model, tokens: np.ndarray) -> np.ndarray:
@@ -159,7 +168,8 @@ def make(name: str, out: str) -> None:
                 p.copy_(centre + 0.2 * torch.randn_like(p))
             else:
                 routed = name in MOE or name.startswith("deepseek")
-                router = 3.0 if routed and pname.endswith("gate.weight") else 1.0
+                router = 3.0 if routed and pname.endswith(("gate.weight", "router.weight")) else 1.0
+                router *= 4.0 if pname.endswith("gate_up_proj") else 1.0  # GPT-OSS: past its clamp at 7 at times
                 p.copy_(torch.randn_like(p) * (1.0 if "embed" in pname else router * p.shape[1] ** -0.5))
         for bname, buffer in model.named_buffers():  # DeepSeek-V3's router bias: enough to change some choices
             if bname.endswith("e_score_correction_bias"):

@@ -6,7 +6,8 @@ The matrix is the fixture folders: a family lands with its fixture and is tested
 a list to edit (the Llama / Mistral ones, with their own negative controls, are tests/test_convert.py's). The
 fixtures in PLAIN hand the strategies what another fixture here already does (grouped-query attention, causal or
 windowed, with its scale; qwen3_next: qwen3_5's linear and gated layers, its MoE per token; qwen3_moe_sparse:
-qwen3_moe's and qwen3's layers in runs): each runs one
+qwen3_moe's and qwen3's layers in runs; gpt_oss: its sinks with windows under every strategy, zig-zag and packed,
+forward and gradients, are tests/test_attention_sinks.py's at a fraction of a model row's cost): each runs one
 strategy at C = 4, the strategies dealt out in turn, to keep the suite's time; the rest (soft-cap and windows:
 gemma2, olmo3; MLA's value head dim: deepseek2; Gated DeltaNet's prefix scan: qwen3_5; and any new fixture) run
 all."""
@@ -25,7 +26,8 @@ from tests.support.strategies import config_args, names as strategy_names
 
 LLAMA = ("llama", "llama3_1", "mistral")
 MODELS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists() and p.name not in LLAMA)
-PLAIN = ("deepseek3", "gemma3", "mixtral", "olmo2", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_sparse", "qwen3_next")
+PLAIN = ("deepseek3", "gemma3", "gpt_oss", "mixtral", "olmo2", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_sparse",
+         "qwen3_next")
 quiet = lambda *args, **kwargs: None  # noqa: E731
 
 

@@ -8,6 +8,7 @@ from maxctx.config import Config, ConfigError
 from maxctx.model.deepseek.family import DEEPSEEK
 from maxctx.model.family import ModelFamily
 from maxctx.model.gemma.family import GEMMA2, GEMMA3
+from maxctx.model.gpt_oss.family import GPT_OSS
 from maxctx.model.llama.family import LLAMA
 from maxctx.model.moe.family import MIXTRAL, QWEN3_MOE
 from maxctx.model.olmo.family import OLMO
@@ -22,6 +23,7 @@ _FAMILIES.update(gemma2=GEMMA2, gemma3=GEMMA3)
 _FAMILIES.update(deepseek=DEEPSEEK)
 _FAMILIES.update(qwen3_5=QWEN3_5, qwen3_next=QWEN3_NEXT)
 _FAMILIES.update(mixtral=MIXTRAL, qwen3_moe=QWEN3_MOE)
+_FAMILIES.update(gpt_oss=GPT_OSS)
 
 
 def register(family: ModelFamily, *names: str) -> ModelFamily:

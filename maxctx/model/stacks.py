@@ -29,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxctx.model.deepseek.layers import DeepseekDenseLayer, DeepseekLayer
 from maxctx.model.family import Stack
 from maxctx.model.gemma.layers import GemmaLayer
+from maxctx.model.gpt_oss.layers import GptOssLayer
 from maxctx.model.layers import ModelConfig, constrain_activations, names_policy, remat_names
 from maxctx.model.llama.layers import DecoderLayer
 from maxctx.model.moe.layers import MoeLayer, Qwen3MoeLayer
@@ -46,6 +47,7 @@ _KINDS.update(gemma=GemmaLayer)
 _KINDS.update(deepseek_dense=DeepseekDenseLayer, deepseek=DeepseekLayer)
 _KINDS.update(qwen3_5=Qwen35Period, qwen3_next=Qwen3NextPeriod)
 _KINDS.update(mixtral=MoeLayer, qwen3_moe=Qwen3MoeLayer)
+_KINDS.update(gpt_oss=GptOssLayer)
 
 
 def register_layer(kind: str, make: Callable[..., nnx.Module]) -> None:

@@ -43,9 +43,10 @@ from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
 
 
-def router_logits(x_TD, router_DX, dtype):
-    """The router's logits [..., X] fp32 for tokens x[..., D]."""
-    return jnp.einsum("...D,DX->...X", x_TD, router_DX.astype(dtype), preferred_element_type=jnp.float32)
+def router_logits(x_TD, router_DX, dtype, bias_X=None):
+    """The router's logits [..., X] fp32 for tokens x[..., D], plus the router's bias where it has one (GPT-OSS)."""
+    logits = jnp.einsum("...D,DX->...X", x_TD, router_DX.astype(dtype), preferred_element_type=jnp.float32)
+    return logits if bias_X is None else logits + bias_X.astype(jnp.float32)
 
 
 def route(x_TD, router_DX, top_k: int, renormalize: bool, dtype):
@@ -57,9 +58,15 @@ def route(x_TD, router_DX, top_k: int, renormalize: bool, dtype):
     return probs, weights, experts
 
 
-def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down):
+def swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, glu=swiglu, gate_up_bias=None):
     """sum over k of weights x expert(x) for tokens x[T, D]: the (token, slot) pairs sorted by expert, each expert's
-    SwiGLU a group of jax.lax.ragged_dot; w_gate, w_up [X, D, M], w_down [X, M, D] in the compute dtype."""
+    SwiGLU a group of jax.lax.ragged_dot; w_gate, w_up [X, D, M], w_down [X, M, D] in the compute dtype. A family's
+    hooks (GPT-OSS, maxctx.model.gpt_oss.layers): `glu(gate, up)` the gated activation; `gate_up_bias` (b_gate,
+    b_up [X, M]) each row's expert's biases, added to gate and up."""
     t, k = experts_TK.shape
     flat = experts_TK.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair (token t, slot j) is entry t k + j
@@ -67,16 +74,20 @@ def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down):
     xs = jnp.take(x_TD, order // k, axis=0)  # [T k, D], grouped by expert
     gate = checkpoint_name(jax.lax.ragged_dot(xs, w_gate, sizes), "mlpwi")
     up = checkpoint_name(jax.lax.ragged_dot(xs, w_up, sizes), "mlpwi")
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
+    if gate_up_bias is not None:
+        row_experts = jnp.take(flat, order)
+        gate, up = (h + jnp.take(b, row_experts, axis=0).astype(h.dtype) for h, b in zip((gate, up), gate_up_bias))
+    ys = jax.lax.ragged_dot(glu(gate, up), w_down, sizes)
     y_TKD = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(ys.dtype), preferred_element_type=jnp.float32)
 
 
-def load_sums(x_BSD, segment_ids_BS, router_DX, top_k: int, dtype, z_loss: bool = False) -> dict:
+def load_sums(x_BSD, segment_ids_BS, router_DX, top_k: int, dtype, z_loss: bool = False, router_bias_X=None) -> dict:
     """The load-balancing counts of one layer over every token given (segment id 0, padding, left out):
     moe_load[X] (assignments), moe_prob[X] (router probabilities), moe_tokens (tokens); with `z_loss`, moe_z
-    (the sum of logsumexp(logits)^2). Every MoeBlock runs it, DeepSeek's (maxctx.model.deepseek.layers) too."""
-    logits = router_logits(x_BSD, router_DX, dtype)
+    (the sum of logsumexp(logits)^2). Every MoeBlock runs it, DeepSeek's (maxctx.model.deepseek.layers) and GPT-OSS's
+    (with its router's bias) too."""
+    logits = router_logits(x_BSD, router_DX, dtype, router_bias_X)
     probs = jax.nn.softmax(logits, axis=-1)
     experts = jax.lax.top_k(probs, top_k)[1]
     mask = (segment_ids_BS != 0).astype(jnp.float32)
