@@ -127,6 +127,10 @@ class Config:
     # indices, transformers' key), else a dense SwiGLU of base_mlp_dim.
     interleave_moe_layer_step: int = 1
     mlp_only_layers: str = ""
+    # Each MoE layer's capacity (mixtral, qwen3_moe): an expert takes at most ceil(capacity_factor x S x k / X)
+    # (token, slot) pairs of a sequence, earlier tokens first, the rest dropped (maxctx.model.moe.capacity); 0:
+    # dropless.
+    capacity_factor: float = 0.0
     # DeepSeek (decoder_block deepseek; MaxText's keys): multi-head latent attention's query LoRA rank (0: a plain
     # query projection), KV LoRA rank, per-head dims without and with RoPE, value head dim, YaRN's softmax mscale
     # (transformers' mscale_all_dim; 0: none); the first first_num_dense_layers layers dense (base_mlp_dim), the

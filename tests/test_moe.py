@@ -34,8 +34,9 @@ from tests.support.hf import FIXTURES, logits, relative_error, setup
 quiet = lambda *args, **kwargs: None  # noqa: E731
 
 
-def _dense_reference(x_TD, router, w_gate, w_up, w_down, top_k: int, renormalize: bool) -> np.ndarray:
-    """Each token through its top-k experts one at a time, in float64."""
+def _dense_reference(x_TD, router, w_gate, w_up, w_down, top_k: int, renormalize: bool,
+                     kept=None) -> np.ndarray:
+    """Each token through its top-k experts one at a time, in float64; with `kept` [T, k] only the kept slots."""
     out = np.zeros_like(x_TD)
     for t, x in enumerate(x_TD):
         logits_ = x @ router
@@ -43,10 +44,23 @@ def _dense_reference(x_TD, router, w_gate, w_up, w_down, top_k: int, renormalize
         p /= p.sum()
         chosen = np.argsort(-p)[:top_k]
         w = p[chosen] / (p[chosen].sum() if renormalize else 1.0)
-        for weight, e in zip(w, chosen):
+        for j, (weight, e) in enumerate(zip(w, chosen)):
             gate, up = x @ w_gate[e], x @ w_up[e]
-            out[t] += weight * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
+            if kept is None or kept[t, j]:
+                out[t] += weight * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
     return out
+
+
+def _capacity_reference(chosen_BSK: np.ndarray, real_BS: np.ndarray, capacity: int) -> np.ndarray:
+    """kept[B, S, k]: per sequence, token by token and slot by slot, each expert's first `capacity` real pairs."""
+    kept = np.zeros(chosen_BSK.shape, bool)
+    for b, row in enumerate(chosen_BSK):
+        taken: dict[int, int] = {}
+        for t, slots in enumerate(row):
+            for j, e in enumerate(slots):
+                if real_BS[b, t] and taken.get(e, 0) < capacity:
+                    kept[b, t, j], taken[e] = True, taken.get(e, 0) + 1
+    return kept
 
 
 @pytest.mark.parametrize("renormalize,chunks", [(True, 1), (False, 2)])
@@ -193,8 +207,9 @@ def test_router_aux_loss_coef_is_the_load_balancing_weight_in_and_out(tmp_path):
 
 
 def test_a_moe_run_logs_each_experts_load(tmp_path):
-    """train.py (2 micro-batches a step): every train record of metrics.jsonl has the per-expert load [X], shares
-    summing to 1, and the busiest expert's load over the mean; TensorBoard a scalar per expert."""
+    """train.py (2 micro-batches a step, a capacity): every train record of metrics.jsonl has the per-expert load
+    [X], shares summing to 1, the busiest expert's load over the mean and the share of pairs dropped; TensorBoard a
+    scalar per expert and moe/dropped_fraction."""
     from tests.support.processes import metrics, run, train_command
     from tests.test_metrics_writers import read_scalars
 
@@ -204,6 +219,7 @@ def test_a_moe_run_logs_each_experts_load(tmp_path):
                                "num_experts_per_tok=2", "norm_topk_prob=true", "base_emb_dim=32", "base_mlp_dim=32",
                                "head_dim=16", "max_target_length=32", "per_device_batch_size=4",
                                "gradient_accumulation_steps=2", "router_z_loss_weight=0.001", "dtype=float32",
+                               "capacity_factor=1.0",
                                "attention=dot_product", "enable_checkpointing=false", "peak_tflops_per_device=1"))
     assert result.returncode == 0, result.stderr[-3000:]
     train = [r for r in metrics(tmp_path / "moe") if r.get("event") == "train"]
@@ -212,7 +228,9 @@ def test_a_moe_run_logs_each_experts_load(tmp_path):
         load = record["moe_expert_load"]
         assert len(load) == experts and sum(load) == pytest.approx(1.0, abs=1e-5)
         assert record["moe_max_load_ratio"] >= 1.0 and record["router_z_loss"] > 0
+        assert 0 <= record["moe_dropped_fraction"] < 0.5
     scalars = read_scalars(str(tmp_path / "moe" / "tensorboard"))
+    assert [v for _, v in scalars["moe/dropped_fraction"]] == pytest.approx([r["moe_dropped_fraction"] for r in train])
     assert [value for _, value in scalars["moe/expert_load/3"]] == pytest.approx([r["moe_expert_load"][3]
                                                                                   for r in train])
 
@@ -261,3 +279,81 @@ def test_dense_layers_among_the_moe_ones_are_stacked_by_run_and_counted():
     assert shape.num_params - shape.active_params == 3 * (x - k) * d * m  # one MoE layer's idle experts
     with pytest.raises(ConfigError, match="leave no MoE layer"):
         load_config([a.replace("interleave_moe_layer_step=2", "interleave_moe_layer_step=8") for a in args])
+
+
+def _skewed(factor: float, seq: int = 32):
+    """A MoeBlock of 4 experts, 2 a token, with `capacity_factor` and a router that puts expert 0 first for almost
+    every token; (block, x[2, S, D], segment ids with the last 4 of row 1 padding, router, chosen experts)."""
+    d, experts, top_k = 16, 4, 2
+    options = MoeOptions(num_experts=experts, top_k=top_k, mlp_dim=24, capacity_factor=factor)
+    cfg = ModelConfig(emb_dim=d, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=24, num_layers=1, vocab_size=8,
+                      dtype="float32", options=options)
+    block = MoeBlock(cfg, nnx.Rngs(0))
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, seq, d)).astype(np.float32) + 1.0
+    router = rng.normal(size=(d, experts)).astype(np.float32) * 0.1
+    router[:, 0] += 1.0
+    block.router[...] = jnp.asarray(router)
+    chosen = np.argsort(-(x @ router), axis=-1, kind="stable")[..., :top_k]
+    segment_ids = np.ones((2, seq), np.int32)
+    segment_ids[1, -4:] = 0
+    return block, x, segment_ids, router, chosen
+
+
+def test_a_capacity_drops_each_experts_later_pairs_of_a_sequence_and_logs_their_share():
+    """capacity_factor=1: each expert takes ceil(1 x 32 x 2 / 4) = 16 pairs of each sequence, token by token and
+    slot by slot, padding taking none; the output is the dense reference without the dropped slots, and the
+    logged moe_dropped_fraction is their share of the real pairs."""
+    from maxctx.model.moe.layers import aux_terms
+
+    block, x, segment_ids, router, chosen = _skewed(1.0)
+    real = segment_ids != 0
+    kept = _capacity_reference(chosen, real, 16)
+    dropped = int((real[..., None] & ~kept).sum())
+    assert 10 < dropped < int(real.sum())  # expert 0's overflow: dropped, and not everything
+    y, sums = jax.jit(lambda m, x, seg: m(x, seg))(block, jnp.asarray(x), jnp.asarray(segment_ids))
+    weights = [np.asarray(w[...], np.float64) for w in (block.w_gate, block.w_up, block.w_down)]
+    expected = _dense_reference(x.reshape(-1, 16).astype(np.float64), router.astype(np.float64), *weights, 2,
+                                False, kept.reshape(-1, 2))
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16)[real.reshape(-1)], expected[real.reshape(-1)],
+                               rtol=1e-4, atol=1e-5)
+    assert float(sums["moe_dropped"]) == dropped
+    assert float(aux_terms(sums, block.cfg)["moe_dropped_fraction"][1]) == pytest.approx(dropped / (real.sum() * 2))
+
+
+def test_no_capacity_is_the_dropless_program_and_a_roomy_one_drops_nothing():
+    """capacity_factor=0 adds nothing (no moe_dropped, the dropless grouped matmul's output bit for bit); a
+    capacity no expert reaches (4: 64 pairs of a 32-token sequence) gives the same bits and drops 0."""
+    from maxctx.model.moe.layers import grouped_swiglu, route
+
+    outputs = {}
+    for factor in (0.0, 4.0):
+        block, x, segment_ids, _, _ = _skewed(factor)
+        outputs[factor] = jax.jit(lambda m, x, seg: m(x, seg))(block, jnp.asarray(x), jnp.asarray(segment_ids))
+    y, sums = outputs[0.0]
+    assert sorted(sums) == ["moe_load", "moe_prob", "moe_tokens"]
+
+    @jax.jit
+    def dropless(x_TD, router, *experts):
+        return grouped_swiglu(x_TD, *route(x_TD, router, 2, False, "float32")[1:], *experts)
+
+    dropless = dropless(jnp.asarray(x.reshape(-1, 16)), block.router[...], block.w_gate[...], block.w_up[...],
+                        block.w_down[...])
+    assert np.asarray(y).reshape(-1, 16).tobytes() == np.asarray(dropless).tobytes()
+    assert np.asarray(outputs[4.0][0]).tobytes() == np.asarray(y).tobytes()
+    assert float(outputs[4.0][1]["moe_dropped"]) == 0
+
+
+@pytest.mark.parametrize("keys,match", [
+    (["capacity_factor=0.5"], "capacity_factor=0.5 drops tokens by design: below 1"),
+    (["capacity_factor=1.25", "ici_context_parallelism=4"], "split over 4 context shards x mlp_sequence_chunks=1"),
+    (["capacity_factor=1.25", "mlp_sequence_chunks=2"], "split over 1 context shards x mlp_sequence_chunks=2"),
+    (["capacity_factor=1.25", "decoder_block=deepseek", "base_num_kv_heads=4"],
+     "decoder_block=deepseek's MoE layers are dropless")])
+def test_a_capacity_where_it_drops_tokens_by_design_is_refused(keys, match):
+    from maxctx.validate import check_devices
+
+    base = ["configs/base.yml", "decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2"]
+    check_devices(load_config([*base, "capacity_factor=1.25"]), 8)
+    with pytest.raises(ConfigError, match=match):
+        check_devices(load_config([*base, *keys]), 8)

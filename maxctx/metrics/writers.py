@@ -51,6 +51,7 @@ TAGS = {
     "peak_memory_in_use_gib": "perf/peak_memory_in_use_gib",
     "moe_expert_load": "moe/expert_load",
     "moe_max_load_ratio": "moe/max_load_ratio",
+    "moe_dropped_fraction": "moe/dropped_fraction",
 }
 EVAL_TAGS = {"loss": "eval/avg_loss", "tokens": "eval/total_weights"}  # others: 'eval/<key>'
 

@@ -3,5 +3,6 @@ MoE layer: a softmax top-k router and SwiGLU experts run as grouped matmuls over
 
     family.py      MIXTRAL, QWEN3_MOE: the shape (total and active parameters), named tensors, checks (no JAX)
     layers.py      the MoE layer and the `mixtral` and `qwen3_moe` layer kinds, with their load-balancing loss
+    capacity.py    capacity_factor: which (token, slot) pairs each expert takes, the rest dropped (0: dropless)
     hf_layout.py   Hugging Face MixtralForCausalLM / Qwen3MoeForCausalLM <-> maxctx (per-expert tensors)
 """

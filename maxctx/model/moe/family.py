@@ -23,6 +23,7 @@ calibrated on a compiled MoE step.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from maxctx.config import Config, ConfigError, layer_windows
 from maxctx.model.family import Stack, Tensor
@@ -43,6 +44,7 @@ class MoeOptions(qwen.AttentionOptions):
     renormalize: bool = False
     load_balance_loss_weight: float = 0.0
     router_z_loss_weight: float = 0.0
+    capacity_factor: float = 0.0  # 0: dropless (maxctx.model.moe.capacity)
 
 
 class ExpertCounts:
@@ -170,11 +172,41 @@ def check(config: Config) -> None:
                           "norm_topk_prob=true, or use decoder_block=qwen3_moe for a router without it")
 
 
+CAPACITY_BLOCKS = ("mixtral", "qwen3_moe")  # the families whose MoE layer takes a capacity_factor
+
+
+def capacity(factor: float, tokens: int, top_k: int, experts: int) -> int:
+    """c = ceil(f S k / X): the pairs of one sequence of S `tokens` an expert takes (maxctx.model.moe.capacity)."""
+    return math.ceil(factor * tokens * top_k / experts)
+
+
+def check_capacity(config: Config, cp: int) -> None:
+    """capacity_factor's refusals where it drops tokens by design (maxctx.model.moe.capacity's rule), at `cp`
+    context-parallel devices (maxctx.validate.check_devices)."""
+    f = config.capacity_factor
+    if f == 0:
+        return
+    if config.decoder_block not in CAPACITY_BLOCKS:
+        raise ConfigError(f"capacity_factor={f}: decoder_block={config.decoder_block}'s MoE layers are dropless "
+                          f"and take no capacity; set capacity_factor=0, or use {' or '.join(CAPACITY_BLOCKS)}")
+    if not f >= 1:
+        raise ConfigError(f"capacity_factor={f} drops tokens by design: below 1 an expert takes fewer pairs than a "
+                          f"perfectly balanced router gives it (S k / X of a sequence); set it >= 1 (Switch "
+                          f"Transformer: 1.0 to 1.25), or 0 for dropless")
+    if cp * config.mlp_sequence_chunks > 1:
+        raise ConfigError(f"capacity_factor={f} counts each expert's pairs over whole sequences, but "
+                          f"max_target_length={config.max_target_length} is split over {cp} context shards x "
+                          f"mlp_sequence_chunks={config.mlp_sequence_chunks}: the tokens dropped would depend on "
+                          f"where the mesh cuts each sequence (C = 1 and C N = {cp * config.mlp_sequence_chunks} "
+                          f"would train different models); at this length run dropless (capacity_factor=0), or "
+                          f"hold each sequence on one device (context parallelism 1, mlp_sequence_chunks=1)")
+
+
 def options(config: Config) -> MoeOptions:
     return MoeOptions(bias=config.attention_bias, qk_norm=config.use_qk_norm, num_experts=config.num_experts,
                       top_k=config.num_experts_per_tok, mlp_dim=expert_width(config),
                       renormalize=config.norm_topk_prob, load_balance_loss_weight=config.load_balance_loss_weight,
-                      router_z_loss_weight=config.router_z_loss_weight)
+                      router_z_loss_weight=config.router_z_loss_weight, capacity_factor=config.capacity_factor)
 
 
 def _stacks(kind: str, dense: str):

@@ -11,10 +11,11 @@ Per device, its own tokens only (a shard_map over the mesh; the expert weights g
     experts   jax.lax.ragged_dot over the sorted copy xs[T k, D]: gate, up [T k, M], down [T k, D]
     combine   y[T, D] = sum over k of w x the slot's output, unsorted
 
-No capacity: every token reaches its k experts (a skewed router only makes one group larger). The layer runs over
-mlp_sequence_chunks chunks of each device's tokens (maxctx.model.tiling), so its [T k, D] and [T k, M] buffers exist
-for one chunk at a time. The load-balancing sums run over the global [B, S] arrays (plain reductions under jit), so
-they count every token of the batch whatever the mesh.
+No capacity by default: every token reaches its k experts (a skewed router only makes one group larger); with
+capacity_factor > 0 an expert takes at most its capacity of each sequence's pairs (maxctx.model.moe.capacity).
+The layer runs over mlp_sequence_chunks chunks of each device's tokens (maxctx.model.tiling), so its [T k, D] and
+[T k, M] buffers exist for one chunk at a time. The load-balancing sums run over the global [B, S] arrays (plain
+reductions under jit), so they count every token of the batch whatever the mesh.
 
 On GPU, XLA (jax 0.11.2, H100) lowers jax.lax.ragged_dot densely, through a [T k, X, D] buffer: exact (3e-7),
 but one Qwen3-30B-A3B layer at T = 2048 tokens ran at 5 TFLOP/s with 8.5 GiB of forward temporaries, and T = 8192
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxctx.attention.cp.sharded import shard_map
 from maxctx.model.layers import Attention, ModelConfig, RMSNorm, param
+from maxctx.model.moe import capacity
 from maxctx.model.qwen.layers import QwenAttention
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
@@ -111,6 +113,8 @@ def aux_terms(sums: dict, cfg: ModelConfig) -> dict:
              "moe_expert_load": (0.0, load / jnp.maximum(jnp.sum(load), 1e-9))}
     if "moe_z" in sums:  # each layer saw every token, so this is the mean over tokens and layers
         terms["router_z_loss"] = (cfg.options.router_z_loss_weight, sums["moe_z"] / rows)
+    if "moe_dropped" in sums:  # a capacity's dropped share of the real (token, slot) pairs, over the layers
+        terms["moe_dropped_fraction"] = (0.0, sums["moe_dropped"] / (rows * cfg.options.top_k))
     return terms
 
 
@@ -128,35 +132,50 @@ class MoeBlock(nnx.Module):
     def __call__(self, x_BSD, segment_ids_BS):
         cfg, opts = self.cfg, self.cfg.options
         router, weights = self.router[...], (self.w_gate[...], self.w_up[...], self.w_down[...])
-        y = map_chunks(lambda x: self._experts(x, router, *weights), cfg.mlp_sequence_chunks, self.mesh, x_BSD)
+        if opts.capacity_factor:  # maxctx.model.moe.capacity; without it the program is the dropless one
+            y, dropped = map_chunks(lambda x, seg: self._experts(x, router, *weights, seg), cfg.mlp_sequence_chunks,
+                                    self.mesh, x_BSD, segment_ids_BS)
+        else:
+            y = map_chunks(lambda x: self._experts(x, router, *weights), cfg.mlp_sequence_chunks, self.mesh, x_BSD)
         # The router once more over the global arrays for the counts: 2 D X FLOPs a token, against the experts'
         # 6 k D M, so that the counts are plain reductions over the batch rather than per-device partial sums.
         z_loss = opts.router_z_loss_weight > 0
         sums = sum_chunks(lambda x, seg: load_sums(x, seg, router, opts.top_k, cfg.dtype, z_loss),
                           cfg.mlp_sequence_chunks, self.mesh, x_BSD, segment_ids_BS)
+        if opts.capacity_factor:
+            sums["moe_dropped"] = jnp.sum(dropped)
         return checkpoint_name(y, "mlpwo"), sums
 
-    def _experts(self, x_BSD, router, w_gate, w_up, w_down):
+    def _experts(self, x_BSD, router, w_gate, w_up, w_down, segment_ids_BS=None):
+        """y[B, S, D]; with `segment_ids_BS` (a capacity) also each token's dropped pairs [B, S]."""
         cfg, opts, mesh = self.cfg, self.cfg.options, self.mesh
         dt = cfg.dtype
         tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
         split = tp > 1 and opts.mlp_dim % tp == 0
 
-        def local(x, router, w_gate, w_up, w_down):
+        def local(x, router, w_gate, w_up, w_down, *seg):
             b, s, d = x.shape
             x_TD = x.reshape(b * s, d)
             _, weights, experts = route(x_TD, router, opts.top_k, opts.renormalize, dt)
+            if seg:  # the pairs past their expert's capacity weigh 0
+                kept, dropped = capacity.kept_and_dropped(experts.reshape(b, s, -1), seg[0], opts.capacity_factor,
+                                                          opts.num_experts)
+                weights = jnp.where(kept.reshape(b * s, -1), weights, 0.0)
             y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down)
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
                 y = jax.lax.psum(y, TENSOR_AXIS)
-            return y.astype(dt).reshape(b, s, d)
+            y = y.astype(dt).reshape(b, s, d)
+            return (y, dropped) if seg else y
 
         cast = [w.astype(dt) for w in (w_gate, w_up, w_down)]
+        seg = () if segment_ids_BS is None else (segment_ids_BS,)
         if mesh is None:
-            return local(x_BSD, router, *cast)
+            return local(x_BSD, router, *cast, *seg)
         act, m = P(BATCH_AXES, CONTEXT_AXES, None), TENSOR_AXIS if split else None
         specs = (act, P(), P(None, None, m), P(None, None, m), P(None, m, None))
-        return shard_map(local, mesh, specs, act)(x_BSD, router, *cast)
+        tokens = P(BATCH_AXES, CONTEXT_AXES)
+        out = (act, tokens) if seg else act
+        return shard_map(local, mesh, specs + (tokens,) * len(seg), out)(x_BSD, router, *cast, *seg)
 
 
 class MoeLayer(nnx.Module):
