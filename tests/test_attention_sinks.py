@@ -79,24 +79,24 @@ def test_blockwise_on_one_device():
     assert_matches(got, SMALL, WINDOW, f"blockwise window={WINDOW}")
 
 
-def run_sharded(spec: AttentionSpec, ring: int, a2a: int, order_names, what: str):
+def run_sharded(spec: AttentionSpec, ring: int, a2a: int, order_names, what: str, shape=SMALL):
     """attend with sinks under `spec` on a ring x a2a mesh, the batch stored in each of `order_names`, against the
     reference (one compile serves every order)."""
     mesh, cp = make_mesh(ring, a2a), ring * a2a
-    q, k, v, pos, seg, dout = inputs(*SMALL)
+    q, k, v, pos, seg, dout = inputs(*shape)
     sharding = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
-    sinks = jax.device_put(sink_logits(SMALL[1]), NamedSharding(mesh, P()))
+    sinks = jax.device_put(sink_logits(shape[1]), NamedSharding(mesh, P()))
     fn = jax.jit(functools.partial(grads, sinked(spec, mesh)))
     put = [jax.device_put(x, sharding) for x in (q, k, v, pos, seg)]
     fn = fn.lower(*put, sinks, jax.device_put(dout, sharding)).compile(FAST_COMPILE)
     for name in order_names:
-        perm = orders(SMALL[0], cp, pos, seg)[name]
+        perm = orders(shape[0], cp, pos, seg)[name]
         stored = [np.take_along_axis(x, perm.reshape(*perm.shape, *[1] * (x.ndim - 2)), 1)
                   for x in (q, k, v, pos, seg, dout)]
         out, dq, dk, dv, dsinks = fn(*[jax.device_put(x, sharding) for x in stored[:5]], sinks,
                                      jax.device_put(stored[5], sharding))
         back = [np.stack([np.asarray(g)[b][np.argsort(perm[b])] for b in range(2)]) for g in (out, dq, dk, dv)]
-        assert_matches([*back, dsinks], SMALL, spec.window, f"{what} {name}")
+        assert_matches([*back, dsinks], shape, spec.window, f"{what} {name}")
 
 
 @pytest.mark.parametrize("strategy,ring,a2a", splits((4,)), ids=str)
