@@ -23,7 +23,7 @@ LAYERS = [
      "maxctx.model.moe.family", "maxctx.model.moe.hf_layout", "maxctx.model.deepseek.family",
      "maxctx.model.deepseek.hf_layout",
      "maxctx.model.qwen35.family", "maxctx.model.qwen35.hf_layout", "maxctx.model.qwen3_next.family",
-     "maxctx.model.qwen3_next.hf_layout"],
+     "maxctx.model.qwen3_next.hf_layout", "maxctx.model.gpt_oss.family", "maxctx.model.gpt_oss.hf_layout"],
     ["maxctx.attention.kernels"],  # what one device computes
     ["maxctx.attention.cp"],  # context parallelism over the kernels
     ["maxctx.attention"],  # dispatch.py: picks kernel and strategy
@@ -31,7 +31,7 @@ LAYERS = [
     ["maxctx.mesh", "maxctx.runtime", "maxctx.peers"],
     ["maxctx.model", "maxctx.model.llama", "maxctx.model.qwen", "maxctx.model.olmo",
      "maxctx.model.gemma", "maxctx.model.moe", "maxctx.model.deepseek", "maxctx.model.qwen35",
-     "maxctx.model.qwen3_next", "maxctx.data"],
+     "maxctx.model.qwen3_next", "maxctx.model.gpt_oss", "maxctx.data"],
     ["maxctx.train_step"],
     ["maxctx.checkpoint", "maxctx.evaluate"],
     ["maxctx.compile", "maxctx.train", "maxctx.convert", "maxctx.launch"],
