@@ -349,8 +349,11 @@ def test_no_capacity_is_the_dropless_program_and_a_roomy_one_drops_nothing():
     (["capacity_factor=1.25", "ici_context_parallelism=4"], "split over 4 context shards x mlp_sequence_chunks=1"),
     (["capacity_factor=1.25", "mlp_sequence_chunks=2"], "split over 1 context shards x mlp_sequence_chunks=2"),
     (["capacity_factor=1.25", "decoder_block=deepseek", "base_num_kv_heads=4"],
-     "decoder_block=deepseek's MoE layers are dropless")])
+     "decoder_block=deepseek's MoE layers are dropless"),
+    (["decoder_block=qwen3", "mlp_only_layers=0"], "decoder_block=qwen3 does not place its layers by them")])
 def test_a_capacity_where_it_drops_tokens_by_design_is_refused(keys, match):
+    """In one line, naming the rule (maxctx.model.moe.capacity); and the layer placement keys where a family would
+    ignore them."""
     from maxctx.validate import check_devices
 
     base = ["configs/base.yml", "decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2"]

@@ -13,7 +13,7 @@ MoE layer, beside moe_max_load_ratio).
 A dropped pair's router weight is set to 0, so the grouped matmuls keep their dropless B S k rows: with f >= 1 an
 expert's capacity is at least its balanced share (X c >= S k), so a capacity would bound no buffer below them.
 
-Refused, each in one line (maxctx.model.moe.family.check_capacity, from maxctx.validate), where it drops tokens
+Refused, each in one line (maxctx.model.moe.family.check_keys, from maxctx.validate), where it drops tokens
 by design:
     f < 1              below a balanced router's share (S k / X pairs an expert) every step drops tokens even
                        when the router is perfectly balanced;

@@ -172,7 +172,7 @@ def check(config: Config) -> None:
                           "norm_topk_prob=true, or use decoder_block=qwen3_moe for a router without it")
 
 
-CAPACITY_BLOCKS = ("mixtral", "qwen3_moe")  # the families whose MoE layer takes a capacity_factor
+BLOCKS = ("mixtral", "qwen3_moe")  # the families that read capacity_factor, interleave_moe_layer_step, mlp_only_layers
 
 
 def capacity(factor: float, tokens: int, top_k: int, experts: int) -> int:
@@ -180,15 +180,20 @@ def capacity(factor: float, tokens: int, top_k: int, experts: int) -> int:
     return math.ceil(factor * tokens * top_k / experts)
 
 
-def check_capacity(config: Config, cp: int) -> None:
-    """capacity_factor's refusals where it drops tokens by design (maxctx.model.moe.capacity's rule), at `cp`
-    context-parallel devices (maxctx.validate.check_devices)."""
+def check_keys(config: Config, cp: int) -> None:
+    """This family's keys set for a family that would ignore them; capacity_factor's refusals where it drops
+    tokens by design (maxctx.model.moe.capacity's rule), at `cp` context-parallel devices (from
+    maxctx.validate.check_devices)."""
     f = config.capacity_factor
+    if config.decoder_block not in BLOCKS and (config.interleave_moe_layer_step != 1 or config.mlp_only_layers):
+        raise ConfigError(f"interleave_moe_layer_step={config.interleave_moe_layer_step} mlp_only_layers="
+                          f"{config.mlp_only_layers!r}: decoder_block={config.decoder_block} does not place its "
+                          f"layers by them (only {' and '.join(BLOCKS)} do); set 1 and \"\"")
     if f == 0:
         return
-    if config.decoder_block not in CAPACITY_BLOCKS:
+    if config.decoder_block not in BLOCKS:
         raise ConfigError(f"capacity_factor={f}: decoder_block={config.decoder_block}'s MoE layers are dropless "
-                          f"and take no capacity; set capacity_factor=0, or use {' or '.join(CAPACITY_BLOCKS)}")
+                          f"and take no capacity; set capacity_factor=0, or use {' or '.join(BLOCKS)}")
     if not f >= 1:
         raise ConfigError(f"capacity_factor={f} drops tokens by design: below 1 an expert takes fewer pairs than a "
                           f"perfectly balanced router gives it (S k / X of a sequence); set it >= 1 (Switch "
