@@ -106,3 +106,13 @@ def test_strategies_with_load_balance_and_packing(strategy, ring, a2a):
     run_sharded(base, ring, a2a, ("natural", "zigzag", "documents"), f"{strategy} global")
     spec = dataclasses.replace(base, window=WINDOW, load_balance=True)
     run_sharded(spec, ring, a2a, ("zigzag",), f"{strategy} window={WINDOW}")
+
+
+def test_splash_keys_gathered_in_document_order():
+    # all_gather under the documents placement: splash's keys, gathered from every rank, are sorted back into
+    # document order before the sink's kernel call, and dK/dV put back after it (Pallas interpret mode on CPU).
+    from maxctx.attention.kernels import splash
+
+    spec = AttentionSpec(kernel="splash", strategy="all_gather", block_q=128, block_kv=128, load_balance="documents",
+                         splash_blocks=splash.Blocks(ring_backward=False))
+    run_sharded(spec, 2, 1, ("documents",), "splash all_gather", shape=(256, 2, 1, 128, (60, 120, 76)))

@@ -98,7 +98,7 @@ class LocalKernel:
         return [fn(*_row(b, *arrays), ids=(*_row(b, q_pos, kv_pos), self.window, values[b:b + 1]))
                 for b in range(arrays[0].shape[0])]
 
-    def _gathered(self, k, v, kv_pos, kv_seg):
+    def gathered(self, k, v, kv_pos, kv_seg):
         """A documents call's gathered keys, put back in document order (sort_keys); others as they are."""
         if self.name == "splash" and self.documents and self.sort_keys:
             kv_pos, kv_seg, k, v = document_blocks.sort_keys(kv_pos, kv_seg, k, v)
@@ -117,7 +117,7 @@ class LocalKernel:
         if self.name == "cudnn":
             return cudnn.cudnn_attention(q, k, v, q_pos, q_seg, kv_pos, kv_seg, window=self.window,
                                          natural=self.natural)
-        k, v, kv_pos, kv_seg = self._gathered(k, v, kv_pos, kv_seg)
+        k, v, kv_pos, kv_seg = self.gathered(k, v, kv_pos, kv_seg)
         return self._splash(hop, False, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
 
     def block_forward(self, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg):

@@ -43,6 +43,8 @@ def attend(local, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks_H=None):
     """local.attend's out, with the sinks merged when given (None: the kernel's own call, unchanged)."""
     if sinks_H is None:
         return local.attend(hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg)[0]
+    # Outside the custom VJP, so that autodiff puts dK/dV back in the order the keys came in.
+    k, v, kv_pos, kv_seg = local.gathered(k, v, kv_pos, kv_seg)
     return _sink_attention(local, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks_H)
 
 
