@@ -176,7 +176,8 @@ def test_a_negative_aux_loss_weight_is_refused(key):
 
 
 @pytest.mark.parametrize("change,match", [({"decoder_sparse_step": 0}, "decoder_sparse_step is 0"),
-                                          ({"mlp_only_layers": [5]}, r"5 is not a layer index in \[0, 2\)"),
+                                          ({"mlp_only_layers": [5]}, r"mlp_only_layers is \[5\], not a list of "
+                                                                     r"layer indices in \[0, 2\)"),
                                           ({"mlp_only_layers": "0"}, "mlp_only_layers is '0', not a list"),
                                           ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1")])
 def test_layouts_the_released_models_lack_are_refused_in_one_line(change, match):
@@ -279,6 +280,8 @@ def test_dense_layers_among_the_moe_ones_are_stacked_by_run_and_counted():
     assert shape.num_params - shape.active_params == 3 * (x - k) * d * m  # one MoE layer's idle experts
     with pytest.raises(ConfigError, match="leave no MoE layer"):
         load_config([a.replace("interleave_moe_layer_step=2", "interleave_moe_layer_step=8") for a in args])
+    with pytest.raises(ConfigError, match=r"mlp_only_layers='0,4': 4 is not a layer index in \[0, 4\)"):
+        load_config([*args, "mlp_only_layers=0,4"])
 
 
 def _skewed(factor: float, seq: int = 32):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from maxctx.model.moe.family import capacity
+from maxctx.model.moe.family import capacity_per_sequence
 
 
 def keep(experts_BSK, real_BS, limit: int, num_experts: int):
@@ -49,6 +49,6 @@ def keep(experts_BSK, real_BS, limit: int, num_experts: int):
 def kept_and_dropped(experts_BSK, segment_ids_BS, factor: float, num_experts: int):
     """(keep[B, S, k], each token's dropped pairs [B, S] fp32, 0 for padding) at capacity ceil(f S k / X)."""
     real = segment_ids_BS != 0
-    c = capacity(factor, experts_BSK.shape[1], experts_BSK.shape[2], num_experts)
+    c = capacity_per_sequence(factor, experts_BSK.shape[1], experts_BSK.shape[2], num_experts)
     kept = keep(experts_BSK, real, c, num_experts)
     return kept, jnp.sum(real[..., None] & ~kept, axis=-1).astype(jnp.float32)

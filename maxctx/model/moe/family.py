@@ -175,7 +175,7 @@ def check(config: Config) -> None:
 BLOCKS = ("mixtral", "qwen3_moe")  # the families that read capacity_factor, interleave_moe_layer_step, mlp_only_layers
 
 
-def capacity(factor: float, tokens: int, top_k: int, experts: int) -> int:
+def capacity_per_sequence(factor: float, tokens: int, top_k: int, experts: int) -> int:
     """c = ceil(f S k / X): the pairs of one sequence of S `tokens` an expert takes (maxctx.model.moe.capacity)."""
     return math.ceil(factor * tokens * top_k / experts)
 

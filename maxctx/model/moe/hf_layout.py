@@ -180,20 +180,19 @@ def model_keys(hf: dict, where: str) -> dict[str, Any]:
         return {**keys, **sizes, "base_moe_mlp_dim": keys["base_mlp_dim"], "norm_topk_prob": True,
                 "use_qk_norm": False, "attention_bias": False}
     width = llama._positive(hf.get("moe_intermediate_size"), "moe_intermediate_size", where, integer=True)
-    return {**keys, **sizes, **_sparse_layers(hf, where), "base_moe_mlp_dim": width,
+    return {**keys, **sizes, **_sparse_layers(hf, keys["base_num_decoder_layers"], where), "base_moe_mlp_dim": width,
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "use_qk_norm": True, "attention_bias": False}
 
 
-def _sparse_layers(hf: dict, where: str) -> dict[str, Any]:
+def _sparse_layers(hf: dict, layers: int, where: str) -> dict[str, Any]:
     """interleave_moe_layer_step and mlp_only_layers from Qwen3-MoE's decoder_sparse_step and mlp_only_layers."""
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-    if not (isinstance(dense, list) and all(type(i) is int for i in dense)):
-        raise ConfigError(f"{where}: mlp_only_layers is {dense!r}, not a list of layer indices; write it as the "
-                          f"model's card gives it (e.g. [] or [0, 3]), or download config.json again")
-    keys = {"interleave_moe_layer_step": llama._positive(step, "decoder_sparse_step", where, integer=True),
+    if not (isinstance(dense, list) and all(type(i) is int and 0 <= i < layers for i in dense)):
+        raise ConfigError(f"{where}: mlp_only_layers is {dense!r}, not a list of layer indices in [0, {layers}) "
+                          f"(num_hidden_layers={layers}); write it as the model's card gives it (e.g. [] or "
+                          f"[0, 3]), or download config.json again")
+    return {"interleave_moe_layer_step": llama._positive(step, "decoder_sparse_step", where, integer=True),
             "mlp_only_layers": ",".join(str(i) for i in dense)}
-    dense_indices(keys["mlp_only_layers"], hf.get("num_hidden_layers") or 0)
-    return keys
 
 
 def _aux_loss_coef(hf: dict, where: str) -> float:
