@@ -54,8 +54,9 @@ def _sink_attention(local, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks_H):
 
 
 def _forward(local, hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks_H):
-    out, lse = local.block_forward(hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg)
-    out, lse = merge(out.astype(q.dtype), lse, sinks_H)
+    out, lse = local.block_forward(hop, q, k, v, q_pos, q_seg, kv_pos, kv_seg)  # out fp32: merged before rounding
+    out, lse = merge(out, lse, sinks_H)
+    out = out.astype(q.dtype)
     return out, (q, k, v, q_pos, q_seg, kv_pos, kv_seg, sinks_H, out, lse)
 
 
