@@ -1,31 +1,66 @@
 """The memory estimates per device, HBM and host: what the planner's memory column, its fit verdict and
 remat_policy=auto's host budget read (no JAX).
 
-    HBM   `device_bytes`: the optimizer state and gathered weights, the layer inputs and the tensors the remat
-          policy keeps on the device (at KEPT_ON_DEVICE x their bytes), the layer's working set (the family's
-          LayerWork) and the loss / MLP tiles; the strategy's attention memory is the planner's to add
+    HBM   `device_bytes`: what the program holds at its peak (`Peak`), one of two moments of the step:
+            always   the optimizer state and weights XLA takes as arguments (none of what is offloaded to the
+                     host), the fp32 gradient they accumulate, and what the remat policy keeps for the backward:
+                     the layer inputs and every other kept tensor (at KEPT_ON_DEVICE x their bytes)
+            layer    the top layer's backward: its gathered weights and their fp32 gradient, the residual
+                     stream's working set (the family's LayerWork), a strided run's extra inputs, the offloaded
+                     tensors brought back, and the larger of one head group's attention (the strategy's saved
+                     and transient bytes with the projections' gradients, / attention_head_chunks) and the MLP
+                     chunk's tile and its gradient
+            loss     the loss over one vocab tile: its fp32 logits and their bf16 copy, the gathered output
+                     weights and their fp32 gradient
+          the peak is `always` + the larger of `layer` and `loss`
     host  `held_host_bytes`: what the offloaded tensors hold in pinned host memory, against
           `host_budget_per_device` (HOST_FRACTION of the host DRAM per device)
 
 The named tensors' bytes per token and where the policy puts them are maxctx.plan.step_time's (`per_token`,
-`placement`, `offloading_layers`), the model's shape its family's.
+`placement`, `offloading_layers`), the model's shape its family's. docs/choosing_a_strategy.md ("How good the
+estimates are") has the estimate against every compiled row of the fit table (benchmarks/hbm_estimate.py).
 """
 
 from __future__ import annotations
 
-from maxctx.config import Config, ConfigError
+import dataclasses
+
+from maxctx.config import Config, ConfigError, layer_windows
 from maxctx.model import families
 from maxctx.plan import step_time, topology
 
 # Of the host DRAM per device: the rest for the OS, the training process, the input pipeline and checkpoint
 # staging (an assumption).
 HOST_FRACTION = 0.9
-# HBM that a tensor kept on the device for the backward takes, per byte of the tensor (the layer input has its own
-# calibration, the family's LayerWork.on_device): fitted on the one compile that measured it, llama3.1-8b
-# (head_dim=256) at 10,485,760 tokens on v5p-128, p2p, context=device decoder_layer_input=offload: XLA needed
-# 102.54 GiB where the planner without this factor estimated 76.25 GiB for 40.31 GiB of kept `context`
-# (docs/long_context.md), 1 + 26.29 / 40.31 = 1.65.
-KEPT_ON_DEVICE = 1.65
+# HBM that a tensor kept on the device for the backward takes, per byte of the tensor: the forward scan writes it
+# into its stacked [L, ...] output and the backward scan carries its own copy while it reads it back; fitted on
+# two compiles: llama3.1-8b (head_dim=256) at 10,485,760 tokens on v5p-128, p2p, context=device (XLA needed
+# 102.54 GiB where the estimate without this factor was 76.25, 1.65) and gemma3-27b at 1,048,576 (benchmarks/
+# fit_table_keys.jsonl, context and out_proj kept).
+KEPT_ON_DEVICE = 1.4
+# Bytes per (token, vocab entry) of one vocab tile in the loss: the fp32 logits and their fp32 gradient, and the
+# bf16 copy the output projection writes (llama3-8b's 1,048,576-token step on v5p-128 untiled, XLA's buffers:
+# f32[16384, 128256] twice, bf16[16384, 128256], the latter reusing the former's memory there).
+LOGIT_BYTES = 10
+# Extra layer inputs held per extra layer of a strided run (decoder_layer_input_stride N): the run's scan
+# stacks the inputs of its N layers for its backward, and the recomputed one and its gradient stay live.
+STRIDED_INPUTS = 4
+# Copies of an offloaded tensor in HBM while the backward uses it: the one brought back and the next layer's,
+# prefetched.
+PREFETCHED = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """HBM per device at the step's peak (module doc), bytes."""
+
+    always: float  # arguments, fp32 gradient, kept tensors and layer inputs
+    layer: float  # the top layer's backward
+    loss: float  # one vocab tile of the loss
+
+    @property
+    def total(self) -> float:
+        return self.always + max(self.layer, self.loss)
 
 
 def host_budget_per_device(config: Config) -> float:
@@ -48,25 +83,56 @@ def held_host_bytes(config: Config, tp: int) -> float:
     return tokens * sum(per[n] * step_time.offloading_layers(config, n) for n, w in where.items() if w == "offload")
 
 
-def device_bytes(config: Config, tp: int, shards: int) -> tuple[float, float]:
-    """(HBM per device besides attention, the loss / MLP tiles' bytes): the optimizer state and a layer's
-    gathered weights, the layer inputs and tensors the policy keeps on the device, the layer's working set."""
+def device_bytes(config: Config, tp: int, shards: int, attention_bytes: float) -> Peak:
+    """HBM per device at the peak (module doc); `attention_bytes`: the strategy's saved and transient bytes of
+    one layer's attention (all heads), `shards`: the devices the weights and optimizer state are sharded over."""
     family = families.for_config(config)
     shape = family.shape(config)
-    seq, layers, b, dim = config.max_target_length, shape.num_layers, shape.itemsize, shape.emb_dim
-    params, wb = shape.num_params, shape.weight_itemsize
-    tokens = config.per_device_batch_size * tp * seq  # tokens one device holds (B S / C over the context shards)
+    layers, b, dim, params = shape.num_layers, shape.itemsize, shape.emb_dim, shape.num_params
+    tokens = config.per_device_batch_size * tp * config.max_target_length  # B S / C over the context shards
+    args = params * ((0 if config.parameter_memory_host_offload else shape.weight_itemsize)
+                     + (0 if config.optimizer_memory_host_offload else 8)) / shards  # weights, fp32 m and v
+    per = step_time.per_token(config, tp)["bytes"]
+    where = step_time.placement(config)
     offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
-    saved_inputs = 0 if offloaded else step_time.kept_layer_inputs(config) * tokens * dim * b
+    inputs = 0 if offloaded else step_time.kept_layer_inputs(config) * tokens * dim * b
+    kept = layers * tokens * sum(
+        per[name] for name, w in where.items() if w == "device" and name != "decoder_layer_input")
+    always = args + 4 * params / shards + KEPT_ON_DEVICE * (inputs + kept)
+    output_params = shape.vocab_size * dim
+    layer_params = (params - output_params * (1 if shape.tied_embedding else 2)) / layers
+    return Peak(always, _layer_bytes(config, family, shape, tp, tokens, attention_bytes, layer_params),
+                _loss_bytes(config, shape, tp, tokens))
+
+
+def _loss_bytes(config: Config, shape, tp: int, tokens: float) -> float:
+    """One vocab tile of the loss (module doc). Tiled (num_vocab_tiling > 1), the loss is a scan that keeps its
+    fp32 inputs [t, D] for the backward, holds a tile's logits, their gradient (fp32) and the bf16 copy at once,
+    and accumulates the output weights' fp32 gradient over the tiles; untiled, the logits and their gradient
+    (fp32) are the peak, and the weights' gradient comes after them."""
+    head = shape.vocab_size * shape.emb_dim / tp
+    if config.num_vocab_tiling == 1:
+        return tokens * shape.vocab_size / tp * 8 + head * shape.itemsize
+    tile = tokens / config.num_vocab_tiling * shape.vocab_size / tp
+    return tile * LOGIT_BYTES + 4 * tokens * shape.emb_dim + head * (shape.itemsize + 4)
+
+
+def _layer_bytes(config: Config, family, shape, tp: int, tokens: float, attention_bytes: float,
+                 layer_params: float) -> float:
+    """The top layer's backward (module doc)."""
+    b, dim = shape.itemsize, shape.emb_dim
+    per = step_time.per_token(config, tp)["bytes"]
+    where = step_time.placement(config)
+    offloaded = config.remat_policy == "custom" and config.decoder_layer_input == "offload"
     work = (family.work.offloaded if offloaded else family.work.on_device) * tokens * dim
-    # a strided run's recomputed inputs, held through its backward
-    work += (config.decoder_layer_input_stride - 1) * tokens * dim * b
-    # What else the policy keeps in HBM for the backward (the attention output under context=device, ...)
-    kept = step_time.per_token(config, tp)["bytes"]
-    saved_inputs += KEPT_ON_DEVICE * layers * tokens * sum(
-        kept[name] for name, where in step_time.placement(config).items()
-        if where == "device" and name != "decoder_layer_input")
-    state = params * (wb + 12) / shards + params / layers * wb / max(1, tp)
-    tiles = max(2 * tokens / config.num_vocab_tiling * shape.vocab_size / tp * 4,
-                tokens / config.mlp_sequence_chunks * family.tile(shape, tp))
-    return state + saved_inputs + work, tiles
+    work += STRIDED_INPUTS * (config.decoder_layer_input_stride - 1) * tokens * dim * b
+    # a scan step (a period of the layer pattern, or a strided run of them) brings back every offloaded tensor of
+    # its layers for its backward
+    step = len(layer_windows(config)) * config.decoder_layer_input_stride
+    back = [name for name, w in where.items() if w == "offload" and name != "decoder_layer_input"]
+    work += PREFETCHED * step * tokens * sum(per[name] for name in back)
+    # the projections' gradients: dq, dk, dv and the attention output's (q's width)
+    grads = tokens * (2 * per["query_proj"] + per["key_proj"] + per["value_proj"])
+    heads = (attention_bytes + grads) / config.attention_head_chunks
+    mlp = 2 * tokens / config.mlp_sequence_chunks * family.tile(shape, tp)  # the tile and its gradient
+    return layer_params / tp * (b + 4) + work + max(heads, mlp)

@@ -10,14 +10,12 @@ an invalid one is dropped with the rule's message. For each valid one, per devic
 
     attention memory  the strategy's `activation_bytes` (what one layer saves for its backward; tests check it
                       against the compiled program), plus the backward's transient buffers (its `transient_bytes`)
-    memory            optimizer state (p, fp32 m and v, fp32 gradient) / shards + one layer's gathered weights +
-                      the saved layer inputs L t D b (none when offloaded) and every other tensor the remat policy
-                      keeps on the device (step_time.placement: L t x its bytes per token x memory.KEPT_ON_DEVICE)
-                      + the layer's working set, the family's (maxctx.model.family.LayerWork, calibrated)
-                      t D, one figure with the inputs offloaded and one with them in HBM + the larger of the
-                      attention memory and the loss / the family's tile (the SwiGLU's); a candidate above
-                      FIT_FRACTION of HBM is ranked after the fitting ones (auto takes the least memory when none
-                      fits)
+    memory            maxctx.plan.memory.device_bytes: what the program holds at its peak, the larger of the top
+                      layer's backward and the loss's vocab tile, on top of the optimizer state, the fp32
+                      gradient and what the remat policy keeps on the device (its module doc); the layer's
+                      attention is the memory above per head group (/ attention_head_chunks) with the
+                      projections' gradients; a candidate above FIT_FRACTION of HBM is ranked after the fitting
+                      ones (auto takes the least memory when none fits)
     compute           maxctx.plan.step_time.estimate's (the one step-time model, calibrated on MaxText's measured
                       rows): matmuls, attention, what the backward recomputes and memory-bound work
     exposed comm      step_time's exposed collectives and host transfers. Its CP collectives (exposed_per_layer):
@@ -238,8 +236,7 @@ def _cost(config: Config, cand: Candidate, mesh: MeshPlan, hw: Hardware, host_bu
     bytes, step."""
     sizes = mesh.sizes
     tp, shards = sizes[TENSOR_AXIS], mesh.num_devices // sizes[DATA_AXIS]  # weights shard over fsdp x context x tensor
-    base_bytes, tiles = memory.device_bytes(config, tp, shards)
-    hbm = base_bytes + max(cand.attention_bytes, tiles)
+    hbm = memory.device_bytes(config, tp, shards, cand.attention_bytes).total
     est = step_time.estimate(config, mesh, config.per_device_batch_size * mesh.num_devices, hw)
     held = memory.held_host_bytes(config, tp)
     budget = FIT_FRACTION * hw.hbm_bytes

@@ -56,12 +56,13 @@ def stacks(config: Config) -> tuple[Stack, ...]:
     return (Stack("llama", config.base_num_decoder_layers, layer_windows(config)),)
 
 
-# The layer's working set in its backward (norms, projections, residuals and their fp32 gradients), calibrated on
-# the fit table's llama3-8b p2p and usp rows on v5p-128 (compiled memory minus the rest of this model;
-# docs/choosing_a_strategy.md): 38 with the layer inputs offloaded (remat_policy=custom decoder_layer_input=offload;
-# 35.7-40.1 on those rows), 64 with them kept in HBM (63.7-65.7 on the remat_policy=full rows: XLA holds more than
-# the saved inputs themselves then).
-WORK = LayerWork(offloaded=38, on_device=64)
+# The residual stream's working set in a layer's backward (norms, residuals, out_proj and the MLP's [t, D] ends
+# and their gradients), bytes per token and model width, the same wherever the layer inputs are: calibrated on the
+# fit table's llama3-8b p2p and usp rows on v5p-128 (compiled memory minus the rest of maxctx.plan.memory's
+# estimate; docs/choosing_a_strategy.md). The inputs kept in HBM are charged at memory.KEPT_ON_DEVICE x their bytes,
+# which is what the separate constant for them was (64 against 38 before the attention's and the MLP's terms
+# were their own).
+WORK = LayerWork(offloaded=32, on_device=32)
 
 LLAMA = ModelFamily(
     name="llama2", shape=ModelShape.from_config, tensors=tensors,

@@ -1,0 +1,115 @@
+"""The planner's HBM estimate per device beside the compiled program's, for every compiled row of the fit table's
+single compiles (benchmarks/fit_table_keys.jsonl): no compile, the estimate `python -m maxctx.compile <keys> --plan`
+prints for that command's own strategy and remat placement.
+
+    python3 benchmarks/hbm_estimate.py [--out benchmarks/hbm_estimate.md]
+
+Compiled: XLA's memory analysis per device (argument + output - alias + temporaries: `total_size_in_bytes`);
+rows whose compile left no report (an abort) are left out. A row compiled with `auto` is estimated at what auto
+chose then (RESOLVED). The estimate's three moments (maxctx.plan.memory.Peak: always held, the top layer's
+backward, the loss) are shown beside it. docs/choosing_a_strategy.md ("The memory estimate against the fit
+table's compiles") has the table and the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+KEYS = os.path.join(ROOT, "benchmarks", "fit_table_keys.jsonl")
+BASE = os.path.join(ROOT, "configs", "base.yml")
+GIB = 1024 ** 3
+
+
+def compiled_rows(path: str = KEYS) -> list[dict]:
+    """The fit table's single compiles with XLA's memory figures (a compile that left none is skipped)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if (r.get("report") or {}).get("total_size_in_bytes")]
+
+
+# What `context_parallel_strategy=auto remat_policy=auto` resolved to when these rows compiled (the planner of
+# then; the compiled host bytes, 94.17 and 32.25 GiB, are the placements'): the estimate is for the program that
+# compiled, which auto no longer chooses for gemma3-27b (its memory estimate changed).
+RESOLVED = {
+    "gemma3-27b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=16", "remat_policy=custom",
+                   "decoder_layer_input=device", "context=device", "out_proj=device", "mlpwi=offload",
+                   "mlpwo=offload"],
+    "qwen3-32b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=8", "remat_policy=custom",
+                  "decoder_layer_input=device", "context=offload"],
+}
+AUTO = ("context_parallel_strategy=auto", "remat_policy=auto")
+
+
+def compiled_keys(row: dict) -> list[str]:
+    """The row's keys with auto's choices replaced by what they resolved to when the row compiled (RESOLVED)."""
+    if not any(k in AUTO for k in row["keys"]):
+        return row["keys"]
+    return [k for k in row["keys"] if k not in AUTO] + RESOLVED[row["model"]]
+
+
+def estimate_bytes(keys: list[str]) -> float:
+    """The planner's HBM estimate per device for `python -m maxctx.compile configs/base.yml <keys>`: auto's choice
+    when the keys leave the strategy or the placement to it, else the one candidate of the config's own."""
+    return estimate(keys)[0]
+
+
+def estimate(keys: list[str]):
+    """(estimate_bytes, its maxctx.plan.memory.Peak: what the estimate holds at which moment)."""
+    from maxctx.attention.cp import strategies
+    from maxctx.loader import load
+    from maxctx.parallelism import TENSOR_AXIS
+    from maxctx.plan import memory, planner
+
+    loaded = load([BASE, *keys])
+    config = loaded.config
+    if loaded.plan is not None:
+        cand = loaded.plan.choice
+    else:
+        name = strategies.resolve(config.context_parallel_strategy)
+        only = (name, strategies.get(name).a2a_degree(config, planner.mesh_plan(config).cp))
+        cand = planner.plan(config, only=only).choice
+    mesh = planner.mesh_plan(config)
+    shards = mesh.num_devices // mesh.sizes["data"]
+    return cand.memory_bytes, memory.device_bytes(config, mesh.sizes[TENSOR_AXIS], shards, cand.attention_bytes)
+
+
+def _short(keys: list[str]) -> str:
+    """The keys that tell the rows apart (the topology, model, length and what the row varies)."""
+    same = ("ici_fsdp_parallelism=1", "per_device_batch_size=", "ici_context_parallelism=", "remat_policy=custom",
+            "override_model_config=", "use_tokamax_splash=false", "use_jax_splash=false", "ici_tensor_parallelism=1",
+            "context_parallel_load_balance=true")
+    return " ".join(k.replace("compile_topology=", "").replace("model_name=", "")
+                    for k in keys if not k.startswith(same))
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| keys | status | estimate (GiB) | of which always / layer / loss | compiled (GiB) | "
+             "estimate / compiled |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        est, peak = estimate(compiled_keys(r))
+        got = r["report"]["total_size_in_bytes"]
+        parts = " / ".join(f"{x / GIB:.1f}" for x in (peak.always, peak.layer, peak.loss))
+        lines.append(f"| `{_short(r['keys'])}` | {r['status']} | {est / GIB:.2f} | {parts} | {got / GIB:.2f} | "
+                     f"{est / got:.3f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    args = parser.parse_args()
+    lines = table(compiled_rows())
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
