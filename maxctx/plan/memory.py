@@ -32,21 +32,24 @@ from maxctx.plan import step_time, topology
 # Of the host DRAM per device: the rest for the OS, the training process, the input pipeline and checkpoint
 # staging (an assumption).
 HOST_FRACTION = 0.9
-# HBM that a tensor kept on the device for the backward takes, per byte of the tensor: the forward scan writes it
-# into its stacked [L, ...] output and the backward scan carries its own copy while it reads it back; fitted on
-# two compiles: llama3.1-8b (head_dim=256) at 10,485,760 tokens on v5p-128, p2p, context=device (XLA needed
-# 102.54 GiB where the estimate without this factor was 76.25, 1.65) and gemma3-27b at 1,048,576 (benchmarks/
-# fit_table_keys.jsonl, context and out_proj kept).
+# HBM that a tensor kept on the device for the backward takes, per byte of the tensor (the layer inputs included):
+# the forward scan writes it into its stacked [L, ...] output and the backward scan holds more of it than its
+# bytes while it reads it back. 1.4 on the fit table's llama3-8b rows with the layer inputs in HBM (what their own
+# working-set constant, 64 t D against 38, was before); gemma3-27b at 1,048,576 tokens grows by 1.36x the bytes a
+# layer keeps per layer (62 and 12 layers compiled: 93.21 and 48.63 GiB); the one compile of a kept attention
+# output, llama3.1-8b (head_dim=256) at 10,485,760 tokens, context=device, needed 1.65x (104 GiB, estimated 94).
 KEPT_ON_DEVICE = 1.4
 # Bytes per (token, vocab entry) of one vocab tile in the loss: the fp32 logits and their fp32 gradient, and the
 # bf16 copy the output projection writes (llama3-8b's 1,048,576-token step on v5p-128 untiled, XLA's buffers:
 # f32[16384, 128256] twice, bf16[16384, 128256], the latter reusing the former's memory there).
 LOGIT_BYTES = 10
-# Extra layer inputs held per extra layer of a strided run (decoder_layer_input_stride N): the run's scan
-# stacks the inputs of its N layers for its backward, and the recomputed one and its gradient stay live.
+# [t, D] buffers held per extra layer of a strided run (decoder_layer_input_stride N): the run's scan stacks the
+# inputs of its N layers for its backward, and the recomputed input and its gradient stay live (the fit table's
+# 2^25-token llama3-8b row with stride 2: 84.40 GiB).
 STRIDED_INPUTS = 4
-# Copies of an offloaded tensor in HBM while the backward uses it: the one brought back and the next layer's,
-# prefetched.
+# Copies in HBM of an offloaded tensor while a scan step's backward uses it: the one brought back from the host
+# and its device copy (gemma3-27b's period of 6 layers: 12 bf16[16384, 21504] of mlpwi fetched and 12 more at
+# the peak).
 PREFETCHED = 2
 
 
