@@ -151,6 +151,9 @@ class Config:
     # to the scores for the choice only (not to the weights).
     routed_score_func: str = "softmax"
     routed_bias: bool = False
+    # DeepSeek-V3's auxiliary-loss-free balancing (MaxText's key): after each step every MoE layer's correction
+    # bias moves by this much against its load, b_x -= rate sign(load_x - mean load) (V3: 0.001); 0: fixed.
+    routed_bias_update_rate: float = 0.0
     # DeepSeek-V3's sequence-wise balance loss's weight (its paper's alpha, eq. 17-20; 0.0001 there), over each
     # row's tokens, averaged over rows and MoE layers; 0: off, the step unchanged.
     sequence_balance_loss_weight: float = 0.0

@@ -31,7 +31,7 @@ from maxctx.config import Config, ConfigError
 from maxctx.data import BATCH_KEYS
 from maxctx.mesh import batch_sharding, logical_to_spec
 from maxctx.metrics.flops import document_pairs
-from maxctx.model.decoder import Decoder, param_axes
+from maxctx.model.decoder import Decoder, param_axes, sign_updated
 from maxctx.model.layers import ModelConfig
 from maxctx.optimizer import learning_rate_schedule, make_optimizer, schedule_step
 
@@ -51,6 +51,7 @@ class TrainSetup:
     abstract_state: dict
     state_shardings: dict
     batch_shardings: dict
+    sign_updated: dict | None = None  # maxctx.model.decoder.sign_updated: parameters moved by their gradient's sign
 
     @property
     def global_batch(self) -> int:
@@ -88,7 +89,7 @@ def make_setup(config: Config, mesh: Mesh) -> TrainSetup:
                                   abstract_state, state_shardings)
     batch_shardings = {k: batch_sharding(mesh) for k in BATCH_KEYS}
     return TrainSetup(config, mesh, model_config, graphdef, axes, optimizer, abstract_state, state_shardings,
-                      batch_shardings)
+                      batch_shardings, sign_updated(abstract_model))
 
 
 def init_state(setup: TrainSetup) -> dict:
@@ -159,10 +160,12 @@ def train_step_fn(setup: TrainSetup):
             (loss_sum, weight_sum, term_sums, grad_sum), _ = jax.lax.scan(body, zeros, micro)
         denom = jnp.maximum(weight_sum, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, params)
+        grads, signed = split_signed(grads, setup.sign_updated)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
+        new_params = signed(params, optax.apply_updates(params, updates), setup.config.routed_bias_update_rate)
         loss, grad_norm, finite = loss_sum / denom, optax.tree.norm(grads), all_finite((new_params, opt_state))
-        metrics = {name: value / denom for name, value in term_sums.items()}
+        # A term named with a leading "_" is in the objective for its gradient only (maxctx.model.deepseek.layers).
+        metrics = {name: value / denom for name, value in term_sums.items() if not name.startswith("_")}
         if skip_nonfinite:  # keep the previous state (finite: it was saved or checked) instead of a bad update
             keep = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm) & finite)
             new_params, opt_state = jax.tree.map(lambda new, old: jnp.where(keep, old, new),
@@ -175,6 +178,22 @@ def train_step_fn(setup: TrainSetup):
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return step
+
+
+def split_signed(grads, mask):
+    """(the gradients for the optimizer, with those of the parameters in `mask` zeroed, and a function
+    (params, new_params, rate) -> new_params with each masked parameter moved to params - rate sign(its gradient)
+    instead): the optimizer, its clipping and the logged gradient norm never see what the sign update uses."""
+    if mask is None:
+        return grads, lambda params, new_params, rate: new_params
+    signals = grads
+    grads = jax.tree.map(lambda g, m: jnp.zeros_like(g) if m else g, grads, mask)
+
+    def signed(params, new_params, rate):
+        return jax.tree.map(lambda old, new, g, m: (old - rate * jnp.sign(g)).astype(old.dtype) if m else new,
+                            params, new_params, signals, mask)
+
+    return grads, signed
 
 
 def on_device(tree, shardings):

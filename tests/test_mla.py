@@ -396,3 +396,76 @@ def test_sequence_balance_loss_weight_reaches_the_loss_and_zero_leaves_it_out(im
     _, made, state = setup(checkpoint, 1, "sequence_balance_loss_weight=0.0001")
     weight, value = jax.jit(functools.partial(terms, made))(state["params"])["sequence_balance_loss"]
     assert weight == 0.0001 and 0.5 < float(value) < 4.0  # 1 when balanced, at most X / k = 4
+
+
+def test_the_bias_signal_is_the_layers_load_imbalance():
+    """routed_bias_update_rate > 0: the layer adds a term of value 0 whose gradient in the correction bias is the
+    load of the experts its router chose minus their mean (padding left out); off, no such term."""
+    from flax import nnx
+
+    from maxctx.model.deepseek.family import DeepseekOptions
+    from maxctx.model.deepseek.layers import DeepseekMoe
+    from maxctx.model.layers import ModelConfig
+
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(2, 32, 16)).astype(np.float32))
+    seg = jnp.asarray(np.stack([np.ones(32), np.repeat([1, 0], [20, 12])]).astype(np.int32))
+    for rate in (0.0, 0.01):
+        o = DeepseekOptions(num_experts=8, top_k=2, mlp_dim=8, groups=4, top_groups=2, sigmoid=True,
+                            routed_bias=True, renormalize=True, bias_update_rate=rate)
+        cfg = ModelConfig(emb_dim=16, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=8, num_layers=1,
+                          vocab_size=8, dtype="float32", options=o)
+        block = DeepseekMoe(cfg, nnx.Rngs(0))
+        block.bias[...] = jnp.asarray(rng.normal(size=8).astype(np.float32) * 0.3)
+        graphdef, state = nnx.split(block)
+        sums = jax.eval_shape(lambda s, g=graphdef: nnx.merge(g, s)(x, seg)[1], state)
+        assert ("moe_bias_signal" in sums) == (rate > 0)
+    signal = jax.jit(jax.value_and_grad(lambda s: nnx.merge(graphdef, s)(x, seg)[1]["moe_bias_signal"]))
+    value, grads = signal(state)
+    assert float(value) == 0.0
+    chosen = np.asarray(route(x.reshape(64, 16), block.router[...], o, jnp.float32, block.bias[...])[2])
+    load = np.bincount(chosen[np.asarray(seg).reshape(-1) != 0].reshape(-1), minlength=8)
+    assert load.std() > 0
+    np.testing.assert_allclose(np.asarray(grads["bias"][...]), load - load.mean(), rtol=1e-6)
+    assert not np.asarray(grads["router"][...]).any()  # the signal reaches the bias alone
+
+
+def test_a_step_moves_each_layers_bias_by_the_sign_of_its_load_and_nothing_else(imported):
+    """DeepSeek-V3's update, b -= rate sign(load - mean) per MoE layer, where the load's imbalance is the bias's
+    gradient (the test above): applied by the step outside the optimizer, whose gradient norm (and so its clipping)
+    leaves the signal out; the signal is not logged."""
+    import optax
+
+    from maxctx.train_step import jit_train_step, loss_terms
+    from tests.support.hf import setup
+
+    checkpoint, tokens, _ = imported("deepseek3")
+    seq = tokens.shape[1]
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "positions": np.arange(seq, dtype=np.int32)[None], "segment_ids": np.ones_like(tokens),
+             "weights": np.ones(tokens.shape, np.float32)}
+    rate = 0.01
+    _, made, state = setup(checkpoint, 1, f"routed_bias_update_rate={rate}")
+    before = jax.tree.map(np.asarray, state["params"])
+    (total, (weight, _)), grads = jax.jit(jax.value_and_grad(lambda p, b: loss_terms(made.graphdef, p, b),
+                                                             has_aux=True))(state["params"], batch)
+    new, metrics = jit_train_step(made)(state, batch)
+    flat = lambda tree: dict(jax.tree_util.tree_leaves_with_path(tree))  # noqa: E731
+    tagged = [path for path, leaf in flat(made.sign_updated).items() if leaf]
+    assert len(tagged) == 1  # the MoE stack's bias [2 layers, X]
+    g = np.asarray(flat(grads)[tagged[0]])
+    assert g.shape == (2, 8) and np.abs(np.sign(g)).sum() > 8
+    np.testing.assert_allclose(np.asarray(flat(new["params"])[tagged[0]]), flat(before)[tagged[0]] - rate * np.sign(g),
+                               atol=1e-7)
+    others = [np.asarray(value / weight) for path, value in flat(grads).items() if path != tagged[0]]
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(others)), rel=1e-5)
+    assert float(metrics["loss"]) == pytest.approx(float(total / weight), rel=1e-6)
+    assert not any(name.startswith("_") for name in metrics)
+
+
+def test_a_bias_update_without_the_bias_is_refused():
+    from maxctx.config import ConfigError
+    from maxctx.loader import load_config
+
+    with pytest.raises(ConfigError, match="routed_bias_update_rate=0.001 must be >= 0 and moves the correction"):
+        load_config(["configs/base.yml", "model_name=deepseek2-16b", "routed_bias_update_rate=0.001"])

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxctx.model import stacks
 from maxctx.model.family import DecoderOptions
-from maxctx.model.layers import ModelConfig, RMSNorm, constrain_activations, param
+from maxctx.model.layers import SIGN_UPDATE, ModelConfig, RMSNorm, constrain_activations, param
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import TENSOR_AXIS
 
@@ -128,18 +128,32 @@ def _logits(x_BSD, w, tied: bool, cfg: ModelConfig):
     return jnp.tanh(logits / cap) * cap if cap > 0 else logits
 
 
-def param_axes(model: nnx.Module) -> dict:
-    """Nested dict (like the params) of each parameter's logical axis names, `layers` prepended when stacked."""
-    axes: dict = {}
+def _per_param(model: nnx.Module, value) -> dict:
+    """Nested dict (like the params) of value(variable) for each parameter."""
+    out: dict = {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names = tuple(variable.get_metadata()["axes"])
-        if len(names) < len(variable.shape):
-            names = ("layers",) + names
-        node = axes
+        node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = names
-    return axes
+        node[path[-1]] = value(variable)
+    return out
+
+
+def param_axes(model: nnx.Module) -> dict:
+    """Nested dict (like the params) of each parameter's logical axis names, `layers` prepended when stacked."""
+
+    def names(variable) -> tuple:
+        axes = tuple(variable.get_metadata()["axes"])
+        return ("layers",) + axes if len(axes) < len(variable.shape) else axes
+
+    return _per_param(model, names)
+
+
+def sign_updated(model: nnx.Module) -> dict | None:
+    """Nested dict (like the params) of bools: the parameters tagged SIGN_UPDATE (maxctx.model.layers); None
+    when there are none."""
+    flags = _per_param(model, lambda variable: bool(variable.get_metadata().get(SIGN_UPDATE, False)))
+    return flags if any(jax.tree.leaves(flags)) else None
 
 
 def count_params(params) -> int:

@@ -80,6 +80,11 @@ class ModelConfig(ModelShape):
         return self.stacks or (Stack("llama", self.num_layers, self.layer_windows),)
 
 
+# The metadata tag of a parameter the step moves by -rate sign(its gradient) instead of the optimizer's update
+# (maxctx.train_step; DeepSeek-V3's correction bias, whose "gradient" is its layer's load imbalance).
+SIGN_UPDATE = "sign_update"
+
+
 def param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None) -> nnx.Param:
     """Truncated-normal parameter with fan-in scaling (or ones when scale == 0), tagged with logical axes."""
     if scale == 0.0:

@@ -50,6 +50,7 @@ class DeepseekOptions(moe.MoeOptions):
     sigmoid: bool = False  # V3's router: sigmoid scores (else softmax)
     routed_bias: bool = False  # V3's correction bias on the scores for the choice
     sequence_balance_loss_weight: float = 0.0  # V3's sequence-wise balance loss (layers.sequence_balance_sums)
+    bias_update_rate: float = 0.0  # V3's load-driven bias update (layers.load_signal; maxctx.train_step applies it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +186,11 @@ def check(config: Config) -> None:
     if config.sequence_balance_loss_weight < 0:
         raise ConfigError(f"sequence_balance_loss_weight={config.sequence_balance_loss_weight} must be >= 0 "
                           f"(DeepSeek-V3: 0.0001; 0: off)")
+    rate = config.routed_bias_update_rate
+    if not rate >= 0 or (rate > 0 and not config.routed_bias):
+        raise ConfigError(f"routed_bias_update_rate={rate} must be >= 0 and moves the correction bias of "
+                          f"routed_bias=true (DeepSeek-V3: routed_bias=true routed_bias_update_rate=0.001; 0: the bias "
+                          f"stays as loaded)")
     groups, top = config.n_routing_groups, config.topk_routing_group
     if groups > 0 and (config.num_experts % groups or not 0 < top <= groups):
         raise ConfigError(f"n_routing_groups={groups} topk_routing_group={top}: the groups must divide num_experts="
@@ -204,7 +210,7 @@ def options(config: Config) -> DeepseekOptions:
         groups=config.n_routing_groups if grouped else 1, top_groups=config.topk_routing_group if grouped else 1,
         sigmoid=config.routed_score_func == "sigmoid", routed_bias=config.routed_bias,
         sequence_balance_loss_weight=config.sequence_balance_loss_weight,
-        router_z_loss_weight=config.router_z_loss_weight)
+        bias_update_rate=config.routed_bias_update_rate, router_z_loss_weight=config.router_z_loss_weight)
 
 
 def stacks(config: Config) -> tuple[Stack, ...]:

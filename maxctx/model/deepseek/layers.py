@@ -15,6 +15,14 @@ CP strategy (maxctx.attention.attend) with V narrower than Q, and out [B, S, H, 
 DeepSeek-V3's sequence-wise balance loss (sequence_balance_loss_weight > 0; off, the layer's program is unchanged):
 each MoE layer adds per-row sums over the global arrays (`row_sums`, the same under any mesh and sequence order)
 and its rows' terms (`sequence_balance_sums`) to MoeBlock's load-balancing sums; `aux_terms` averages them.
+
+DeepSeek-V3's auxiliary-loss-free balancing (routed_bias_update_rate > 0): after each step, every MoE layer's
+correction bias moves against that layer's load over the step's tokens, b_x -= rate sign(load_x - mean load), outside
+the gradient. The layer's load reaches the step as the gradient of its bias (`load_signal`: a term of value 0 whose
+derivative in b is load - mean, scaled by the step's positive token weight, which leaves the sign as it is), so each
+layer of a scanned stack gets its own; maxctx.train_step takes those gradients out of the optimizer's (and of the
+clipping and the logged gradient norm) and applies the signed step to the parameters tagged
+maxctx.model.layers.SIGN_UPDATE.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxctx.attention.cp.sharded import shard_map
 from maxctx.attention.dispatch import attend
-from maxctx.model.layers import MLP, ModelConfig, RMSNorm, param
+from maxctx.model.layers import MLP, SIGN_UPDATE, ModelConfig, RMSNorm, param
 from maxctx.model.llama.layers import DecoderLayer
 from maxctx.model.moe import layers as moe
 from maxctx.model.moe.layers import MoeBlock, grouped_swiglu
@@ -152,6 +160,9 @@ def sequence_balance_sums(rows: dict, o) -> dict:
     return {"moe_seq_balance": jnp.sum(jnp.where(real, per_row, 0.0)), "moe_seq_rows": jnp.sum(real, dtype=jnp.float32)}
 
 
+SIGNAL_TERM = "_bias_load_signal"  # a leading "_": a term maxctx.train_step does not log
+
+
 def aux_terms(sums: dict, cfg: ModelConfig) -> dict:
     """The MoE layer's terms (maxctx.model.moe.layers.aux_terms), and with sequence_balance_loss_weight > 0 the
     sequence-wise balance loss: the mean over rows and MoE layers of `sequence_balance_sums`' term."""
@@ -159,7 +170,29 @@ def aux_terms(sums: dict, cfg: ModelConfig) -> dict:
     if "moe_seq_balance" in sums:
         value = sums["moe_seq_balance"] / jnp.maximum(sums["moe_seq_rows"], 1.0)
         terms["sequence_balance_loss"] = (cfg.options.sequence_balance_loss_weight, value)
+    if "moe_bias_signal" in sums:  # 0 with weight 1: in the objective for its gradient only (module doc)
+        terms[SIGNAL_TERM] = (1.0, sums["moe_bias_signal"])
     return terms
+
+
+@jax.custom_vjp
+def load_signal(bias_X, load_X):
+    """0, whose gradient in the bias is load_X - mean(load_X) (module doc): the layer's imbalance, carried to the
+    step's update of the bias by autodiff, layer by layer."""
+    del bias_X, load_X
+    return jnp.zeros((), jnp.float32)
+
+
+def _signal_forward(bias_X, load_X):
+    return load_signal(bias_X, load_X), (load_X, bias_X)
+
+
+def _signal_backward(res, g):
+    load_X, bias_X = res
+    return (g * (load_X - jnp.mean(load_X))).astype(bias_X.dtype), jnp.zeros_like(load_X)
+
+
+load_signal.defvjp(_signal_forward, _signal_backward)
 
 
 class DeepseekMoe(MoeBlock):
@@ -171,7 +204,8 @@ class DeepseekMoe(MoeBlock):
         super().__init__(cfg, rngs, mesh)
         o = cfg.options
         if o.routed_bias:
-            self.bias = nnx.Param(jnp.zeros((o.num_experts,), jnp.float32), axes=("norm",))
+            self.bias = nnx.Param(jnp.zeros((o.num_experts,), jnp.float32), axes=("norm",),
+                                  **{SIGN_UPDATE: o.bias_update_rate > 0})
         if o.shared_experts:
             self.shared = MLP(dataclasses.replace(cfg, mlp_dim=o.shared_experts * o.mlp_dim), rngs, mesh)
 
@@ -188,6 +222,9 @@ class DeepseekMoe(MoeBlock):
                               self.cfg.mlp_sequence_chunks, self.mesh, x_BSD, segment_ids_BS)
             if own_choice:  # the load (metrics, load balancing) of the experts this router chose
                 sums = {**sums, "moe_load": jnp.sum(rows["count"], axis=0)}
+            if o.bias_update_rate > 0:
+                signal = load_signal(self.bias[...], jax.lax.stop_gradient(jnp.sum(rows["count"], axis=0)))
+                sums = {**sums, "moe_bias_signal": signal}
             if o.sequence_balance_loss_weight:
                 sums = {**sums, **sequence_balance_sums(rows, o)}
         return (y + self.shared(x_BSD) if o.shared_experts else y), sums
