@@ -93,12 +93,12 @@ def test_the_same_examples_at_every_eval():
 
 
 TRAIN = ["synthetic_passkey_fraction=1", "max_target_length=64", "per_device_batch_size=16", "dtype=float32",
-         "steps=800", "passkey_lengths=64", "passkey_examples=16", "passkey_depths=0,0.5,1", "eval_interval=800",
+         "steps=400", "passkey_lengths=64", "passkey_examples=16", "passkey_depths=0,0.5,1", "eval_interval=400",
          "eval_steps=0", "enable_checkpointing=false"]
 
 
 def test_tiny_model_learns_passkey_retrieval_on_cpu():
-    """800 steps of 16 x 64 tokens on one device: keys retrieved far above chance (a 5-7 digit key guessed at
+    """400 steps of 16 x 64 tokens on one device: keys retrieved far above chance (a 5-7 digit key guessed at
     random: at most 1e-4) and never without the key in the haystack (the same examples with the needle left out)."""
     start = time.perf_counter()
     config = load_config(TRAIN)
