@@ -130,7 +130,7 @@ def exchange_bytes(batch: float, heads: int, key_dim: int, value_dim: int, chann
                    itemsize: int, cp: int, zigzag: bool = False) -> float:
     """Bytes one rank receives by collective-permute in one linear layer's forward (maxctx.model.qwen35.cp's module
     doc: the halo and the fp32 states of the prefix scan, whatever the sequence length); the backward's transposed
-    permutes move as many."""
+    permutes move as many, less the segment ids' 4 (W - 1) B (compiled for 4 and 8 CPU devices)."""
     if cp == 1:
         return 0
     steps = math.ceil(math.log2(cp))
