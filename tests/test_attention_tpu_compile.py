@@ -1,7 +1,8 @@
 """TPU without a TPU: every strategy with attention=splash compiles (fwd + bwd) for an abstract v5p-8 topology, for
 global and for local (sliding-window) layers, and so does a call split into row chunks (splash.MAX_TABLE_ENTRIES
 lowered so 2K tokens need them; ring hops loop one kernel over them), and splash's backward on other blocks than
-the forward's (MaxText's sa_block_*), fused or not, and each strategy under the documents placement.
+the forward's (MaxText's sa_block_*), fused or not, and each strategy under the documents placement; and splash at
+the recipes' 2048-token blocks with head_dim 256 under v5p's scoped VMEM limit.
 
 Runs in a subprocess: the TPU plugin must load, which JAX_PLATFORMS=cpu (set by conftest) forbids. Needs libtpu
 (CI installs `jax[tpu]==<jax version>`); without it the test fails and says so, it does not skip.
@@ -81,6 +82,23 @@ for strategy, ring, a2a, balance, table, window, *blocks in [
             + (f"/window{window}" if window else "") + ("/overlap" if overlap else "/blocks" if opts else "")] = {
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
         "pallas_calls": hlo.count("tpu_custom_call"), "fp32_permutes": permutes(hlo)}
+
+# Splash at the recipes' 2048-token blocks and head_dim 256 (16 query, 4 kv heads) on one v5p chip, fwd + bwd,
+# under the scoped VMEM limit maxctx gives v5p (tpu_scoped_vmem_limit_kib=-1): its partial blocks computed in the
+# kernel, the kernels fit (loaded, the forward needed 70.59 MiB of the chip's 63.94: tests/test_out_of_memory.py).
+from maxctx.plan.topology import CHIPS
+
+splash.MAX_TABLE_ENTRIES = default_table
+mesh = Mesh(np.asarray(devices[:1]).reshape(1, 1, 1, 1, 1), MESH_AXES)
+spec = AttentionSpec(kernel="splash", strategy="all_gather", block_q=2048, block_kv=2048)
+big = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [((1, 4096, 16, 256), jnp.bfloat16),
+       ((1, 4096, 4, 256), jnp.bfloat16), ((1, 4096, 4, 256), jnp.bfloat16), ((1, 4096), jnp.int32),
+       ((1, 4096), jnp.int32)]]
+grad = jax.jit(jax.grad(lambda q, k, v, pos, seg: attend(q, k, v, pos, seg, spec, mesh).astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2)))
+hlo = grad.lower(*big).compile({"xla_tpu_scoped_vmem_limit_kib": CHIPS["v5p"].scoped_vmem_kib}).as_text()
+results["recipe_blocks_head_dim_256"] = {"temp_bytes": 0, "pallas_calls": hlo.count("tpu_custom_call"),
+                                         "fp32_permutes": []}
 print("RESULT " + json.dumps(results))
 """
 
@@ -95,7 +113,7 @@ def test_splash_compiles_for_v5p_under_every_strategy():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"compile for v5p failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads(lines[-1].removeprefix("RESULT "))
-    assert len(results) == 20
+    assert len(results) == 21
     # The ring backward's dK/dV sends: in the hop loop (p2p, R = 4) none overlaps a hop's kernel by default; when
     # software-pipelined every one does but the last, which brings the dK/dV home after the last hop (usp, R = 2,
     # has no loop: XLA overlaps even the plain backward's one send there).
