@@ -91,8 +91,8 @@ def cpu_table(lengths: list[int], repeats: int) -> None:
         diff = float(jnp.max(jnp.abs(chunked[0](*args) - recurrent[0](*args))))
         fwd = [best_of(p[0], args, repeats) for p in (chunked, recurrent)]
         both = [best_of(p[1], args, repeats) for p in (chunked, recurrent)]
-        print(f"| {seq:,} | {fwd[0]:.4f} | {fwd[1]:.4f} | {fwd[1] / fwd[0]:.1f}x | {both[0]:.4f} | {both[1]:.4f} "
-              f"| {both[1] / both[0]:.1f}x | {diff:.1e} |", flush=True)
+        print(f"| {seq:,} | {fwd[0]:.4f} | {fwd[1]:.4f} | {fwd[1] / fwd[0]:.2f}x | {both[0]:.4f} | {both[1]:.4f} "
+              f"| {both[1] / both[0]:.2f}x | {diff:.1e} |", flush=True)
 
 
 def _linear_layer(seq: int, mesh):
