@@ -106,8 +106,8 @@ LOADS = {
 REFUSED = {
     "fp8": ("quantization=fp8 dataset_type=synthetic", "MaxText's quantization=fp8 is not supported by maxctx"),
     "hf": ("dataset_type=hf", "MaxText's dataset_type=hf is not supported by maxctx"),
-    "gpt-oss": ("model_name=gpt-oss-20b attention=flash", "MaxText's model_name=gpt-oss-20b is not supported by "
-                "maxctx: mixture-of-experts"),
+    "llama4": ("model_name=llama4-17b-16e attention=flash", "MaxText's model_name=llama4-17b-16e is not supported "
+               "by maxctx: mixture-of-experts"),
 }
 
 

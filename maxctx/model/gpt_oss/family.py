@@ -28,15 +28,11 @@ SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 @dataclasses.dataclass(frozen=True)
-class GptOssOptions(qwen.AttentionOptions):
-    """What the gpt_oss layer kind reads (ModelConfig.options): the attention's biases, and the experts' (the
-    fields maxctx.model.moe.layers reads, as maxctx.model.moe.family.MoeOptions names them)."""
+class GptOssOptions(moe.ExpertOptions, qwen.AttentionOptions):
+    """What the gpt_oss layer kind reads (ModelConfig.options): the attention's biases, the experts'
+    (maxctx.model.moe.family.ExpertOptions; its router softmaxes the top k, so `renormalize` is unused), and the
+    clamped SwiGLU's constants."""
 
-    num_experts: int = 1
-    top_k: int = 1
-    mlp_dim: int = 1
-    load_balance_loss_weight: float = 0.0
-    router_z_loss_weight: float = 0.0
     swiglu_alpha: float = SWIGLU_ALPHA
     swiglu_limit: float = SWIGLU_LIMIT
 

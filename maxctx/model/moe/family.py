@@ -35,8 +35,9 @@ ROUTER_FLOPS = 8  # per token and expert besides the matmul: softmax (exp, sum, 
 
 
 @dataclasses.dataclass(frozen=True)
-class MoeOptions(qwen.AttentionOptions):
-    """What the MoE layer kinds read (ModelConfig.options): Qwen's attention settings, and the experts'."""
+class ExpertOptions:
+    """The fields maxctx.model.moe.layers reads from ModelConfig.options: every MoE family's options class takes
+    them from here (with its attention's options), so a field the layer gains reaches them all."""
 
     num_experts: int = 1
     top_k: int = 1
@@ -45,6 +46,11 @@ class MoeOptions(qwen.AttentionOptions):
     load_balance_loss_weight: float = 0.0
     router_z_loss_weight: float = 0.0
     capacity_factor: float = 0.0  # 0: dropless (maxctx.model.moe.capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeOptions(ExpertOptions, qwen.AttentionOptions):
+    """What the MoE layer kinds read (ModelConfig.options): Qwen's attention settings, and the experts'."""
 
 
 class ExpertCounts:

@@ -24,16 +24,11 @@ from maxctx.model.qwen35 import family as qwen35
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3NextOptions(qwen35.Qwen35Options):
-    """What the qwen3_next layer kind reads (ModelConfig.options): Qwen3.5's, and the MoE layer's (the fields
-    maxctx.model.moe.layers reads, as maxctx.model.moe.family.MoeOptions names them), and the shared experts."""
+class Qwen3NextOptions(moe.ExpertOptions, qwen35.Qwen35Options):
+    """What the qwen3_next layer kind reads (ModelConfig.options): Qwen3.5's, the MoE layer's
+    (maxctx.model.moe.family.ExpertOptions), and the shared experts."""
 
-    num_experts: int = 1
-    top_k: int = 1
-    mlp_dim: int = 1
     renormalize: bool = True
-    load_balance_loss_weight: float = 0.0
-    router_z_loss_weight: float = 0.0
     shared_experts: int = 1
 
 
