@@ -252,18 +252,9 @@ class DeepseekMoe(MoeBlock):
         return shard_map(local, mesh, specs, act)(x_BSD, router, bias, *cast)
 
 
-class DeepseekLayer(nnx.Module):
+class DeepseekLayer(moe.MoeLayer):
     """Pre-norm block: x + mla(norm(x)), then + moe(norm(x)); returns (x, the MoE layer's load counts)."""
 
+    attention = MlaAttention
+    block = DeepseekMoe
     aux_terms = staticmethod(aux_terms)
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
-        self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.attn = MlaAttention(cfg, rngs, mesh)
-        self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.moe = DeepseekMoe(cfg, rngs, mesh)
-
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, window)
-        y_BSD, sums = self.moe(self.mlp_norm(x_BSD), segment_ids_BS)
-        return x_BSD + y_BSD, sums

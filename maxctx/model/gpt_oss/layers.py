@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from maxctx.attention.cp.sharded import shard_map
 from maxctx.attention.dispatch import attend
-from maxctx.model.layers import ModelConfig, RMSNorm, param
-from maxctx.model.moe.layers import aux_terms, grouped_swiglu, load_sums, router_logits
+from maxctx.model.layers import ModelConfig, param
+from maxctx.model.moe.layers import MoeLayer, grouped_swiglu, load_sums, router_logits
 from maxctx.model.qwen.layers import QwenAttention, zeros
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
@@ -128,18 +128,8 @@ class GptOssExperts(nnx.Module):
         return shard_map(local, mesh, specs, act)(x_BSD, router, bias, *cast, b_gate_up, b_down)
 
 
-class GptOssLayer(nnx.Module):
+class GptOssLayer(MoeLayer):
     """Pre-norm block: x + attn(norm(x)), then + experts(norm(x)); returns (x, the layer's `load_sums`)."""
 
-    aux_terms = staticmethod(aux_terms)
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
-        self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.attn = GptOssAttention(cfg, rngs, mesh)
-        self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.moe = GptOssExperts(cfg, rngs, mesh)
-
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, window)
-        y_BSD, sums = self.moe(self.mlp_norm(x_BSD), segment_ids_BS)
-        return x_BSD + y_BSD, sums
+    attention = GptOssAttention
+    block = GptOssExperts

@@ -180,16 +180,18 @@ class MoeBlock(nnx.Module):
 
 class MoeLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + moe(norm(x)); returns (x, the MoE layer's `load_sums`). Mixtral's
-    (Llama's attention); Qwen3MoeLayer swaps in Qwen 3's attention (QK-norm)."""
+    (Llama's attention); Qwen3MoeLayer swaps in Qwen 3's attention (QK-norm), GPT-OSS and DeepSeek swap both the
+    attention and the expert block (the attribute names, and so the parameter paths, stay the same)."""
 
     attention = Attention
+    block = MoeBlock
     aux_terms = staticmethod(aux_terms)
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mesh=None):
         self.attn_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
         self.attn = self.attention(cfg, rngs, mesh)
         self.mlp_norm = RMSNorm(cfg.emb_dim, cfg.norm_eps, cfg.weight_dtype, rngs)
-        self.moe = MoeBlock(cfg, rngs, mesh)
+        self.moe = self.block(cfg, rngs, mesh)
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, window)
