@@ -1,10 +1,12 @@
 """maxctx.plan.step_time against MaxText's measured v5p-128 long-context rows: the calibration and the error on
-every row. No compile, no TPU: the model's arithmetic only.
+every row. No TPU: the model's arithmetic only (--eup compiles for abstract TPUs, with libtpu).
 
     python3 benchmarks/step_time_model.py          # the table (docs/step_time_model.md)
     python3 benchmarks/step_time_model.py --fit    # the fitted constants from the FITTED rows
     python3 benchmarks/step_time_model.py --what-if    # MaxText's recomputing lengths with context offloaded
     python3 benchmarks/step_time_model.py --rankings   # every published MaxText measurement beside the model
+    python3 benchmarks/step_time_model.py --ironwood   # tpu7x-128 predictions, before and with per-generation exps
+    python3 benchmarks/step_time_model.py --eup        # each TPU generation's exp rate from libtpu (compiles)
 
 The rows: tpu-recipes `training/v5p/Llama3.1-8B-LongContext-Maxtext/cluster_toolkit/README.md` (AI-Hypercomputer),
 llama3.1-8b with head_dim=256, 16 query heads, 4 KV heads (its variant), ring CP with causal load balance, tokamax
@@ -17,6 +19,7 @@ the UBench one is shown beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -33,7 +36,7 @@ from maxctx.plan import planner, step_time, topology  # noqa: E402
 VARIANT = ["model_name=llama3.1-8b", "head_dim=256", "base_num_query_heads=16", "base_num_kv_heads=4",
            "num_vocab_tiling=16", "attention=splash", "flash_block_q=1024", "flash_block_kv=1024",
            "context_parallel_strategy=p2p", "context_parallel_load_balance=true", "compile_topology=v5p-128",
-           "peak_tflops_per_device=459"]
+           "peak_tflops_per_device=459", "splash_fused_backward=true"]  # tokamax's one backward kernel (2 exps)
 # (tokens, ici_context, ici_fsdp, per_device_batch, remat_policy, context, decoder_layer_input, measured step s,
 #  the UBench run's step s or None, the README's measured MFU (the upper end of a range))
 ROWS = [(65536, 4, 16, 0.5, "custom", "device", "device", 10.25, None, 0.673),
@@ -166,6 +169,87 @@ def what_if() -> list[str]:
     return lines
 
 
+# The issue's Ironwood shapes (issue 45): the variant on tpu7x-128 (64 chips, 128 devices), ring CP over every device
+# with causal load balance, 2048-token splash blocks, one sequence, attention's output and the layer input on the
+# host (the Ironwood 16M recipe's placement, docs/long_context.md). Predictions only: no Ironwood measurement is
+# read or fitted here.
+IRONWOOD = ["compile_topology=tpu7x-128", "ici_context_parallelism=128", "ici_fsdp_parallelism=1",
+            "per_device_batch_size=0.0078125", "flash_block_q=2048", "flash_block_kv=2048", "remat_policy=custom",
+            "context=offload", "decoder_layer_input=offload"]
+IRONWOOD_TOKENS = [2 ** 16, 2 ** 17, 2 ** 18, 2 ** 19, 2 ** 20, 2 ** 21, 2 ** 22, 2 ** 23, 12 * 2 ** 20, 14 * 2 ** 20,
+                   2 ** 24]
+# The model before the exps were priced per generation (the v5p fit of commit 9a5ce45; the host link not shared by
+# a chip's two devices): matmul efficiency, splash efficiency at 1024, recompute factor
+BEFORE = (0.875, 0.710, 2.80)
+
+
+def ironwood_estimate(tokens: int, before: bool) -> step_time.StepTime:
+    variant = [k for k in VARIANT if not k.startswith(("compile_topology", "peak_tflops", "flash_block"))]
+    config = load_config(["configs/base.yml", *variant, *IRONWOOD, f"max_target_length={tokens}"])
+    mesh = MeshPlan.one_slice({"data": 1, "fsdp": 1, "context": 128, "context_a2a": 1, "tensor": 1})
+    hw = step_time.hardware(config, 128)
+    kept = (step_time.XLA_MATMUL_EFFICIENCY, dict(step_time.SPLASH_EFFICIENCY), step_time.RECOMPUTE_ATTENTION)
+    if before:
+        hw = dataclasses.replace(hw, transcendentals_per_s=0.0, host_bytes_per_s=step_time.HOST_BYTES_PER_S)
+        step_time.XLA_MATMUL_EFFICIENCY, step_time.RECOMPUTE_ATTENTION = BEFORE[0], BEFORE[2]
+        step_time.SPLASH_EFFICIENCY = {1024: BEFORE[1]}
+    try:
+        with strategies.replaced(overlapped_backward=True):
+            return step_time.estimate(config, mesh, 1, hw)
+    finally:
+        step_time.XLA_MATMUL_EFFICIENCY, step_time.SPLASH_EFFICIENCY, step_time.RECOMPUTE_ATTENTION = kept
+
+
+def ironwood() -> list[str]:
+    lines = ["| tokens | per device | before: step, MFU | now: step, MFU | now: attention (of which exps) | change |",
+             "|---|---|---|---|---|---|"]
+    peak = 2307e12 / 2
+    for tokens in IRONWOOD_TOKENS:
+        old, new = ironwood_estimate(tokens, True), ironwood_estimate(tokens, False)
+        exps = new.attention_s - old.attention_s * BEFORE[1] / step_time.SPLASH_EFFICIENCY[1024]  # less the MXU side
+        lines.append(f"| {tokens:,} | {tokens // 128:,} | {old.step_s:,.2f} s, "
+                     f"{old.model_flops / old.step_s / peak:.1%} | {new.step_s:,.2f} s, "
+                     f"{new.model_flops / new.step_s / peak:.1%} | {new.attention_s:,.2f} s "
+                     f"({exps:,.2f} s) | {new.step_s / old.step_s - 1:+.1%} |")
+    return lines
+
+
+# libtpu's cost model for a chain of exps, VMEM-resident (maxctx.plan.topology.EUP_SOURCE); one process per
+# generation, since libtpu reads the accelerator type once.
+EUP_SCRIPT = """
+import sys, jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+shape, config = sys.argv[1], sys.argv[2]
+device = topologies.get_topology_desc(shape, "tpu", chip_config_name=config).devices[0]
+chain = jax.jit(lambda x: __import__("functools").reduce(lambda y, _: jnp.exp(y), range(512), x))
+arg = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=SingleDeviceSharding(device))
+cost = chain.lower(arg).compile().cost_analysis()
+cost = cost[0] if isinstance(cost, list) else cost
+print("EUP", cost["transcendentals"] / cost["optimal_seconds"])
+"""
+
+
+def eup() -> list[str]:
+    import subprocess
+
+    lines = ["| generation | exps per second per device (libtpu's cost model) | per chip | MXU peak FLOPs per exp |",
+             "|---|---|---|---|"]
+    for gen, chip in topology.CHIPS.items():
+        topo = topology.parse(f"{gen}:{'x'.join(['2'] * (chip.dims - 1) + ['1' if chip.dims == 3 else '2'])}")
+        env = {**os.environ, "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+               "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": topo.accelerator_type}
+        out = subprocess.run([sys.executable, "-c", EUP_SCRIPT, topo.libtpu_name,
+                              "megacore" if chip.megacore else "default"], env=env, capture_output=True, text=True)
+        rate = float(next(x for x in out.stdout.splitlines() if x.startswith("EUP")).split()[1])
+        from maxctx.metrics.peaks import lookup_peak
+
+        peak = lookup_peak(chip.device_kind).tflops * 1e12
+        lines.append(f"| {chip.name} | {rate:.4e} | {rate * chip.devices_per_chip:.4e} | "
+                     f"{peak / (rate * chip.devices_per_chip):,.0f} |")
+    return lines
+
+
 # MaxText's strategy measurements on v5p-128, 2M tokens per step, splash, `remat_policy=custom context=device`
 # (PR #4687's setting): (name, model, length, C, fsdp, {maxctx label: measured step s}, or the label measured
 # fastest where only that is published (PRs #4836 / #4893 as issue 17 summarises them)).
@@ -267,6 +351,12 @@ def main() -> None:
         return
     if sys.argv[1:] == ["--leave-one-out"]:
         print("\n".join(leave_one_out()))
+        return
+    if sys.argv[1:] == ["--eup"]:
+        print("\n".join(eup()))
+        return
+    if sys.argv[1:] == ["--ironwood"]:
+        print("\n".join(ironwood()))
         return
     if sys.argv[1:] == ["--what-if"]:
         print("\n".join(what_if()))

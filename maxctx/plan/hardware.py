@@ -42,6 +42,7 @@ class Hardware:
     # NVLink egress and `dcn_bytes_per_s` its NIC's); 0 for a TPU torus
     switch: int = 0
     matmul_efficiency: float = 0.0  # of the peak; 0: step_time.XLA_MATMUL_EFFICIENCY (the v5p fit)
+    transcendentals_per_s: float = 0.0  # exps per second (topology.Chip's per chip / devices); 0: not priced
 
     @property
     def ici_bytes_per_s(self) -> float:
@@ -77,9 +78,11 @@ def hardware(config: Config, num_devices: int | None) -> Hardware:
     links = 2 * chip.dims
     torus = topo.shape[:-1] + (topo.shape[-1] * per_chip,)
     slices = f"{num_slices(config)} x " if num_slices(config) > 1 else ""
+    # The chip's devices share its HBM, links, DCN, host link and vector units.
     return Hardware(f"{slices}{topo.name} ({chip.name})", peak, chip.hbm_bytes_per_device,
                     chip.hbm_bytes_per_s / per_chip, chip.ici_bytes_per_s / 2 / links / per_chip, torus,
-                    chip.dcn_bytes_per_s_or_default / per_chip)
+                    chip.dcn_bytes_per_s_or_default / per_chip, HOST_BYTES_PER_S / per_chip,
+                    transcendentals_per_s=chip.transcendentals_per_s / per_chip)
 
 
 def _spanned(hw: Hardware, group: int) -> list[tuple[int, int]]:

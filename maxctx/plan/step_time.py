@@ -7,7 +7,9 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
     matmul       the weight matmuls' model FLOPs (6 P_matmul t; maxctx.metrics' count, the same as MaxText's
                  calculate_tflops_training_per_device) at XLA_MATMUL_EFFICIENCY of the peak
     attention    the attention's FLOPs (12 H Dh per visible query-key pair per layer) at the kernel's efficiency:
-                 splash per block size (SPLASH_EFFICIENCY), the blockwise JAX kernel BLOCKWISE_EFFICIENCY. Which
+                 splash per block size (SPLASH_EFFICIENCY), the blockwise JAX kernel BLOCKWISE_EFFICIENCY; then
+                 splash's exps (splash_exps per pair and query head) at the chip's transcendental rate
+                 (topology.Chip.transcendentals_per_s, libtpu's cost model), in series with its matmuls. Which
                  pairs: causal S / 2 keys per query (MaxText's count, and the MFU's) for one document per row; with
                  planner_document_lengths, the rows' documents' own pairs (each query sees its position + 1 keys)
                  times the busiest context rank's share of them over the mean under the configured
@@ -71,11 +73,13 @@ from maxctx.plan.roofline import attention_shape, traffic
 GIB = 1024 ** 3
 # Calibrated on MaxText's measured v5p-128 rows (benchmarks/step_time_model.py --fit; docs/step_time_model.md).
 XLA_MATMUL_EFFICIENCY = 0.875  # fitted on the 65,536-token row
-SPLASH_EFFICIENCY = {1024: 0.710}  # by splash block size; fitted on the 4,194,304-token row at 1024
+# Splash's MXU side (its FLOPs; its exps are priced apart at the chip's rate: attention_seconds), by block size;
+# fitted on the 4,194,304-token row at 1024
+SPLASH_EFFICIENCY = {1024: 0.762}
 DEFAULT_SCOPED_VMEM_BYTES = 16 * 2 ** 20  # where maxctx.plan.topology states no limit: an assumption
 SPLASH_BLOCKS = (512, 1024, 2048)  # what splash_block chooses from; an uncalibrated one is not chosen
 BLOCKWISE_EFFICIENCY = 0.3  # assumption: no measured row runs the blockwise kernel
-RECOMPUTE_ATTENTION = 2.80  # fitted on the 10,485,760-token row
+RECOMPUTE_ATTENTION = 2.70  # fitted on the 10,485,760-token row
 def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: int, dcn_cp: int,
                       forward_passes: int) -> float:
     """Communication seconds one layer's attention does not hide behind compute (module doc). A local layer whose
@@ -192,6 +196,27 @@ def splash_block(config: Config, vmem_bytes: float) -> int:
     return max(known, key=lambda b: (SPLASH_EFFICIENCY[b], b))
 
 
+def splash_exps(config: Config, hw: Hardware) -> tuple[int, int]:
+    """Exps per visible (query head, key) pair that splash's kernels run (forward, backward), where the chip's
+    rate is priced (Hardware.transcendentals_per_s): the forward's exp(s - m), and one more in each backward kernel
+    that rebuilds the probabilities (dQ and dK/dV; once when fused: splash_fused_backward, tokamax's kernel).
+    jax.experimental.pallas.ops.tpu.splash_attention's kernels; the per-row rescale exps are B / block of these."""
+    if not hw.transcendentals_per_s or hw.switch or config.attention not in ("splash", "flash", "auto"):
+        return 0, 0
+    return 1, 1 if config.splash_fused_backward or config.use_tokamax_splash else 2
+
+
+def attention_seconds(config: Config, attention_flops: float, head_pairs: float, hw: Hardware) -> tuple[float, float]:
+    """(forward and backward, forward alone) seconds of the attention kernels: their FLOPs at the kernel's
+    efficiency of the MXU peak, then splash's exps (splash_exps, `head_pairs` visible pairs x query heads) at the
+    chip's transcendental rate, after them: each exp needs the block's scores from the MXU and the next matmul
+    needs its result, so the model charges them in series (docs/step_time_model.md, "Per generation")."""
+    mxu = attention_flops / (hw.peak_flops * attention_efficiency(config))
+    fwd, bwd = splash_exps(config, hw)
+    per_exp = head_pairs / hw.transcendentals_per_s if hw.transcendentals_per_s else 0.0
+    return mxu + (fwd + bwd) * per_exp, mxu / 3 + fwd * per_exp
+
+
 def attention_efficiency(config: Config) -> float:
     """The attention kernel's calibrated share of the peak: splash at its block size (the nearest calibrated one
     below it, else the smallest), the blockwise kernel otherwise."""
@@ -254,8 +279,10 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     redone += sum(per["flops"].values()) * layers * t * (stride > 1)
     redone += 2 * t * shape.output_params / tp * (config.num_vocab_tiling > 1)
     redone += 2 * layers * t * shape.mlp_params / tp * (config.mlp_sequence_chunks > 1 and redone > 0)
-    attention_rate = hw.peak_flops * attention_efficiency(config)
-    forward_attention_s = attention_flops / 3 / attention_rate
+    head_pairs = attention_flops * shape.num_heads / shape.attention_flops(1.0)
+    attention_s, forward_attention_s = attention_seconds(config, attention_flops, head_pairs, hw)
+    # the rate the ring's hops hide behind: the kernels' FLOPs over their time, exps included
+    attention_rate = attention_flops / attention_s if attention_s else hw.peak_flops * attention_efficiency(config)
     matmul_rate = hw.peak_flops * (hw.matmul_efficiency or XLA_MATMUL_EFFICIENCY)
     redone_s = redone / matmul_rate
     recompute_s = redone_s + (forwards_per_layer - 1) * RECOMPUTE_ATTENTION * forward_attention_s
@@ -263,7 +290,7 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     passes = 2 if redone else 1
     moved = traffic(config, mesh, global_batch, passes)
     memory_s = max(0.0, moved["hbm"] / hw.hbm_bytes_per_s - matmul_s - redone_s)
-    compute_s = matmul_s + attention_flops / attention_rate + recompute_s + memory_s
+    compute_s = matmul_s + attention_s + recompute_s + memory_s
 
     cp_total, cp_exposed = _cp_seconds(config, plan, hw, attention_rate, forwards_per_layer)
     scan_s = linear_exchange_s(config, plan, hw, forwards_per_layer)
@@ -273,7 +300,7 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
         host_bytes = 2 * t * sum(per["bytes"][name] * offloading_layers(config, name)
                                  for name, w in where.items() if w == "offload")
     host_s = host_bytes / 2 / hw.host_bytes_per_s  # one way: to the host in the forward, back in the backward
-    return StepTime(matmul_s, attention_flops / attention_rate, recompute_s, memory_s,
+    return StepTime(matmul_s, attention_s, recompute_s, memory_s,
                     shape.attention_layers * cp_total + scan_s + other, exposed, host_s,
                     max(0.0, host_s - compute_s / 3), model_flops, forwards_per_layer, host_bytes)
 

@@ -53,6 +53,8 @@ class Chip:
     # GPUs: the devices behind one NVLink switch (a node); 0 for a TPU (a torus of ICI links). A GPU's
     # ici_bytes_per_s is its NVLink bandwidth, both directions together, and dcn_bytes_per_s its NIC's, one way.
     switch: int = 0
+    # Transcendentals (exp) per second per chip, as libtpu's cost model prices them (EUP_SOURCE); 0: not priced
+    transcendentals_per_s: float = 0.0
 
     @property
     def dcn_bytes_per_s_or_default(self) -> float:
@@ -64,33 +66,42 @@ class Chip:
 
 
 GIB = 1024 ** 3
+# Where Chip.transcendentals_per_s comes from: libtpu's own cost model, compiled.cost_analysis()['optimal_seconds']
+# of a chain of 512 elementwise exps on a [1024, 1024] fp32 array for one device of the generation (VMEM-resident,
+# so neither HBM nor the MXU bounds it; benchmarks/step_time_model.py --eup compiles it), times the devices per chip.
+# Per TensorCore every generation prices one (8, 128) vreg of exps per cycle at roughly its clock (v5e 1.5 GHz,
+# v6e 1.75 GHz: 1024 per cycle; v4 512 per cycle at 1.05 GHz); the vector unit is 8 x 128 on all of them
+# (jax.experimental.pallas.tpu's TpuInfo), while the MXUs grew from four 128 x 128 to 256 x 256 arrays.
+EUP_SOURCE = "libtpu 0.0.42.1 cost model (benchmarks/step_time_model.py --eup), compiled 2026-12-06"
 # DCN bandwidth per chip, one direction, where Google's page gives none (v4, v6e, tpu7x): an assumption, 100 Gb/s.
 DCN_DEFAULT_BYTES_PER_S = 12.5e9
 CHIPS: dict[str, Chip] = {
     "v4": Chip("TPU v4", "v4", "TPU v4", 3, True, 1, True, 32 * GIB, 1200e9, 540e9,
                "https://cloud.google.com/tpu/docs/v4 (32 GiB, 1200 GBps HBM2); ICI: 6 links x 45 GB/s each way, "
                "https://jax-ml.github.io/scaling-book/tpus/; host memory of ct4p-hightpu-4t VMs: no figure found on "
-               "Google's pages (host_bytes 0 = unknown)"),
+               "Google's pages (host_bytes 0 = unknown)", transcendentals_per_s=1.0755e12),
     "v5e": Chip("TPU v5e", "v5e", "TPU v5 lite", 2, False, 1, False, 16 * GIB, 819e9, 400e9,
                 "https://cloud.google.com/tpu/docs/v5e (16 GB, 819 GBps HBM2; 400 GBps bidirectional ICI; DCN: "
                 "2 x 100 Gbps NICs per host of 8 chips, 25 Gbps per chip); host: ct5lp-hightpu-4t is 4 chips and "
                 "192 GB (https://cloud.google.com/kubernetes-engine/docs/concepts/tpus#v5e)", 25e9 / 8,
-                host_bytes=192 * 10**9 // 4),
+                host_bytes=192 * 10**9 // 4, transcendentals_per_s=1.536e12),
     "v5p": Chip("TPU v5p", "v5p", "TPU v5", 3, True, 1, True, 95 * GIB, 2765e9, 1200e9,
                 "https://cloud.google.com/tpu/docs/v5p (95 GiB, 2765 GBps HBM2e; 1200 GBps bidirectional ICI; DCN "
                 "50 Gbps per chip); scoped VMEM: MaxText's v5p recipes' --xla_tpu_scoped_vmem_limit_kib=65472, the "
                 "63.94M of VMEM libtpu reports; host: a ct5p-hightpu-4t VM is 4 chips and 448 GB RAM, "
                 "https://cloud.google.com/tpu/docs/v5p and https://cloud.google.com/tpu/docs/tpu7x (4-chip VM table)",
-                50e9 / 8, scoped_vmem_kib=65472, host_bytes=448 * 10**9 // 4),
+                50e9 / 8, scoped_vmem_kib=65472, host_bytes=448 * 10**9 // 4, transcendentals_per_s=3.072e12),
     "v6e": Chip("TPU v6e", "v6e", "TPU v6 lite", 2, False, 1, False, 32 * GIB, 1640e9, 800e9,
                 "https://cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps HBM; 800 GBps bidirectional ICI); host: "
                 "ct6e-standard-4t is 4 chips and 720 GB RAM (https://cloud.google.com/tpu/docs/tpu7x 4-chip VM table; "
-                "v6e page: 1536 GiB DRAM per 8-chip host)", host_bytes=720 * 10**9 // 4),
+                "v6e page: 1536 GiB DRAM per 8-chip host)", host_bytes=720 * 10**9 // 4,
+                transcendentals_per_s=1.792e12),
     "tpu7x": Chip("TPU7x (Ironwood)", "tpu7x", "TPU7x", 3, True, 2, False, 192 * GIB, 7380e9, 1200e9,
                   "https://cloud.google.com/tpu/docs/tpu7x (192 GiB, 7380 GBps HBM; 1200 GBps bidirectional ICI); "
                   "scoped VMEM: the 64.00M of VMEM per TensorCore libtpu 0.0.42.1 reports (docs/long_context.md; "
                   "its own limit is 32 MiB; 65472 KiB as on v5p); host: a 4-chip tpu7x VM has 960 GB RAM "
-                  "(https://cloud.google.com/tpu/docs/tpu7x)", scoped_vmem_kib=65472, host_bytes=960 * 10**9 // 4),
+                  "(https://cloud.google.com/tpu/docs/tpu7x)", scoped_vmem_kib=65472, host_bytes=960 * 10**9 // 4,
+                  transcendentals_per_s=2 * 1.9456e12),
 }
 ALIASES = {"v5litepod": "v5e", "v5": "v5p", "v7x": "tpu7x"}
 _NIC = 400e9 / 8  # one ConnectX-7 400 Gb/s NIC per GPU in DGX H100 / H200 / B200, one way
