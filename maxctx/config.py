@@ -17,6 +17,8 @@ from maxctx.errors import ConfigError  # noqa: F401 (re-exported: the error of a
 # flash (MaxText's meaning) and auto: the platform's fast kernel, splash on TPU, cuDNN on GPU (bf16/fp16), else the
 # blockwise JAX kernel, which `blockwise` names on every platform.
 AttentionKernel = Literal["auto", "flash", "dot_product", "blockwise", "splash", "cudnn"]
+# The MoE experts' grouped matmul (maxctx.model.moe.kernels): auto, megablox on TPU, jax.lax.ragged_dot elsewhere.
+MoeKernel = Literal["auto", "ragged_dot", "megablox"]
 # MaxText's policies (NAMED_POLICIES says what each keeps), plus none: no remat at all, and auto: custom with each
 # tensor placed by maxctx.plan.remat at load (maxctx.loader).
 RematPolicy = Literal["full", "minimal", "minimal_with_context", "minimal_flash", "save_dot_with_context_except_mlp",
@@ -186,6 +188,8 @@ class Config:
     attention: AttentionKernel = "auto"
     # Gemma 2's attention logit soft-cap: scores -> cap * tanh(scores / cap) before the mask and softmax (0: off).
     attn_logits_soft_cap: float = 0.0
+    # The MoE layers' grouped matmul kernel (maxctx.model.moe.kernels).
+    moe_kernel: MoeKernel = "auto"
     # One of maxctx.attention.cp.strategies (or an alias), checked there: the registry is its one list of names.
     context_parallel_strategy: str = "all_gather"
     context_parallel_load_balance: LoadBalance = True

@@ -39,7 +39,7 @@ from maxctx.attention.cp.sharded import shard_map
 from maxctx.attention.dispatch import attend
 from maxctx.model.layers import MLP, SIGN_UPDATE, ModelConfig, RMSNorm, param
 from maxctx.model.llama.layers import DecoderLayer
-from maxctx.model.moe import layers as moe
+from maxctx.model.moe import kernels, layers as moe
 from maxctx.model.moe.layers import MoeBlock, grouped_swiglu
 from maxctx.model.rope import RopeSpec, inverse_frequencies
 from maxctx.model.tiling import sum_chunks
@@ -233,12 +233,13 @@ class DeepseekMoe(MoeBlock):
         """MoeBlock's experts (per device in a shard_map, M split over tensor) under `route`."""
         opts, mesh, dt = self.cfg.options, self.mesh, self.cfg.dtype
         split = mesh is not None and mesh.shape[TENSOR_AXIS] > 1 and opts.mlp_dim % mesh.shape[TENSOR_AXIS] == 0
+        matmul = kernels.for_mesh(self.cfg.moe_kernel, mesh)
 
         def local(x, router, bias, w_gate, w_up, w_down):
             b, s, d = x.shape
             x_TD = x.reshape(b * s, d)
             _, weights, experts = route(x_TD, router, opts, dt, bias if opts.routed_bias else None)
-            y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down)
+            y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down, matmul=matmul)
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
                 y = jax.lax.psum(y, TENSOR_AXIS)
             return y.astype(dt).reshape(b, s, d)

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from maxctx.attention.cp.sharded import shard_map
 from maxctx.attention.dispatch import attend
 from maxctx.model.layers import ModelConfig, param
+from maxctx.model.moe import kernels
 from maxctx.model.moe.layers import MoeLayer, grouped_swiglu, load_sums, router_logits
 from maxctx.model.qwen.layers import QwenAttention, zeros
 from maxctx.model.tiling import map_chunks, sum_chunks
@@ -107,13 +108,14 @@ class GptOssExperts(nnx.Module):
         tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
         split = tp > 1 and opts.mlp_dim % tp == 0
         glu = functools.partial(clamped_glu, alpha=opts.swiglu_alpha, limit=opts.swiglu_limit)
+        matmul = kernels.for_mesh(self.cfg.moe_kernel, mesh)
 
         def local(x, router, bias, w_gate_up, w_down, b_gate_up, b_down):
             b, s, d = x.shape
             x_TD = x.reshape(b * s, d)
             weights, experts = route(x_TD, router, bias, opts.top_k, dt)
             y = grouped_swiglu(x_TD, weights, experts, w_gate_up[..., 0], w_gate_up[..., 1], w_down, glu=glu,
-                               gate_up_bias=(b_gate_up[..., 0], b_gate_up[..., 1]))
+                               gate_up_bias=(b_gate_up[..., 0], b_gate_up[..., 1]), matmul=matmul)
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
                 y = jax.lax.psum(y, TENSOR_AXIS)
             # The down projection's bias after the sum over tensor shards, so that it is added once.

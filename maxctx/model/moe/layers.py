@@ -17,9 +17,10 @@ The layer runs over mlp_sequence_chunks chunks of each device's tokens (maxctx.m
 [T k, M] buffers exist for one chunk at a time. The load-balancing sums run over the global [B, S] arrays (plain
 reductions under jit), so they count every token of the batch whatever the mesh.
 
-On GPU, XLA (jax 0.11.2, H100) lowers jax.lax.ragged_dot densely, through a [T k, X, D] buffer: exact (3e-7),
-but one Qwen3-30B-A3B layer at T = 2048 tokens ran at 5 TFLOP/s with 8.5 GiB of forward temporaries, and T = 8192
-did not compile. A grouped-matmul kernel chosen by key (megablox / tokamax on TPU, a GPU one) is the next step.
+The grouped matmul is moe_kernel's (maxctx.model.moe.kernels): megablox on TPU by default, jax.lax.ragged_dot
+elsewhere. On GPU, XLA (jax 0.11.2, H100) lowers jax.lax.ragged_dot densely, through a [T k, X, D] buffer: exact
+(3e-7), but one Qwen3-30B-A3B layer at T = 2048 tokens ran at 5 TFLOP/s with 8.5 GiB of forward temporaries, and
+T = 8192 did not compile; a GPU grouped-matmul kernel is not here yet.
 
 Load balancing (Switch Transformer eq. 4-6, transformers' load_balancing_loss_func): with f_x the share of the
 (token, slot) assignments to expert x and P_x its mean router probability, both over every MoE layer's tokens
@@ -39,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxctx.attention.cp.sharded import shard_map
 from maxctx.model.layers import Attention, ModelConfig, RMSNorm, param
-from maxctx.model.moe import capacity
+from maxctx.model.moe import capacity, kernels
 from maxctx.model.qwen.layers import QwenAttention
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
@@ -64,22 +65,23 @@ def swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, glu=swiglu, gate_up_bias=None):
+def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, glu=swiglu, gate_up_bias=None,
+                   matmul=jax.lax.ragged_dot):
     """sum over k of weights x expert(x) for tokens x[T, D]: the (token, slot) pairs sorted by expert, each expert's
-    SwiGLU a group of jax.lax.ragged_dot; w_gate, w_up [X, D, M], w_down [X, M, D] in the compute dtype. A family's
-    hooks (GPT-OSS, maxctx.model.gpt_oss.layers): `glu(gate, up)` the gated activation; `gate_up_bias` (b_gate,
-    b_up [X, M]) each row's expert's biases, added to gate and up."""
+    SwiGLU a group of `matmul` (maxctx.model.moe.kernels.grouped_matmul: moe_kernel's); w_gate, w_up [X, D, M],
+    w_down [X, M, D] in the compute dtype. A family's hooks (GPT-OSS, maxctx.model.gpt_oss.layers): `glu(gate, up)`
+    the gated activation; `gate_up_bias` (b_gate, b_up [X, M]) each row's expert's biases, added to gate and up."""
     t, k = experts_TK.shape
     flat = experts_TK.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # pair (token t, slot j) is entry t k + j
     sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
     xs = jnp.take(x_TD, order // k, axis=0)  # [T k, D], grouped by expert
-    gate = checkpoint_name(jax.lax.ragged_dot(xs, w_gate, sizes), "mlpwi")
-    up = checkpoint_name(jax.lax.ragged_dot(xs, w_up, sizes), "mlpwi")
+    gate = checkpoint_name(matmul(xs, w_gate, sizes), "mlpwi")
+    up = checkpoint_name(matmul(xs, w_up, sizes), "mlpwi")
     if gate_up_bias is not None:
         row_experts = jnp.take(flat, order)
         gate, up = (h + jnp.take(b, row_experts, axis=0).astype(h.dtype) for h, b in zip((gate, up), gate_up_bias))
-    ys = jax.lax.ragged_dot(glu(gate, up), w_down, sizes)
+    ys = matmul(glu(gate, up), w_down, sizes)
     y_TKD = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(ys.dtype), preferred_element_type=jnp.float32)
 
@@ -152,6 +154,7 @@ class MoeBlock(nnx.Module):
         dt = cfg.dtype
         tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
         split = tp > 1 and opts.mlp_dim % tp == 0
+        matmul = kernels.for_mesh(cfg.moe_kernel, mesh)
 
         def local(x, router, w_gate, w_up, w_down, *seg):
             b, s, d = x.shape
@@ -161,7 +164,7 @@ class MoeBlock(nnx.Module):
                 kept, dropped = capacity.kept_and_dropped(experts.reshape(b, s, -1), seg[0], opts.capacity_factor,
                                                           opts.num_experts)
                 weights = jnp.where(kept.reshape(b * s, -1), weights, 0.0)
-            y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down)
+            y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down, matmul=matmul)
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
                 y = jax.lax.psum(y, TENSOR_AXIS)
             y = y.astype(dt).reshape(b, s, d)
