@@ -412,3 +412,20 @@ def test_moe_kernel_is_the_platforms_and_a_tpu_kernel_is_refused_on_gpu():
             kernels.resolve(name, "gpu")
     with pytest.raises(ConfigError, match="moe_kernel='tokamax' is not one of auto, ragged_dot, megablox"):
         kernels.resolve("tokamax", "tpu")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek"])
+def test_every_familys_expert_block_runs_the_configs_moe_kernel(family):
+    """MoeBlock, GPT-OSS's and DeepSeek's expert blocks each resolve ModelConfig.moe_kernel (a name no kernel has
+    reaches the resolver's one-line refusal before anything runs)."""
+    from maxctx.model.deepseek.family import DeepseekOptions
+    from maxctx.model.deepseek.layers import DeepseekMoe
+    from maxctx.model.gpt_oss.family import GptOssOptions
+    from maxctx.model.gpt_oss.layers import GptOssExperts
+
+    block, options = {"qwen3_moe": (MoeBlock, MoeOptions), "gpt_oss": (GptOssExperts, GptOssOptions),
+                      "deepseek": (DeepseekMoe, DeepseekOptions)}[family]
+    cfg = ModelConfig(emb_dim=16, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=8, num_layers=1, vocab_size=8,
+                      dtype="float32", options=options(num_experts=4, top_k=2, mlp_dim=8), moe_kernel="cutlass")
+    with pytest.raises(ConfigError, match="moe_kernel='cutlass' is not one of auto, ragged_dot, megablox"):
+        block(cfg, nnx.Rngs(0))(jnp.ones((1, 8, 16)), jnp.ones((1, 8), jnp.int32))
