@@ -82,6 +82,7 @@ def check_devices(config: Config, num_devices: int) -> None:
     if cp > 1:
         strategy = strategies.for_config(config)
         strategy.check(config, cp, tp)
+        strategy.check_model(config, getattr(families.shape(config), "kv_lora_rank", 0))  # MLA's latent rank
         strategies.mesh_plan(config, num_devices)  # the A2A part inside a slice
     _check_head_chunks(config, tp, strategies.for_config(config).a2a_degree(config, cp) if cp > 1 else 1)
     moe_family.check_keys(config, cp)  # MoE placement keys for another family; a capacity that drops by design

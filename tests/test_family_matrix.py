@@ -10,7 +10,8 @@ qwen3_moe's and qwen3's layers in runs; gpt_oss: its sinks with windows under ev
 forward and gradients, are tests/test_attention_sinks.py's at a fraction of a model row's cost): each runs one
 strategy at C = 4, the strategies dealt out in turn, to keep the suite's time; the rest (soft-cap and windows:
 gemma2, olmo3; MLA's value head dim: deepseek2; Gated DeltaNet's prefix scan: qwen3_5; and any new fixture) run
-all."""
+all. A strategy that moves MLA's latent (maxctx.attention.cp.latent) runs on the MLA fixtures (deepseek2,
+deepseek3) only: the other families are refused it."""
 
 from __future__ import annotations
 
@@ -22,22 +23,25 @@ import pytest
 
 from maxctx.convert.to_hf import export_hf
 from tests.support.hf import FIXTURES, import_fixtures, logits, relative_error, tensors
-from tests.support.strategies import config_args, names as strategy_names
+from tests.support.strategies import config_args, latent_names, names as strategy_names
 
 LLAMA = ("llama", "llama3_1", "mistral")
 MODELS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").exists() and p.name not in LLAMA)
+MLA = ("deepseek2", "deepseek3")
 PLAIN = ("deepseek3", "gemma3", "gpt_oss", "mixtral", "olmo2", "qwen2", "qwen3", "qwen3_moe", "qwen3_moe_sparse",
          "qwen3_next")
 quiet = lambda *args, **kwargs: None  # noqa: E731
 
 
 def _cases() -> list[tuple[str, int, str]]:
-    """(fixture, C, strategy): every fixture on 1 device; at C = 4 every strategy, or one for a PLAIN fixture."""
+    """(fixture, C, strategy): every fixture on 1 device; at C = 4 every strategy, or one for a PLAIN fixture; the
+    strategies that move MLA's latent for the MLA fixtures."""
     every = strategy_names()
     plain = [name for name in MODELS if name in PLAIN]
     return ([(name, 1, "all_gather") for name in MODELS]
             + [(name, 4, s) for name in MODELS if name not in PLAIN for s in every]
-            + [(name, 4, every[i % len(every)]) for i, name in enumerate(plain)])
+            + [(name, 4, every[i % len(every)]) for i, name in enumerate(plain)]
+            + [(name, 4, s) for name in MODELS if name in MLA for s in latent_names()])
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ Layouts: q[B_(data,fsdp), S_(context,context_a2a), H_tensor, D], k/v[B, S, K_ten
 strategy's attend takes the same arguments: the arrays, the mesh and this spec with its kernel resolved), which
 shard_maps over the mesh (C = 1 runs all_gather, whose gathers are then no-ops); without a mesh the kernel runs on
 the arrays as they are. A local (sliding-window) layer under a strategy with `local_by_halo` runs as
-maxctx.attention.cp.halo's exchange instead, where that moves less.
+maxctx.attention.cp.halo's exchange instead, where that moves less. MLA under a strategy that moves its latent
+(`moves_latent`) calls `attend_latent` with the latent and the weight that expands it in place of K and V.
 """
 
 from __future__ import annotations
@@ -70,9 +71,7 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
     """Causal, document-masked attention; returns out[B, S, H, D]. `sinks_H`: attention sinks (GPT-OSS), one
     learned logit per query head in every row's softmax denominator, merged once per row whatever the strategy and
     kernel (maxctx.attention.kernels.sinks); None: none."""
-    platform = mesh.devices.flat[0].platform if mesh is not None else None  # abstract TPU devices say "tpu"
-    kernel = tokamax_splash.resolve(resolve_kernel(spec.kernel, platform=platform, dtype=q_BSHD.dtype,
-                                                   softcap=spec.logit_softcap), spec.tokamax)
+    kernel = _kernel(spec, q_BSHD.dtype, mesh)
     if mesh is None:
         seq = q_BSHD.shape[1]
         local = make_local(kernel, spec.block_q, spec.block_kv, order=np.arange(seq),
@@ -90,4 +89,26 @@ def attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, spec: Attention
     return strategy.attend(q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H)
 
 
-__all__ = ["AttentionSpec", "attend", "resolve_kernel"]
+def _kernel(spec: AttentionSpec, dtype, mesh) -> str:
+    platform = mesh.devices.flat[0].platform if mesh is not None else None  # abstract TPU devices say "tpu"
+    return tokamax_splash.resolve(resolve_kernel(spec.kernel, platform=platform, dtype=dtype,
+                                                 softcap=spec.logit_softcap), spec.tokamax)
+
+
+def moves_latent(spec: AttentionSpec, mesh) -> bool:
+    """Whether an MLA layer hands the configured strategy its latent (`attend_latent`) rather than K and V: a
+    strategy that moves the latent (Strategy.moves), over more than one context shard."""
+    return (mesh is not None and mesh_context_degree(mesh.shape) > 1
+            and strategies.get(spec.strategy).moves == "latent")
+
+
+def attend_latent(q_BSHQ, latent_BSL, wkv_b_RHU, positions_BS, segment_ids_BS, spec: AttentionSpec, mesh):
+    """MLA's attention under a strategy that moves the latent (`moves_latent`): out[B, S, H, V] from q, the latent
+    [B, S, R + P] (the normed latent and the rotated shared RoPE key) and wkv_b [R, H, N + V], which the strategy
+    rebuilds K and V with (maxctx.attention.cp.latent)."""
+    spec = dataclasses.replace(spec, kernel=_kernel(spec, q_BSHQ.dtype, mesh))
+    return strategies.get(spec.strategy).attend_latent(q_BSHQ, latent_BSL, wkv_b_RHU, positions_BS, segment_ids_BS,
+                                                       mesh, spec)
+
+
+__all__ = ["AttentionSpec", "attend", "attend_latent", "moves_latent", "resolve_kernel"]

@@ -14,20 +14,30 @@ defaults:
                                       planner prices (memory: one more fp32 dK/dV block; time: hidden sends);
                                       default False, maxctx's program (a variant prices MaxText's rings:
                                       maxctx.attention.cp.strategies.replaced)
+    moves                             what the strategy exchanges: "kv" (per-head K and V: any attention layer) or
+                                      "latent" (MLA's latent and shared RoPE key, the layer rebuilding K and V:
+                                      `attend_latent`, maxctx.attention.cp.latent); default "kv"
     keeps_output_for_backward(ring)   whether a policy keeping `context` spares the backward the forward's rerun
                                       (maxctx.plan.step_time); default: a ring of 2 or more
     a2a_degree(config, cp)            the all-to-all part U of the CP degree C; default 1 (the ring part is C / U)
     check(config, cp, tensor)         the strategy's own config rules (raise ConfigError), run before JAX starts;
                                       default none
+    check_model(config, latent_rank)  the strategy's rules on the model's attention, given MLA's latent rank R (0:
+                                      no MLA), run by maxctx.validate (which knows the model families); default none
     query_rows(seq, cp, a2a)          query rows one device's kernel call tiles (splash's 128-row rule); default S/C
     global_comm_volume(shape)         (forward, backward) collectives of one global layer, formulas of AttentionShape
     activation_bytes(shape)           attention activations one layer saves for its backward, per device
     transient_bytes(shape)            buffers the backward holds besides them (the planner's attention memory)
+    rebuild_flops(shape)              (forward, backward) FLOPs one layer spends per device, beyond the model's own
+                                      projections, rebuilding K and V from what it moved (the time model prices
+                                      them at the matmul rate); default (0, 0)
     planner_degrees(cp)               the A2A degrees U the planner tries, one candidate each; default (1,)
     label(cp, a2a)                    the planner's name for a candidate; default the strategy's name
     candidate_config(config, a2a)     the config that runs a candidate
     attend(q, k, v, positions, segment_ids, mesh, spec, sinks_H=None) -> out    the shard_map'd attention, with
                                       attention sinks [H] merged once per row when given (kernels/sinks.py)
+    attend_latent(q, latent, wkv_b, positions, segment_ids, mesh, spec) -> out    a strategy that moves the latent:
+                                      MLA's attention from its latent (maxctx.attention.dispatch.attend_latent)
 
 `comm_volume(shape)` is what the roofline and the planner read: a local layer's halo traffic where the halo applies,
 else `global_comm_volume`. Formulas are functions of maxctx.attention.cp.cost.AttentionShape, the single statement of
@@ -61,6 +71,7 @@ class Strategy:
     ring: bool = False
     output_copies: int = 1
     overlapped_backward: bool = False
+    moves: str = "kv"
 
     def keeps_output_for_backward(self, ring_degree: int) -> bool:
         """Whether a remat policy that keeps `context` keeps this strategy's attention output and log-sum-exp, so
@@ -73,6 +84,9 @@ class Strategy:
 
     def check(self, config: Config, cp: int, tensor: int) -> None:
         """Any head count and token order works."""
+
+    def check_model(self, config: Config, latent_rank: int) -> None:
+        """Any model's attention works."""
 
     def query_rows(self, seq: int, cp: int, a2a: int) -> int:
         return seq // cp
@@ -98,6 +112,9 @@ class Strategy:
     def transient_bytes(self, s: AttentionShape) -> float:
         raise NotImplementedError(f"{type(self).__name__}.transient_bytes")
 
+    def rebuild_flops(self, s: AttentionShape) -> tuple[float, float]:
+        return 0.0, 0.0
+
     def planner_degrees(self, cp: int) -> tuple[int, ...]:
         return (1,)
 
@@ -110,3 +127,6 @@ class Strategy:
 
     def attend(self, q_BSHD, k_BSKD, v_BSKD, positions_BS, segment_ids_BS, mesh, spec, sinks_H=None):
         raise NotImplementedError(f"{type(self).__name__}.attend")
+
+    def attend_latent(self, q_BSHQ, latent_BSL, wkv_b_RHU, positions_BS, segment_ids_BS, mesh, spec):
+        raise NotImplementedError(f"{type(self).__name__} moves {self.moves}, not MLA's latent")

@@ -19,9 +19,9 @@ KINDS = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 class AttentionShape:
     """One attention layer on one device. B batch per device (global / (data x fsdp)), S the whole sequence, H and
     K query and kv heads per tensor shard, D head dim of q and k, Dv of v and the output (`value_head_dim`; 0: D,
-    MLA's 128 against D = 192), b bytes per activation element, C = R x U the CP degree (U the all-to-all part, R
-    the ring part). Positions and segment ids are int32. Sizes may be fractional (the roofline's tokens per
-    device)."""
+    MLA's 128 against D = 192; MLA's latent: `latent_rank`, `rope_dim`), b bytes per activation element, C = R x U
+    the CP degree (U the all-to-all part, R the ring part). Positions and segment ids are int32. Sizes may be
+    fractional (the roofline's tokens per device)."""
 
     batch: float
     seq: int
@@ -34,6 +34,15 @@ class AttentionShape:
     window: int = 0  # a local layer's sliding window (0: a global layer)
     load_balance: bool = True
     value_head_dim: int = 0
+    # MLA (maxctx.model.deepseek): the KV latent's rank (kv_lora_rank) and the shared RoPE key's width, which a
+    # strategy moving the latent (maxctx.attention.cp.latent) gathers in place of K and V; 0: not MLA.
+    latent_rank: int = 0
+    rope_dim: int = 0
+
+    @property
+    def latent_width(self) -> int:
+        """The latent and the shared RoPE key: one token's numbers that MLA's K and V are built from."""
+        return self.latent_rank + self.rope_dim if self.latent_rank else 0
 
     @property
     def v_dim(self) -> int:

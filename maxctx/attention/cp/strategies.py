@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 
 from maxctx import parallelism
-from maxctx.attention.cp import a2a, all_gather, p2p, usp
+from maxctx.attention.cp import a2a, all_gather, latent, p2p, usp
 from maxctx.attention.cp.base import Strategy
 from maxctx.config import Config
 from maxctx.errors import ConfigError, did_you_mean
@@ -83,3 +83,4 @@ register(all_gather.STRATEGY)
 register(a2a.STRATEGY)
 register(p2p.STRATEGY)
 register(usp.STRATEGY)
+register(latent.STRATEGY)

@@ -10,7 +10,9 @@ the one RoPE key, broadcast over the heads; q's last P dims are rotated at the s
 interleaved pairs (dims 2i, 2i + 1, transformers' complex form, as the released checkpoints were trained), with
 YaRN's frequencies and attention factor (maxctx.model.rope). With YaRN's `mscale` the softmax scale is
 Q^-1/2 (0.1 mscale ln(factor) + 1)^2: q is multiplied by the square, the kernels apply Q^-1/2. Then any kernel and
-CP strategy (maxctx.attention.attend) with V narrower than Q, and out [B, S, H, V] wo.
+CP strategy (maxctx.attention.attend) with V narrower than Q, and out [B, S, H, V] wo. Under a strategy that moves
+the latent (context_parallel_strategy=latent_all_gather, maxctx.attention.cp.latent) the layer hands it q, the
+normed latent and the rotated key [B, S, R + P] and wkv_b instead, and the strategy builds K and V after its gather.
 
 DeepSeek-V3's sequence-wise balance loss (sequence_balance_loss_weight > 0; off, the layer's program is unchanged):
 each MoE layer adds per-row sums over the global arrays (`row_sums`, the same under any mesh and sequence order)
@@ -36,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from maxctx.attention.cp.sharded import shard_map
-from maxctx.attention.dispatch import attend
+from maxctx.attention.dispatch import attend, attend_latent, moves_latent
 from maxctx.model.layers import MLP, SIGN_UPDATE, ModelConfig, RMSNorm, param
 from maxctx.model.llama.layers import DecoderLayer
 from maxctx.model.moe import kernels, layers as moe
@@ -80,13 +82,34 @@ class MlaAttention(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
         spec = dataclasses.replace(self.cfg.attention, window=window)
-        q, k, v = self.qkv(x_BSD, positions_BS)
-        out_BSHV = checkpoint_name(attend(q, k, v, positions_BS, segment_ids_BS, spec, self.mesh), "context")
+        if moves_latent(spec, self.mesh):  # the strategy gathers the latent and rebuilds K and V itself
+            q, latent = self.q_and_latent(x_BSD, positions_BS)
+            out_BSHV = attend_latent(q, latent, self.wkv_b[...].astype(self.cfg.dtype), positions_BS,
+                                     segment_ids_BS, spec, self.mesh)
+        else:
+            q, k, v = self.qkv(x_BSD, positions_BS)
+            out_BSHV = attend(q, k, v, positions_BS, segment_ids_BS, spec, self.mesh)
+        out_BSHV = checkpoint_name(out_BSHV, "context")
         out = jnp.einsum("BSHV,HVD->BSD", out_BSHV, self.wo[...].astype(self.cfg.dtype))
         return checkpoint_name(out, "out_proj")
 
     def qkv(self, x_BSD, positions_BS):
         """(q[B, S, H, Q], k[B, S, H, Q], v[B, S, H, V]), rotated, q times YaRN's mscale^2."""
+        o = self.cfg.options
+        q, c, k_rope = self._projections(x_BSD, positions_BS)
+        kv = jnp.einsum("BSR,RHU->BSHU", c, self.wkv_b[...].astype(self.cfg.dtype))
+        k_nope, v = kv[..., :o.nope_dim], checkpoint_name(kv[..., o.nope_dim:], "value_proj")
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], o.rope_dim))], axis=-1)
+        return q, checkpoint_name(k, "key_proj"), v
+
+    def q_and_latent(self, x_BSD, positions_BS):
+        """(q[B, S, H, Q] as `qkv`'s, [normed latent, rotated RoPE key] [B, S, R + P]): what a strategy that moves
+        the latent takes in place of K and V (maxctx.attention.cp.latent)."""
+        q, c, k_rope = self._projections(x_BSD, positions_BS)
+        return q, checkpoint_name(jnp.concatenate([c, k_rope[:, :, 0]], axis=-1), "key_proj")
+
+    def _projections(self, x_BSD, positions_BS):
+        """(q rotated and scaled [B, S, H, Q], the normed latent [B, S, R], the rotated RoPE key [B, S, 1, P])."""
         cfg, o, dt = self.cfg, self.cfg.options, self.cfg.dtype
         if o.q_lora_rank:
             small = self.q_norm(jnp.einsum("BSD,DA->BSA", x_BSD, self.wq_a[...].astype(dt)))
@@ -96,15 +119,12 @@ class MlaAttention(nnx.Module):
         q = checkpoint_name(q, "query_proj")
         latent = jnp.einsum("BSD,DR->BSR", x_BSD, self.wkv_a[...].astype(dt))
         c, k_rope = latent[..., :o.kv_lora_rank], latent[..., o.kv_lora_rank:]
-        kv = jnp.einsum("BSR,RHU->BSHU", self.kv_norm(c), self.wkv_b[...].astype(dt))
-        k_nope, v = kv[..., :o.nope_dim], checkpoint_name(kv[..., o.nope_dim:], "value_proj")
         k_rope = rotary_interleaved(k_rope[:, :, None], positions_BS, cfg.rope)
         q = jnp.concatenate([q[..., :o.nope_dim], rotary_interleaved(q[..., o.nope_dim:], positions_BS, cfg.rope)],
                             axis=-1)
         if o.query_scale != 1.0:
             q = q * jnp.asarray(o.query_scale, q.dtype)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], o.rope_dim))], axis=-1)
-        return q, checkpoint_name(k, "key_proj"), v
+        return q, self.kv_norm(c), k_rope
 
 
 class DeepseekDenseLayer(DecoderLayer):

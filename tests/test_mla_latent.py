@@ -1,0 +1,187 @@
+"""latent_all_gather (maxctx.attention.cp.latent): MLA's attention from the gathered latent is the dense attention
+of K and V built from it, forward and gradients (q, the latent, wkv_b), in every token order, with the weight split
+over tensor shards; the bytes it moves are its formulas, below all_gather's by H (Q + V) / (R + P); a model without
+MLA is refused in one line. The model under it (the deepseek fixtures against transformers' logits) is
+tests/test_family_matrix.py's.
+
+Legend: B batch, S sequence, H heads, Q = N + P q/k head dim (N without RoPE, P the shared RoPE key), V value head
+dim, R latent rank, L = R + P.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxctx.attention.cp import strategies
+from maxctx.attention.cp.cost import KINDS, AttentionShape, by_kind
+from maxctx.attention.dispatch import AttentionSpec, attend_latent
+from maxctx.attention.kernels.dot_product import mask_from_positions
+from tests.support.hlo import collective_bytes
+from tests.support.meshes import FAST_COMPILE, make_mesh
+from tests.test_softcap import orders
+
+B, S, H, N, PR, V, R = 2, 32, 4, 8, 4, 6, 12  # PR: the RoPE key's width P
+Q, L = N + PR, R + PR
+NAME = "latent_all_gather"
+
+
+def inputs(seq: int = S, lengths=(5, 11, 9, 7)):
+    """q [B, S, H, Q], latent [B, S, L], wkv_b [R, H, N + V], dout [B, S, H, V], positions and segment ids: row 0
+    one document, row 1 packed `lengths`."""
+    rng = np.random.default_rng(0)
+    q, latent = rng.normal(size=(B, seq, H, Q)), rng.normal(size=(B, seq, L))
+    w, dout = rng.normal(size=(R, H, N + V)) / R ** 0.5, rng.normal(size=(B, seq, H, V))
+    seg = np.stack([np.ones(seq), np.repeat(np.arange(1, len(lengths) + 1), lengths)]).astype(np.int32)
+    pos = np.stack([np.arange(seq), np.concatenate([np.arange(n) for n in lengths])]).astype(np.int32)
+    return [x.astype(np.float32) for x in (q, latent, w)] + [pos, seg, dout.astype(np.float32)]
+
+
+def dense(q, latent, w, pos, seg):
+    """MLA by its definition: k = [c w_k, k_rope for every head], v = c w_v, causal document-masked softmax."""
+    c, k_rope = latent[..., :R], latent[..., R:]
+    k = jnp.concatenate([jnp.einsum("bsr,rhn->bshn", c, w[..., :N]),
+                         jnp.broadcast_to(k_rope[:, :, None], (B, c.shape[1], H, PR))], axis=-1)
+    v = jnp.einsum("bsr,rhv->bshv", c, w[..., N:])
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) * Q ** -0.5
+    mask = mask_from_positions(pos, seg, pos, seg, 0)[:, None]
+    return jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1), v)
+
+
+def grads(fn, q, latent, w, pos, seg, dout):
+    out, pullback = jax.vjp(lambda q, latent, w: fn(q, latent, w, pos, seg), q, latent, w)
+    return [out, *pullback(dout)]
+
+
+def spec(load_balance=True) -> AttentionSpec:
+    return AttentionSpec(kernel="blockwise", strategy=NAME, block_q=4, block_kv=4, load_balance=load_balance)
+
+
+def test_forward_and_gradients_are_the_dense_attentions_in_every_order():
+    # C = 4, the heads and wkv_b split over 2 tensor shards; the blockwise kernel's program does not depend on the
+    # order, so one compile serves the natural, zig-zag and documents orders.
+    args = inputs()
+    want = jax.jit(functools.partial(grads, dense))(*args)
+    mesh = make_mesh(4, 1, tensor=2)
+    by_token = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    attention = functools.partial(attend_latent, spec=spec(), mesh=mesh)
+    fn = jax.jit(functools.partial(grads, attention)).lower(
+        *[jax.device_put(x, NamedSharding(mesh, P()) if x.ndim == 3 and x.shape[0] == R else by_token)
+          for x in args]).compile(FAST_COMPILE)
+    for order in ("natural", "zigzag", "documents"):
+        perm = orders(S, 4, args[3], args[4])[order]
+        stored = [x if x.shape[0] == R else np.take_along_axis(x, perm.reshape(*perm.shape, *[1] * (x.ndim - 2)), 1)
+                  for x in args]
+        got = fn(*stored)
+        for what, g, w in zip(("out", "dq", "dlatent", "dwkv_b"), got, want):
+            g = np.asarray(g) if what == "dwkv_b" else np.stack([np.asarray(g)[b][np.argsort(perm[b])]
+                                                                 for b in range(B)])
+            err = np.abs(g - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+            assert err < 1e-5, f"{order} {what}: {err:.1e}"
+
+
+def test_the_backward_keeps_the_latent_not_k_and_v():
+    # What the VJP closes over, per device (the arrays stacked over C = 4 shards, or split over them): q, out, lse
+    # and the gathered latent with its ids: the strategy's activation_bytes; no per-head K or V (all_gather keeps
+    # them, B S H (Q + V) b).
+    q, latent, w, pos, seg, _ = inputs()
+    mesh = make_mesh(4, 1)
+    pullback = jax.eval_shape(lambda *a: jax.vjp(lambda q, latent, w: attend_latent(
+        q, latent, w, pos, seg, spec(), mesh), *a)[1], q, latent, w)
+    kept = [x for x in jax.tree.leaves(pullback) if x.shape not in (w.shape, pos.shape)]  # the weight, the inputs' ids
+    shape = AttentionShape(batch=B, seq=S, heads=H, kv_heads=H, head_dim=Q, itemsize=4, cp=4, value_head_dim=V,
+                           latent_rank=R, rope_dim=PR)
+    assert sum(x.size * x.dtype.itemsize for x in kept) / 4 == strategies.get(NAME).activation_bytes(shape)
+    assert not [x.shape for x in kept if x.ndim == 4 and x.shape[0] == 4 * B]  # nothing per head from all S keys
+
+
+def compiled_bytes(strategy: str, backward: bool):
+    """Collective bytes per kind of one MLA layer's attention at C = 4 (forward, or forward + backward in q and
+    what the strategy moves) from the compiled HLO: the latent under latent_all_gather, K and V under all_gather."""
+    from maxctx.attention.cp.latent import rebuild
+    from maxctx.attention.dispatch import attend
+
+    mesh = make_mesh(4, 1)
+    bs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    ids = [jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs)] * 2
+    attention = AttentionSpec(kernel="blockwise", strategy=strategy, block_q=4, block_kv=4)
+
+    def fwd(q, latent, w, pos, seg):
+        if strategy == NAME:
+            return attend_latent(q, latent, w, pos, seg, attention, mesh)
+        return attend(q, *rebuild(latent, w, N), pos, seg, attention, mesh)  # K and V first, as MlaAttention does
+
+    def fwd_bwd(q, latent, w, pos, seg):
+        out, pullback = jax.vjp(lambda q, latent: fwd(q, latent, w, pos, seg), q, latent)
+        return pullback(out)
+
+    args = [sd((B, S, H, Q), sharding=bs), sd((B, S, L), sharding=bs), sd((R, H, N + V), sharding=None), *ids]
+    return collective_bytes(jax.jit(fwd_bwd if backward else fwd).lower(*args).compile().as_text())
+
+
+def test_bytes_are_the_formulas_and_below_all_gathers_by_the_heads_times_widths():
+    shape = AttentionShape(batch=B, seq=S, heads=H, kv_heads=H, head_dim=Q, itemsize=4, cp=4, value_head_dim=V,
+                           latent_rank=R, rope_dim=PR)
+    want_fwd, want_bwd = (by_kind(ops) for ops in strategies.get(NAME).comm_volume(shape))
+    got_fwd, got_all = compiled_bytes(NAME, False), compiled_bytes(NAME, True)
+    # Besides KINDS the backward has an all-reduce of d latent over the tensor axis (groups of one here): the sum
+    # over head shards that the model's own wkv_b projection has under tensor parallelism with any strategy.
+    assert {k: got_fwd[k] for k in KINDS if got_fwd[k]} == want_fwd, (got_fwd, want_fwd)
+    assert {k: got_all[k] for k in KINDS if got_all[k]} == {k: want_fwd.get(k, 0) + want_bwd.get(k, 0)
+                                                             for k in {*want_fwd, *want_bwd}}, got_all
+    kv = compiled_bytes("all_gather", True)
+    ids = 2 * B * S * 4  # positions and segment ids, gathered alike
+    ratio = H * (Q + V) / L
+    assert (kv["all-gather"] - ids) / (got_all["all-gather"] - ids) == pytest.approx(ratio, rel=1e-9)
+    assert kv["reduce-scatter"] / got_all["reduce-scatter"] == pytest.approx(ratio, rel=1e-9)
+
+
+def test_a_model_without_mla_is_refused_in_one_line(capsys):
+    from maxctx.loader import load_config
+    from maxctx.train import main
+
+    assert main(["configs/base.yml", "cpu_devices=4", "ici_context_parallelism=4",
+                 f"context_parallel_strategy={NAME}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"context_parallel_strategy={NAME}" in err and "all_gather" in err, err
+    load_config(["configs/base.yml", "model_name=deepseek2-16b", "cpu_devices=4", "ici_context_parallelism=4",
+                 f"context_parallel_strategy={NAME}"])  # MLA: accepted
+
+def packed_batch(tokens: np.ndarray) -> dict:
+    """The fixture's tokens as three packed documents (positions restart, the last token of each has no target)."""
+    lengths = (50, 45, 33)
+    seg = np.repeat(np.arange(1, 4), lengths)[None].astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lengths])[None].astype(np.int32)
+    last = np.cumsum(lengths) - 1
+    return {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "positions": pos, "segment_ids": seg,
+            "weights": (~np.isin(np.arange(tokens.shape[1]), last)).astype(np.float32)[None]}
+
+
+def test_deepseek3_loss_and_gradients_at_c4_are_one_devices(tmp_path):
+    # The model's path (MlaAttention hands the strategy q, the normed latent with the rotated key, and wkv_b): the
+    # loss and every parameter's gradient of a packed batch stored in the zig-zag order equal one device's.
+    from maxctx.attention.cp.load_balance import reorder_batch
+    from maxctx.mesh import batch_sharding
+    from maxctx.train_step import loss_terms
+    from tests.support.hf import FIXTURES, import_fixtures, setup
+
+    checkpoint = import_fixtures(tmp_path, ["deepseek3"])["deepseek3"]
+    batch = packed_batch(np.load(FIXTURES / "deepseek3" / "tokens.npy"))
+    results = []
+    for cp, stored in ((1, batch), (4, reorder_batch(batch, 4))):
+        _, made, state = setup(checkpoint, cp, f"ici_context_parallelism={cp}", f"context_parallel_strategy={NAME}")
+        placed = {k: jax.device_put(v, batch_sharding(made.mesh)) for k, v in stored.items()}
+        fn = jax.jit(jax.value_and_grad(lambda p, b, g=made.graphdef: loss_terms(g, p, b)[0]))
+        loss, grads = fn.lower(state["params"], placed).compile(FAST_COMPILE)(state["params"], placed)
+        results.append((float(loss), dict(jax.tree_util.tree_leaves_with_path(jax.tree.map(np.asarray, grads)))))
+    (loss1, grads1), (loss4, grads4) = results
+    assert abs(loss4 / loss1 - 1) < 1e-5, (loss1, loss4)
+    errors = {jax.tree_util.keystr(p): np.abs(grads4[p] - g).max() / max(np.abs(g).max(), 1e-30)
+              for p, g in grads1.items()}
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda e: -e[1])[:3]
