@@ -38,7 +38,9 @@ def inputs(seq: int, seed: int = 0):
     return f(B, seq, X), f(B, seq, N), f(B, seq, N), 0.5 * f(X, W), f(N), f(N)
 
 
-def test_chunked_equals_recurrent_across_documents_and_padding():
+@pytest.mark.parametrize("group", [16, 2])  # 2: seven chunks in four checkpointed groups, the last padded
+def test_chunked_equals_recurrent_across_documents_and_padding(group, monkeypatch):
+    monkeypatch.setattr(gdn, "GROUP", group)
     r = np.random.default_rng(1)
     s = 100  # not a multiple of the chunk: the padding must change nothing
     q, k = (gdn.l2_normalize(jnp.asarray(r.normal(size=(B, s, N, K)), jnp.float32)) for _ in range(2))
@@ -56,6 +58,20 @@ def test_chunked_equals_recurrent_across_documents_and_padding():
     np.testing.assert_allclose(got_state, want_state, atol=2e-6)
     a, u = fast(functools.partial(gdn.transition, chunk=16), *args[:-1])
     np.testing.assert_allclose(jnp.einsum("BNKJ,BNJV->BNKV", a, start_state) + u, want_state, atol=2e-6)
+
+    if group != 2:
+        return  # the gradients once, through four groups
+
+    def loss(form, args):  # every input's gradient, through the output and the final state
+        o, m = form(*args)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(jnp.cos(m))
+
+    floats = [0, 1, 2, 3, 4, 6]  # starts (5) is boolean
+    grad = lambda form: jax.grad(lambda xs: loss(form, [*xs[:5], starts, xs[5]]))([args[i] for i in floats])  # noqa: E731
+    want = fast(lambda: grad(gdn.recurrent))
+    got = fast(lambda: grad(functools.partial(gdn.chunked, chunk=16)))
+    for g_got, g_want in zip(got, want):
+        np.testing.assert_allclose(g_got, g_want, atol=2e-5, rtol=2e-5)
 
 
 def cp_mix(mesh, seg, *args):

@@ -19,9 +19,13 @@ parallelism: maxctx.model.qwen35.cp runs them whole):
     out_proj     D b        2 Nv Dv D (and 2 D (Nv Dv + 2 Nv) for z, b, a, which no remat name keeps)
 
 and the full layer's are Llama's with the query's output gate (q twice as wide). `tile`: the larger of the
-SwiGLU's and the delta rule's fp32 chunk operands per token, 4 Nv (5 Dk + 2 Dv + 3 L), with the chunk states the
-scan keeps for the backward and, under CP, the run's map (A, U) per chunk: 4 Nv (2 Dk Dv + Dk Dk) / L. The
-calibrated `work` is Llama's, fitted on llama3-8b, not on this family.
+SwiGLU's and the delta rule's fp32 operands per token: the chunk terms 4 Nv (5 Dk + 2 Dv + 3 L), the convolution's
+output and q, k (repeated to the value heads) and v 4 (X + 2 Nv Dk + Nv Dv), and the states the scan keeps for the
+backward, once per checkpointed group of G = 16 chunks (maxctx.model.qwen35.gdn._scan_chunks), with under CP the
+run's map (A, U): 4 Nv (2 Dk Dv + Dk Dk) / (L G). Compiled for one v5p chip at 65,536 tokens, Qwen3.5-9B's layer
+(forward and backward) holds 255 KiB of temporaries per token against this tile's 222 KiB (benchmarks/gdn_speed.md;
+488 KiB before the groups, when the scan kept every chunk's terms). The calibrated `work` is Llama's, fitted on
+llama3-8b, not on this family.
 
 The time model (maxctx.plan.step_time) reads the shape's `linear_flops` (the delta rule, forward and backward, at
 the matmul rate) and `linear_exchange` (the CP prefix scan's bytes and its steps, each with the link's latency,
@@ -92,8 +96,9 @@ class Qwen35Shape(ModelShape):
         return self.full_layers
 
     def linear_flops(self, tokens: float, cp: int = 1) -> float:
-        """Forward + backward FLOPs of the linear layers' delta rule over `tokens` tokens: 3 x `delta_rule_flops`."""
-        return 3.0 * (self.num_layers - self.full_layers) * tokens * delta_rule_flops(self.linear_dims, cp)
+        """Forward + backward FLOPs of the linear layers' delta rule over `tokens` tokens: 4 x `delta_rule_flops`
+        (the backward runs each checkpointed group's forward again: maxctx.model.qwen35.gdn._scan_chunks)."""
+        return 4.0 * (self.num_layers - self.full_layers) * tokens * delta_rule_flops(self.linear_dims, cp)
 
     def linear_exchange(self, batch: float, cp: int, zigzag: bool) -> tuple[float, int]:
         nk, nv, dk, dv = self.linear_dims
@@ -101,7 +106,7 @@ class Qwen35Shape(ModelShape):
                 exchange_steps(cp, zigzag))
 
 
-CHUNK = 64  # maxctx.model.qwen35.gdn.CHUNK (that module needs JAX)
+CHUNK, GROUP = 64, 16  # maxctx.model.qwen35.gdn.CHUNK and GROUP (that module needs JAX)
 
 
 def delta_rule_flops(linear_dims: tuple[int, int, int, int], cp: int = 1) -> float:
@@ -172,9 +177,11 @@ def activation(shape: Qwen35Shape, tp: int) -> float:
 
 
 def delta_rule_tile(linear_dims: tuple[int, int, int, int]) -> float:
-    """Bytes per token of the delta rule's fp32 chunk operands and kept states (module doc)."""
-    _, nv, dk, dv = linear_dims
-    return 4 * nv * (5 * dk + 2 * dv + 3 * CHUNK + (2 * dk * dv + dk * dk) / CHUNK)
+    """Bytes per token of the delta rule's fp32 operands and kept states (module doc)."""
+    nk, nv, dk, dv = linear_dims
+    chunk_terms = nv * (5 * dk + 2 * dv + 3 * CHUNK)
+    inputs = 2 * nk * dk + nv * dv + 2 * nv * dk + nv * dv  # the convolution's output, q and k per value head, v
+    return 4 * (chunk_terms + inputs + nv * (2 * dk * dv + dk * dk) / (CHUNK * GROUP))
 
 
 def tile(shape: Qwen35Shape, tp: int) -> float:

@@ -15,10 +15,13 @@ run's (A, U) from its tokens alone, so context ranks combine their runs with a p
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 CHUNK = 64
+GROUP = 16  # chunks per group whose forward the backward runs again (_scan_chunks)
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -65,26 +68,25 @@ def recurrent(q, k, v, g, beta, starts, state=None):
     return jnp.moveaxis(o, 0, 1), state
 
 
-def _chunks(q, k, v, g, beta, starts, chunk: int):
-    """The per-chunk terms of the WY / UT form, each [B, N, C, L, ...] over C chunks (S padded with tokens that
-    change nothing: k = 0, g = 0, beta = 0)."""
-    seq = k.shape[1]
-    pad = -seq % chunk
+def _cut(x, chunk: int, chunks: int):
+    """[B, S, N, ...] -> [C, B, N, L, ...] ([B, S] -> [C, B, L]), S padded to C L with tokens that change nothing
+    (k = 0, g = 0, beta = 0, no document start)."""
+    x = jnp.pad(x, [(0, 0), (0, chunks * chunk - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(x.shape[0], chunks, chunk, *x.shape[2:])
+    return jnp.moveaxis(jnp.moveaxis(x, 3, 2) if x.ndim > 3 else x, 1, 0)
 
-    def cut(x):  # [B, S, N, ...] -> [B, N, C, L, ...]
-        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(x.shape[0], -1, chunk, *x.shape[2:])
-        return jnp.moveaxis(x, 3, 1) if x.ndim > 3 else x
 
-    q, k, v, g, beta = (cut(x) for x in (q, k, v, g, beta))
-    ends = jnp.cumsum(cut(starts).astype(jnp.int32), axis=-1)[:, None]  # [B, 1, C, L]: starts so far
+def _chunk_terms(q, k, v, g, beta, starts):
+    """One chunk's terms of the WY / UT form: q, k [B, N, L, K], v [B, N, L, V], g, beta [B, N, L] fp32, starts
+    [B, L]; returns (u, w, q_in, k_out, attn [B, N, L, L], carry [B, N])."""
+    chunk = k.shape[-2]
+    ends = jnp.cumsum(starts.astype(jnp.int32), axis=-1)[:, None]  # [B, 1, L]: starts so far
     cum = jnp.cumsum(g, axis=-1)
     lower = jnp.tril(jnp.ones((chunk, chunk), bool))
     same = (ends[..., :, None] == ends[..., None, :]) & lower  # token j's writes reach token i
     decay = jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     k_beta = k * beta[..., None]
-    system = jnp.einsum("BNCiK,BNCjK->BNCij", k_beta, k) * decay * (1.0 - jnp.eye(chunk))
-    system = system + jnp.eye(chunk)
+    system = jnp.einsum("BNiK,BNjK->BNij", k_beta, k) * decay * (1.0 - jnp.eye(chunk)) + jnp.eye(chunk)
 
     def solve(rhs):
         return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
@@ -95,27 +97,46 @@ def _chunks(q, k, v, g, beta, starts, chunk: int):
     w = solve(k_beta * jnp.exp(cum)[..., None] * first)
     q_in = q * jnp.exp(cum)[..., None] * first
     k_out = k * jnp.exp(cum[..., -1:] - cum)[..., None] * tail
-    attn = jnp.einsum("BNCiK,BNCjK->BNCij", q, k) * decay
-    carry = jnp.exp(cum[..., -1]) * (ends[..., -1] == 0)  # [B, N, C]
-    return seq, u, w, q_in, k_out, attn, carry
+    attn = jnp.einsum("BNiK,BNjK->BNij", q, k) * decay
+    carry = jnp.exp(cum[..., -1]) * (ends[..., -1] == 0)
+    return u, w, q_in, k_out, attn, carry
+
+
+def _scan_chunks(step, init, q, k, v, g, beta, starts, chunk: int):
+    """lax.scan of step(carry, one chunk's terms) over the chunks, in groups of GROUP chunks whose forward the
+    backward runs again (jax.checkpoint): it keeps the carry once per group, not every chunk's terms and carries,
+    which for Qwen3.5-9B's layer were about 488 KiB per token. Returns (carry, the steps' outputs [C, ...])."""
+    seq = k.shape[1]
+    group = min(GROUP, -(-seq // chunk))
+    chunks = -(-seq // (chunk * group)) * group
+    xs = [_cut(x.astype(jnp.float32), chunk, chunks) for x in (q, k, v, g, beta)] + [_cut(starts, chunk, chunks)]
+    xs = [x.reshape(chunks // group, group, *x.shape[1:]) for x in xs]
+
+    def one(carry, xs_c):
+        return step(carry, _chunk_terms(*xs_c))
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def run(carry, xs_g):
+        return jax.lax.scan(one, carry, xs_g)
+
+    carry, ys = jax.lax.scan(run, init, xs)
+    return carry, jax.tree.map(lambda y: y.reshape(chunks, *y.shape[2:]), ys)
 
 
 def chunked(q, k, v, g, beta, starts, state=None, chunk: int = CHUNK):
     """`recurrent` in chunks of `chunk` tokens: within a chunk matmuls (a unit-triangular solve for the delta
     rule's corrections), across chunks a scan of the state. Same arguments and results."""
-    b, _, n, dk = k.shape
-    seq, u, w, q_in, k_out, attn, carry = _chunks(q, k, v, g, beta, starts, chunk)
+    b, seq, n, dk = k.shape
     state = jnp.zeros((b, n, dk, v.shape[-1]), jnp.float32) if state is None else state
 
-    def step(m, xs):
-        u_c, w_c, q_c, k_c, attn_c, carry_c = xs
+    def step(m, terms):
+        u_c, w_c, q_c, k_c, attn_c, carry_c = terms
         v_new = u_c - jnp.einsum("BNLK,BNKV->BNLV", w_c, m)
         o = jnp.einsum("BNLK,BNKV->BNLV", q_c, m) + jnp.einsum("BNij,BNjV->BNiV", attn_c, v_new)
         m = m * carry_c[..., None, None] + jnp.einsum("BNLK,BNLV->BNKV", k_c, v_new)
         return m, o
 
-    xs = [jnp.moveaxis(x, 2, 0) for x in (u, w, q_in, k_out, attn, carry)]
-    state, o = jax.lax.scan(step, state, xs)  # o [C, B, N, L, V]
+    state, o = _scan_chunks(step, state, q, k, v, g, beta, starts, chunk)  # o [C, B, N, L, V]
     o = jnp.moveaxis(o, 0, 2).reshape(b, n, -1, o.shape[-1])[:, :, :seq]
     return jnp.moveaxis(o, 1, 2), state
 
@@ -124,15 +145,13 @@ def transition(q, k, v, g, beta, starts, chunk: int = CHUNK):
     """The tokens' state map M -> A M + U as (A [B, N, K, K], U [B, N, K, V]) from the tokens alone; a document
     start among them makes A = 0 (nothing before it carries past)."""
     b, _, n, dk = k.shape
-    _, u, w, _, k_out, _, carry = _chunks(q, k, v, g, beta, starts, chunk)
 
-    def step(au, xs):
+    def step(au, terms):
         a, m = au
-        u_c, w_c, k_c, carry_c = xs
+        u_c, w_c, _, k_c, _, carry_c = terms
         a_c = carry_c[..., None, None] * jnp.eye(dk) - jnp.einsum("BNLK,BNLJ->BNKJ", k_c, w_c)
         u_c = jnp.einsum("BNLK,BNLV->BNKV", k_c, u_c)
         return (a_c @ a, a_c @ m + u_c), None
 
     init = (jnp.broadcast_to(jnp.eye(dk), (b, n, dk, dk)), jnp.zeros((b, n, dk, v.shape[-1]), jnp.float32))
-    xs = [jnp.moveaxis(x, 2, 0) for x in (u, w, k_out, carry)]
-    return jax.lax.scan(step, init, xs)[0]
+    return _scan_chunks(step, init, q, k, v, g, beta, starts, chunk)[0]
