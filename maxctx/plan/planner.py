@@ -4,7 +4,9 @@ also (or, with the strategy given, only) the remat placement of each named tenso
 strategy costed at every placement within the HBM and host budgets.
 
 Candidates: every registered strategy (maxctx.attention.cp.strategies) at each A2A degree its `planner_degrees`
-gives (all_gather and p2p U = 1, a2a U = C, usp every divisor 1 < U < C of the CP degree C). Each is checked
+gives (all_gather and p2p U = 1, a2a U = C, usp every divisor 1 < U < C of the CP degree C; a strategy that moves
+MLA's latent, latent_all_gather, for a model with MLA only, its rebuild of K and V priced at the matmul rate:
+step_time.rebuild_flops). Each is checked
 with the same rules as a hand-written config (the strategy's `check`, the mesh split, splash's 128 rows);
 an invalid one is dropped with the rule's message. For each valid one, per device:
 
@@ -205,6 +207,8 @@ def plan(config: Config, check: Callable[[Config], None] | None = None,
     hw = hardware(config, topology.num_devices(config))
     host_budget = memory.host_budget_per_device(config)
     pairs = [only] if only else candidates(cp) if cp > 1 else [("all_gather", 1)]
+    if not only:  # a strategy that moves MLA's latent has none to move in another model
+        pairs = [(n, u) for n, u in pairs if strategies.get(n).moves == "kv" or _shape(config, cp, tp, u).latent_width]
     out = []
     for name, u in pairs:
         cand = config if only else candidate_config(config, name, u)

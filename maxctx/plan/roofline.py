@@ -47,7 +47,8 @@ def attention_shape(config: Config, mesh: dict[str, int], batch: float, window: 
                           kv_heads=max(1, model.num_kv_heads // tp), head_dim=model.head_dim,
                           itemsize=model.itemsize if itemsize is None else itemsize, cp=mesh_context_degree(mesh),
                           a2a=mesh[A2A_AXIS], window=window, load_balance=config.context_parallel_load_balance,
-                          value_head_dim=getattr(model, "v_head_dim", 0))  # MLA's (maxctx.model.deepseek)
+                          value_head_dim=getattr(model, "v_head_dim", 0),  # MLA's (maxctx.model.deepseek)
+                          latent_rank=getattr(model, "kv_lora_rank", 0), rope_dim=getattr(model, "rope_dim", 0))
 
 
 def _cp_comm_volume(config: Config, mesh: dict[str, int], t: float, b: int

@@ -5,7 +5,8 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
     step = matmul + attention + recompute + memory + exposed collectives + exposed host transfers
 
     matmul       the weight matmuls' model FLOPs (6 P_matmul t; maxctx.metrics' count, the same as MaxText's
-                 calculate_tflops_training_per_device) at XLA_MATMUL_EFFICIENCY of the peak
+                 calculate_tflops_training_per_device) at XLA_MATMUL_EFFICIENCY of the peak, and a strategy's
+                 rebuild of K and V from what it moved (rebuild_flops: MLA's latent under latent_all_gather)
     attention    the attention's FLOPs (12 H Dh per visible query-key pair per layer) at the kernel's efficiency:
                  splash per block size (SPLASH_EFFICIENCY), the blockwise JAX kernel BLOCKWISE_EFFICIENCY; then
                  splash's exps (splash_exps per pair and query head) at the chip's transcendental rate
@@ -286,7 +287,8 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     matmul_rate = hw.peak_flops * (hw.matmul_efficiency or XLA_MATMUL_EFFICIENCY)
     redone_s = redone / matmul_rate
     recompute_s = redone_s + (forwards_per_layer - 1) * RECOMPUTE_ATTENTION * forward_attention_s
-    matmul_s = (matmul_flops + shape.linear_flops(t, cp)) / matmul_rate
+    rebuilt = rebuild_flops(config, plan, forwards_per_layer)  # K and V from a moved latent (0: none)
+    matmul_s = (matmul_flops + shape.linear_flops(t, cp) + rebuilt) / matmul_rate
     passes = 2 if redone else 1
     moved = traffic(config, mesh, global_batch, passes)
     memory_s = max(0.0, moved["hbm"] / hw.hbm_bytes_per_s - matmul_s - redone_s)
@@ -303,6 +305,17 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     return StepTime(matmul_s, attention_s, recompute_s, memory_s,
                     shape.attention_layers * cp_total + scan_s + other, exposed, host_s,
                     max(0.0, host_s - compute_s / 3), model_flops, forwards_per_layer, host_bytes)
+
+
+def rebuild_flops(config: Config, plan: MeshPlan, forwards: float) -> float:
+    """FLOPs per step and device that the strategy spends rebuilding K and V from what it moved, beyond the model's
+    projections (Strategy.rebuild_flops: MLA's latent under latent_all_gather), in each forward and the backward of
+    every attention layer; priced at the matmul rate."""
+    if plan.cp == 1:
+        return 0.0
+    s = attention_shape(config, plan.sizes, config.per_device_batch_size * plan.cp * plan.sizes[TENSOR_AXIS])
+    fwd, bwd = strategies.get(config.context_parallel_strategy).rebuild_flops(s)
+    return families.shape(config).attention_layers * (forwards * fwd + bwd)
 
 
 def linear_exchange_s(config: Config, plan: MeshPlan, hw: Hardware, forwards: float) -> float:
