@@ -377,9 +377,10 @@ def keys_table() -> list[str]:
 
     lines = ["", "Single compiles (`python3 benchmarks/fit_table.py --keys <key=value ...>`, each `python -m "
              "maxctx.compile configs/base.yml <keys>`; host: pinned host memory per chip / the VM's "
-             "RAM per chip; attention: the breakdown's attention category, GiB of buffers):", "",
+             "RAM per chip; attention: the breakdown's attention category, GiB of buffers; step estimate: "
+             "maxctx.plan.step_time's, fed the program's counts when it compiled, not a measurement):", "",
              "| keys | status | HBM per device (GiB) | host per chip | attention forwards per layer | attention | "
-             "activations | compile |", "|---|---|---|---|---|---|---|---|"]
+             "activations | step estimate, MFU | compile |", "|---|---|---|---|---|---|---|---|---|"]
     with open(KEYS_RESULTS) as f:
         for line in f:
             r = json.loads(line)
@@ -388,7 +389,7 @@ def keys_table() -> list[str]:
             if "total_size_in_bytes" not in report:  # an error, or XLA's own out-of-memory before any analysis
                 r.setdefault("error", report.get("xla_error", ""))
                 error = _short(r.get("error", "")).replace("|", "/")
-                lines.append(f"| `{keys}` | {r['status']}: {error} | - | - | - | - | - | "
+                lines.append(f"| `{keys}` | {r['status']}: {error} | - | - | - | - | - | - | "
                              f"{r.get('wall_s', 0):.0f} s |")
                 continue
             chip = topology.parse(_config(["python", "-m", "maxctx.compile", "configs/base.yml", *r["keys"]])
@@ -403,8 +404,13 @@ def keys_table() -> list[str]:
                 f"| `{keys}` | {status} | {report['total_size_in_bytes'] / GIB:.2f} / "
                 f"{report['hbm_bytes_per_device'] / GIB:.0f} | {host / GIB:.2f} / {chip.host_bytes / GIB:.1f} | "
                 f"{'-' if per_layer is None else f'{per_layer:.2f}'} | {_part(parts, 'attention')} | "
-                f"{_part(parts, 'activations')} | {r['wall_s']:.0f} s |")
+                f"{_part(parts, 'activations')} | {_estimate(report)} | {r['wall_s']:.0f} s |")
     return lines
+
+
+def _estimate(report: dict) -> str:
+    step, mfu = report.get("estimate_step_time_s"), report.get("estimate_mfu")
+    return "-" if step is None else f"{step:.1f} s, {100 * mfu:.1f}%"
 
 
 def _part(parts: dict, name: str) -> str:
