@@ -406,12 +406,15 @@ def test_moe_kernel_is_the_platforms_and_a_tpu_kernel_is_refused_on_gpu():
     from maxctx.model.moe import kernels
 
     assert kernels.resolve("auto", "tpu") == "megablox" and kernels.resolve("auto", "cpu") == "ragged_dot"
+    assert kernels.resolve("auto", "tpu", "float16") == "ragged_dot"  # megablox takes bf16 and fp32 only
     assert kernels.resolve("ragged_dot", "tpu") == "ragged_dot" and kernels.resolve("megablox", "cpu") == "megablox"
     for name in kernels.PALLAS_TPU:
         with pytest.raises(ConfigError, match=f"moe_kernel={name} is a Pallas TPU kernel and does not run on gpu"):
             kernels.resolve(name, "gpu")
     with pytest.raises(ConfigError, match="moe_kernel='tokamax' is not one of auto, ragged_dot, megablox"):
         kernels.resolve("tokamax", "tpu")
+    with pytest.raises(ConfigError, match="moe_kernel=megablox needs dtype=bfloat16 or float32"):
+        kernels.resolve("megablox", "tpu", "float16")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek"])

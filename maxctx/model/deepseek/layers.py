@@ -253,7 +253,7 @@ class DeepseekMoe(MoeBlock):
         """MoeBlock's experts (per device in a shard_map, M split over tensor) under `route`."""
         opts, mesh, dt = self.cfg.options, self.mesh, self.cfg.dtype
         split = mesh is not None and mesh.shape[TENSOR_AXIS] > 1 and opts.mlp_dim % mesh.shape[TENSOR_AXIS] == 0
-        matmul = kernels.for_mesh(self.cfg.moe_kernel, mesh)
+        matmul = kernels.for_mesh(self.cfg.moe_kernel, mesh, dt)
 
         def local(x, router, bias, w_gate, w_up, w_down):
             b, s, d = x.shape

@@ -108,7 +108,7 @@ class GptOssExperts(nnx.Module):
         tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
         split = tp > 1 and opts.mlp_dim % tp == 0
         glu = functools.partial(clamped_glu, alpha=opts.swiglu_alpha, limit=opts.swiglu_limit)
-        matmul = kernels.for_mesh(self.cfg.moe_kernel, mesh)
+        matmul = kernels.for_mesh(self.cfg.moe_kernel, mesh, dt)
 
         def local(x, router, bias, w_gate_up, w_down, b_gate_up, b_down):
             b, s, d = x.shape

@@ -35,24 +35,29 @@ PALLAS_TPU = ("megablox",)
 TILE = (512, 1024, 1024)
 
 
-def resolve(name: str, platform: str | None = None) -> str:
-    """`auto` -> megablox on TPU, ragged_dot elsewhere; a Pallas TPU kernel on GPU is refused."""
+def resolve(name: str, platform: str | None = None, dtype=None) -> str:
+    """`auto` -> megablox on TPU (ragged_dot for float16, which megablox lacks), ragged_dot elsewhere; a Pallas
+    TPU kernel on GPU, and megablox for float16, are refused."""
     if name not in KERNELS:
         raise ConfigError(f"moe_kernel='{name}' is not one of {', '.join(KERNELS)}")
     platform = platform or jax.default_backend()
+    fp16 = dtype is not None and jnp.dtype(dtype) == jnp.float16
     if name == "auto":
-        return "megablox" if platform == "tpu" else "ragged_dot"
+        return "megablox" if platform == "tpu" and not fp16 else "ragged_dot"
+    if name == "megablox" and fp16:
+        raise ConfigError("moe_kernel=megablox needs dtype=bfloat16 or float32 (JAX's Pallas grouped matmul has no "
+                          "float16); set dtype=bfloat16, or moe_kernel=ragged_dot")
     if name in PALLAS_TPU and platform == "gpu":
         raise ConfigError(f"moe_kernel={name} is a Pallas TPU kernel and does not run on gpu; set moe_kernel=auto "
                           f"or ragged_dot")
     return name
 
 
-def for_mesh(name: str, mesh=None):
+def for_mesh(name: str, mesh=None, dtype=None):
     """`grouped_matmul` of moe_kernel=`name` resolved for the mesh's platform (abstract TPU devices say "tpu"), or
-    the default backend's without a mesh."""
+    the default backend's without a mesh, and the compute `dtype`."""
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    return grouped_matmul(resolve(name, platform), platform)
+    return grouped_matmul(resolve(name, platform, dtype), platform)
 
 
 def grouped_matmul(kernel: str, platform: str | None = None):

@@ -154,7 +154,7 @@ class MoeBlock(nnx.Module):
         dt = cfg.dtype
         tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
         split = tp > 1 and opts.mlp_dim % tp == 0
-        matmul = kernels.for_mesh(cfg.moe_kernel, mesh)
+        matmul = kernels.for_mesh(cfg.moe_kernel, mesh, dt)
 
         def local(x, router, w_gate, w_up, w_down, *seg):
             b, s, d = x.shape
