@@ -37,9 +37,9 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
                  fewer than its layers) have the prefix scan's instead: linear_exchange_s, exposed in full; their
                  delta rule's FLOPs (ModelShape.linear_flops) join the matmul term at its rate
     host         bytes to and from pinned host memory (the compiled program's when given, else the offloaded
-                 tensors' shapes x layers, each way) at HOST_BYTES_PER_S each way, as asynchronous copies: to the
-                 host during the forward, back during the backward; exposed by what one way's time exceeds the
-                 forward's compute (a third of the step's)
+                 tensors' shapes x layers, each way) at HOST_BYTES_PER_S per chip each way (shared by its devices),
+                 as asynchronous copies: to the host during the forward, back during the backward; exposed by what
+                 one way's time exceeds the forward's compute (a third of the step's)
 
 Latency of collectives and ring hops (ICI_LATENCY_S, DCN_LATENCY_S) and DCN bandwidth where Google gives none are
 assumptions. Not modelled: input pipeline, host overheads; load imbalance only from planner_document_lengths.
