@@ -85,6 +85,26 @@ def test_forward_and_gradients_are_the_dense_attentions_in_every_order():
             assert err < 1e-5, f"{order} {what}: {err:.1e}"
 
 
+@pytest.mark.parametrize("load_balance,order", [(True, "zigzag"), ("documents", "documents")])
+def test_splash_takes_the_rings_masks_block_by_block(load_balance, order):
+    # Splash (interpret mode here) masks each key block with the kernel a ring's hop would use for it: the table
+    # indexed by the traced step under zig-zag, the per-call tables of the documents placement.
+    seq, lengths = 256, (100, 60, 96)
+    args = inputs(seq, lengths)
+    want = jax.jit(functools.partial(grads, dense))(*args)
+    mesh = make_mesh(2, 1)
+    by_token = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    attention = AttentionSpec(kernel="splash", strategy=NAME, block_q=128, block_kv=128, load_balance=load_balance)
+    perm = orders(seq, 2, args[3], args[4])[order]
+    stored = [x if x.shape[0] == R else jax.device_put(
+        np.take_along_axis(x, perm.reshape(*perm.shape, *[1] * (x.ndim - 2)), 1), by_token) for x in args]
+    got = jax.jit(functools.partial(grads, functools.partial(attend_latent, spec=attention, mesh=mesh)))(*stored)
+    for what, g, w in zip(("out", "dq", "dlatent", "dwkv_b"), got, want):
+        g = np.asarray(g) if what == "dwkv_b" else np.stack([np.asarray(g)[b][np.argsort(perm[b])] for b in range(B)])
+        err = np.abs(g - np.asarray(w)).max() / np.abs(np.asarray(w)).max()
+        assert err < 1e-5, f"{order} {what}: {err:.1e}"
+
+
 def test_the_backward_keeps_the_latent_not_k_and_v():
     # What the VJP closes over, per device (the arrays stacked over C = 4 shards, or split over them): q, out, lse
     # and the gathered latent with its ids: the strategy's activation_bytes; no per-head K or V (all_gather keeps
@@ -93,11 +113,12 @@ def test_the_backward_keeps_the_latent_not_k_and_v():
     mesh = make_mesh(4, 1)
     pullback = jax.eval_shape(lambda *a: jax.vjp(lambda q, latent, w: attend_latent(
         q, latent, w, pos, seg, spec(), mesh), *a)[1], q, latent, w)
-    kept = [x for x in jax.tree.leaves(pullback) if x.shape not in (w.shape, pos.shape)]  # the weight, the inputs' ids
+    # Left out: the weight, and the query rows' own ids (an input, per device [B, S/C] stacked over the shards).
+    kept = [x for x in jax.tree.leaves(pullback) if x.shape not in (w.shape, (4 * B, S // 4))]
     shape = AttentionShape(batch=B, seq=S, heads=H, kv_heads=H, head_dim=Q, itemsize=4, cp=4, value_head_dim=V,
                            latent_rank=R, rope_dim=PR)
     assert sum(x.size * x.dtype.itemsize for x in kept) / 4 == strategies.get(NAME).activation_bytes(shape)
-    assert not [x.shape for x in kept if x.ndim == 4 and x.shape[0] == 4 * B]  # nothing per head from all S keys
+    assert not [x.shape for x in kept if x.ndim == 4 and x.shape[:2] == (4 * B, S)]  # nothing per head of S keys
 
 
 def compiled_bytes(strategy: str, backward: bool):
