@@ -24,9 +24,9 @@ own wkv_b projection has under tensor parallelism whatever the strategy, not cou
 weight's is.
 
 Any token order and load balance (zig-zag, documents) and packing: masks come from the gathered positions and
-segment ids (splash: the ring's per-hop masks, per call under documents). A layer that hands this strategy per-head K and V (none does: `check_model`
-refuses a model without MLA) is run as all_gather (the inherited `attend`), and a shape without the latent is priced
-so.
+segment ids (splash: the ring's per-hop masks, per call under documents). A layer that hands this strategy per-head
+K and V (none does: `check_model` refuses a model without MLA) is run as all_gather (the inherited `attend`), and a
+shape without the latent is priced so.
 """
 
 from __future__ import annotations
