@@ -282,15 +282,13 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     redone += 2 * layers * t * shape.mlp_params / tp * (config.mlp_sequence_chunks > 1 and redone > 0)
     head_pairs = attention_flops * shape.num_heads / shape.attention_flops(1.0)
     attention_s, forward_attention_s = attention_seconds(config, attention_flops, head_pairs, hw)
-    # the rate the ring's hops hide behind: the kernels' FLOPs over their time, exps included
-    attention_rate = attention_flops / attention_s if attention_s else hw.peak_flops * attention_efficiency(config)
+    attention_rate = attention_flops / attention_s if attention_s else hw.peak_flops  # ring hops hide behind it
     matmul_rate = hw.peak_flops * (hw.matmul_efficiency or XLA_MATMUL_EFFICIENCY)
     redone_s = redone / matmul_rate
     recompute_s = redone_s + (forwards_per_layer - 1) * RECOMPUTE_ATTENTION * forward_attention_s
     rebuilt = rebuild_flops(config, plan, forwards_per_layer)  # K and V from a moved latent (0: none)
     matmul_s = (matmul_flops + shape.linear_flops(t, cp) + rebuilt) / matmul_rate
-    passes = 2 if redone else 1
-    moved = traffic(config, mesh, global_batch, passes)
+    moved = traffic(config, mesh, global_batch, 2 if redone else 1)
     memory_s = max(0.0, moved["hbm"] / hw.hbm_bytes_per_s - matmul_s - redone_s)
     compute_s = matmul_s + attention_s + recompute_s + memory_s
 
