@@ -23,7 +23,7 @@ from maxctx.model.moe.family import MoeOptions
 from maxctx.model.moe.layers import MoeBlock, grouped_swiglu, route
 
 
-def test_megablox_gives_ragged_dots_values_and_gradients():
+def test_megablox_gives_ragged_dots_values_and_gradients(monkeypatch):
     """The TPU kernel in Pallas interpret mode (maxctx.model.moe.kernels): the experts' output and its gradients
     for the tokens and every weight, against jax.lax.ragged_dot's; a skewed router leaves an expert empty and gives
     a row count (20 tokens x 2 slots) that is not a whole row tile."""
@@ -37,18 +37,15 @@ def test_megablox_gives_ragged_dots_values_and_gradients():
                for s in ((experts, d, width), (experts, d, width), (experts, width, d))]
     _, _, chosen = route(x, jnp.asarray(router, jnp.float32), top_k, False, "float32")
     assert not (np.asarray(chosen) == 3).any()
-    kernels.TILE, tile = (32, 16, 16), kernels.TILE  # a padded last row tile, and a part tile of M
+    monkeypatch.setattr(kernels, "TILE", (32, 16, 16))  # a padded last row tile, and a part tile of M
 
     def loss(matmul, x, *w):
         _, slot_weights, chosen = route(x, jnp.asarray(router, jnp.float32), top_k, False, "float32")
         y = grouped_swiglu(x, slot_weights, chosen, *w, matmul=matmul)
         return jnp.sum(y * jnp.cos(y)), y
 
-    try:
-        got = jax.jit(jax.value_and_grad(functools.partial(loss, kernels.grouped_matmul("megablox", "cpu")),
-                                         argnums=(0, 1, 2, 3), has_aux=True))(x, *weights)
-    finally:
-        kernels.TILE = tile
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, kernels.grouped_matmul("megablox", "cpu")),
+                                     argnums=(0, 1, 2, 3), has_aux=True))(x, *weights)
     want = jax.value_and_grad(functools.partial(loss, jax.lax.ragged_dot), argnums=(0, 1, 2, 3), has_aux=True)(
         x, *weights)
     np.testing.assert_allclose(got[0][1], want[0][1], rtol=1e-5, atol=1e-5)
