@@ -7,7 +7,7 @@ Legend: R rows (the T k (token, slot) pairs of one chunk, sorted by expert), D i
 Kernels (each with its backward: dlhs a grouped matmul with rhs transposed, drhs one per expert over its rows):
     ragged_dot   jax.lax.ragged_dot, XLA's lowering: on GPU (jax 0.11.2, H100) dense through an [R, X, D] buffer
     megablox     JAX's Pallas TPU grouped matmul (jax.experimental.pallas.ops.tpu.megablox: gmm, tgmm), MaxText's
-                 sparse_matmul kernel; rows padded to its row tile, the padding in the last expert's group
+                 sparse_matmul kernel; rows padded to whole row tiles, the padding in no expert's group
     auto         megablox on TPU (benchmarks/fit_table.md, the MoE section of docs/long_context.md: what one
                  Qwen3-30B-A3B layer compiles to), ragged_dot elsewhere
 
@@ -76,9 +76,8 @@ def _megablox(lhs, rhs, sizes, interpret: bool):
 
     rows = lhs.shape[0]
     tm, tk, tn = (min(t, n) for t, n in zip(TILE, (rows, rhs.shape[1], rhs.shape[2])))
-    pad = -rows % tm  # gmm takes whole row tiles; zero rows in the last group give zero rows, cut off below
+    pad = -rows % tm  # gmm takes whole row tiles; rows past the last group are in no group, and cut off below
     if pad:
         lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
-        sizes = sizes.at[-1].add(pad)
     out = ops.gmm(lhs, rhs, sizes, lhs.dtype, (tm, tk, tn), None, None, False, interpret)
     return out[:rows]
