@@ -42,6 +42,13 @@ RESOLVED = {
                    "mlpwo=offload"],
     "qwen3-32b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=8", "remat_policy=custom",
                   "decoder_layer_input=device", "context=offload"],
+    # The MoE rows at 1M (docs/long_context.md: usp, input=offload context=offload).
+    "qwen3-30b-a3b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=4", "remat_policy=custom",
+                      "decoder_layer_input=offload", "context=offload"],
+    "gpt-oss-20b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=8", "remat_policy=custom",
+                    "decoder_layer_input=offload", "context=offload"],
+    "deepseek2-16b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=16", "remat_policy=custom",
+                      "decoder_layer_input=offload", "context=offload"],
 }
 AUTO = ("context_parallel_strategy=auto", "remat_policy=auto")
 
