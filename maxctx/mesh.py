@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxctx.attention.cp import strategies
 from maxctx.config import Config
-from maxctx.parallelism import BATCH_AXES, CONFIGURED_AXES, CONTEXT_AXES, LOGICAL_RULES, MESH_AXES, MeshPlan
+from maxctx.parallelism import BATCH_AXES, CONFIGURED_AXES, CONTEXT_AXES, MESH_AXES, MeshPlan, resolve_axes
 
 
 def axis_sizes(config: Config, num_devices: int) -> dict[str, int]:
@@ -46,27 +46,11 @@ def create_mesh(config: Config, devices: list | None = None, plan: MeshPlan | No
 
 def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
                     mesh: Mesh | None = None) -> P:
-    """PartitionSpec for logical axis names. With `mesh`, size-1 mesh axes are left out; with `shape` too, mesh
-    axes that do not divide a dimension (or that an earlier dimension already uses) are dropped, so that dimension
-    is replicated over them instead."""
-    used: set[str] = set()
-    spec = []
-    for i, name in enumerate(names):
-        axes = LOGICAL_RULES[name] if name is not None else ()
-        keep = []
-        for axis in axes:
-            if axis in used:
-                continue
-            if mesh is not None and mesh.shape[axis] == 1:
-                continue
-            if mesh is not None and shape is not None:
-                size = mesh.shape[axis] * math.prod(mesh.shape[a] for a in keep)
-                if shape[i] % size:
-                    continue
-            keep.append(axis)
-        used.update(keep)
-        spec.append(tuple(keep) if len(keep) > 1 else (keep[0] if keep else None))
-    return P(*spec)
+    """PartitionSpec for logical axis names (maxctx.parallelism.resolve_axes: with `mesh`, size-1 mesh axes are
+    left out; with `shape` too, mesh axes that do not divide a dimension, or that an earlier dimension already
+    uses, are dropped, so that dimension is replicated over them instead)."""
+    axes = resolve_axes(names, shape, dict(mesh.shape) if mesh is not None else None)
+    return P(*(a if len(a) > 1 else (a[0] if a else None) for a in axes))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -50,6 +50,26 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
+def resolve_axes(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
+                 sizes: Mapping[str, int] | None = None) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes each dimension of an array with logical axis `names` is split over (LOGICAL_RULES). With the
+    mesh axes' `sizes`, size-1 axes are left out; with `shape` too, axes that do not divide a dimension (or that an
+    earlier dimension already uses) are dropped, so that dimension is replicated over them instead."""
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(names):
+        keep: list[str] = []
+        for axis in LOGICAL_RULES[name] if name is not None else ():
+            if axis in used or (sizes is not None and sizes[axis] == 1):
+                continue
+            if sizes is not None and shape is not None and shape[i] % (sizes[axis] * math.prod(sizes[a] for a in keep)):
+                continue
+            keep.append(axis)
+        used.update(keep)
+        out.append(tuple(keep))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Axis:
     """One configured parallelism: `name` (its ici_<name>_parallelism and dcn_<name>_parallelism keys) and the mesh

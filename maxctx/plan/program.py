@@ -48,6 +48,20 @@ _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# replica groups of one device each (shard_map's transposes sum over mesh axes of size 1): nothing moves
+_ALONE = re.compile(r"replica_groups=(\{(\{\d+\},?)+\}|\[\d+,1\]<=)")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+
+
+def _alone(rest: str) -> bool:
+    """Whether a collective's replica groups are one device each, in either of XLA's ways of writing them."""
+    if _ALONE.search(rest):
+        return True
+    m = _MESH_GROUPS.search(rest)
+    if m is None:
+        return False
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    return math.prod(int(sizes.get(a, 0)) for a in re.findall(r"'([^']+)'", m.group(2))) == 1
 HOST = "S(5)"  # TPU's memory space of pinned host memory in a layout
 # Matmuls per query-key product of each splash kernel (module doc).
 _KERNEL_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4, "fused": 5}
@@ -240,11 +254,12 @@ class Program:
         return to_device, to_host
 
     def collective_bytes(self) -> Counter:
-        """Bytes per collective kind per step (async -start counted once, -done ignored; module doc)."""
+        """Bytes per collective kind per step (async -start counted once, -done ignored, groups of one device
+        left out; module doc)."""
         totals: Counter = Counter()
         for ins, times in self.instructions():
             kind = ins.op.removesuffix("-start")
-            if kind not in COLLECTIVES or ins.op.endswith("-done"):
+            if kind not in COLLECTIVES or ins.op.endswith("-done") or _alone(ins.rest):
                 continue
             if kind == "reduce-scatter":
                 size = sum(shape_bytes(self.defs[o].result) for o in ins.operands if o in self.defs)

@@ -45,7 +45,7 @@ from maxctx.model.moe import kernels, layers as moe
 from maxctx.model.moe.layers import MoeBlock, grouped_swiglu
 from maxctx.model.rope import RopeSpec, inverse_frequencies
 from maxctx.model.tiling import sum_chunks
-from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, EXPERT_AXES, TENSOR_AXIS
 
 
 def rotary_interleaved(x_BSNP, positions_BS, rope: RopeSpec):
@@ -231,14 +231,21 @@ class DeepseekMoe(MoeBlock):
 
     def __call__(self, x_BSD, segment_ids_BS):
         y, sums = super().__call__(x_BSD, segment_ids_BS)
+        return (y + self.shared(x_BSD) if self.cfg.options.shared_experts else y), sums
+
+    def more_sums(self, x_BSD, segment_ids_BS, router, sums: dict) -> dict:
         o, dt = self.cfg.options, self.cfg.dtype
         # MoeBlock counts the softmax top-k's experts; a sigmoid, biased or group-limited router chooses others.
         own_choice = o.sigmoid or o.routed_bias or o.groups > 1
         if o.sequence_balance_loss_weight or own_choice:
-            # Per-row sums over the global arrays (as MoeBlock's counts), added over the chunks before the per-row
-            # products, so the terms are the same whatever the mesh and order of the sequence.
+            # Per-row sums (each device's tokens, added over devices as MoeBlock's counts), added over the chunks
+            # before the per-row products, so the terms are the same whatever the mesh and order of the sequence.
             bias = self.bias[...] if o.routed_bias else None
-            rows = sum_chunks(lambda x, seg: row_sums(x, seg, self.router[...], o, dt, bias),
+
+            def count(x, seg, router):
+                return row_sums(x, seg, router, o, dt, bias)
+
+            rows = sum_chunks(lambda x, seg: moe.device_sums(count, self.mesh, x, seg, router, rows=True),
                               self.cfg.mlp_sequence_chunks, self.mesh, x_BSD, segment_ids_BS)
             if own_choice:  # the load (metrics, load balancing) of the experts this router chose
                 sums = {**sums, "moe_load": jnp.sum(rows["count"], axis=0)}
@@ -247,7 +254,7 @@ class DeepseekMoe(MoeBlock):
                 sums = {**sums, "moe_bias_signal": signal}
             if o.sequence_balance_loss_weight:
                 sums = {**sums, **sequence_balance_sums(rows, o)}
-        return (y + self.shared(x_BSD) if o.shared_experts else y), sums
+        return sums
 
     def _experts(self, x_BSD, router, w_gate, w_up, w_down):
         """MoeBlock's experts (per device in a shard_map, M split over tensor) under `route`."""
@@ -258,6 +265,8 @@ class DeepseekMoe(MoeBlock):
         def local(x, router, bias, w_gate, w_up, w_down):
             b, s, d = x.shape
             x_TD = x.reshape(b * s, d)
+            if mesh is not None:  # each device's copy of the gathered experts (moe.gathered)
+                router, w_gate, w_up, w_down = (w[0].astype(dt) for w in (router, w_gate, w_up, w_down))
             _, weights, experts = route(x_TD, router, opts, dt, bias if opts.routed_bias else None)
             y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down, matmul=matmul)
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
@@ -265,12 +274,12 @@ class DeepseekMoe(MoeBlock):
             return y.astype(dt).reshape(b, s, d)
 
         bias = self.bias[...] if opts.routed_bias else jnp.zeros((), jnp.float32)
-        cast = [w.astype(dt) for w in (w_gate, w_up, w_down)]
         if mesh is None:
-            return local(x_BSD, router, bias, *cast)
+            return local(x_BSD, router, bias, *(w.astype(dt) for w in (w_gate, w_up, w_down)))
         act, m = P(BATCH_AXES, CONTEXT_AXES, None), TENSOR_AXIS if split else None
-        specs = (act, P(), P(), P(None, None, m), P(None, None, m), P(None, m, None))
-        return shard_map(local, mesh, specs, act)(x_BSD, router, bias, *cast)
+        specs = (act, P(EXPERT_AXES, None, None), P(), P(EXPERT_AXES, None, None, m), P(EXPERT_AXES, None, None, m),
+                 P(EXPERT_AXES, None, m, None))
+        return shard_map(local, mesh, specs, act)(x_BSD, router, bias, w_gate, w_up, w_down)
 
 
 class DeepseekLayer(moe.MoeLayer):

@@ -33,10 +33,10 @@ from maxctx.attention.cp.sharded import shard_map
 from maxctx.attention.dispatch import attend
 from maxctx.model.layers import ModelConfig, param
 from maxctx.model.moe import kernels
-from maxctx.model.moe.layers import MoeLayer, grouped_swiglu, load_sums, router_logits
+from maxctx.model.moe.layers import MoeLayer, device_sums, gathered, grouped_swiglu, load_sums, router_logits
 from maxctx.model.qwen.layers import QwenAttention, zeros
 from maxctx.model.tiling import map_chunks, sum_chunks
-from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, EXPERT_AXES, TENSOR_AXIS
 
 
 class GptOssAttention(QwenAttention):
@@ -94,12 +94,18 @@ class GptOssExperts(nnx.Module):
 
     def __call__(self, x_BSD, segment_ids_BS):
         cfg, opts = self.cfg, self.cfg.options
-        router, bias = self.router[...], self.router_bias[...]
-        weights = [w[...] for w in (self.w_gate_up, self.w_down, self.b_gate_up, self.b_down)]
+        chunked = cfg.mlp_sequence_chunks > 1
+        router, w_gate_up, w_down = gathered(self.mesh, cfg.dtype, chunked, self.router, self.w_gate_up, self.w_down)
+        bias, b_gate_up, b_down = gathered(self.mesh, None, chunked, self.router_bias, self.b_gate_up, self.b_down)
+        weights = (w_gate_up, w_down, b_gate_up, b_down)
         y = map_chunks(lambda x: self._experts(x, router, bias, *weights), cfg.mlp_sequence_chunks, self.mesh,
                        x_BSD)
         z_loss = opts.router_z_loss_weight > 0
-        sums = sum_chunks(lambda x, seg: load_sums(x, seg, router, opts.top_k, cfg.dtype, z_loss, bias),
+
+        def count(x, seg, router, bias):
+            return load_sums(x, seg, router, opts.top_k, cfg.dtype, z_loss, bias)
+
+        sums = sum_chunks(lambda x, seg: device_sums(count, self.mesh, x, seg, router, bias),
                           cfg.mlp_sequence_chunks, self.mesh, x_BSD, segment_ids_BS)
         return checkpoint_name(y, "mlpwo"), sums
 
@@ -111,6 +117,10 @@ class GptOssExperts(nnx.Module):
         matmul = kernels.for_mesh(self.cfg.moe_kernel, mesh, dt)
 
         def local(x, router, bias, w_gate_up, w_down, b_gate_up, b_down):
+            if mesh is not None:  # each device's copy of the gathered experts (moe.gathered)
+                router, bias, w_gate_up, w_down, b_gate_up, b_down = (
+                    w[0] for w in (router, bias, w_gate_up, w_down, b_gate_up, b_down))
+            w_gate_up, w_down = w_gate_up.astype(dt), w_down.astype(dt)
             b, s, d = x.shape
             x_TD = x.reshape(b * s, d)
             weights, experts = route(x_TD, router, bias, opts.top_k, dt)
@@ -122,12 +132,12 @@ class GptOssExperts(nnx.Module):
             y = y + jnp.einsum("TK,TKD->TD", weights, jnp.take(b_down, experts, axis=0).astype(jnp.float32))
             return y.astype(dt).reshape(b, s, d)
 
-        cast = [w.astype(dt) for w in (w_gate_up, w_down)]
         if mesh is None:
-            return local(x_BSD, router, bias, *cast, b_gate_up, b_down)
-        act, m = P(BATCH_AXES, CONTEXT_AXES, None), TENSOR_AXIS if split else None
-        specs = (act, P(), P(), P(None, None, m, None), P(None, m, None), P(None, m, None), P())
-        return shard_map(local, mesh, specs, act)(x_BSD, router, bias, *cast, b_gate_up, b_down)
+            return local(x_BSD, router, bias, w_gate_up, w_down, b_gate_up, b_down)
+        act, m, e = P(BATCH_AXES, CONTEXT_AXES, None), TENSOR_AXIS if split else None, EXPERT_AXES
+        specs = (act, P(e, None, None), P(e, None), P(e, None, None, m, None), P(e, None, m, None),
+                 P(e, None, m, None), P(e, None, None))
+        return shard_map(local, mesh, specs, act)(x_BSD, router, bias, w_gate_up, w_down, b_gate_up, b_down)
 
 
 class GptOssLayer(MoeLayer):

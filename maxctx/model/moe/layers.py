@@ -32,6 +32,8 @@ share f_x (`moe_expert_load`, summing to 1) and the busiest expert's load over t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -39,11 +41,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from maxctx.attention.cp.sharded import shard_map
+from maxctx.mesh import logical_to_spec
 from maxctx.model.layers import Attention, ModelConfig, RMSNorm, param
 from maxctx.model.moe import capacity, kernels
 from maxctx.model.qwen.layers import QwenAttention
 from maxctx.model.tiling import map_chunks, sum_chunks
-from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, TENSOR_AXIS
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, EXPERT_AXES, TENSOR_AXIS
 
 
 def router_logits(x_TD, router_DX, dtype, bias_X=None):
@@ -120,6 +123,62 @@ def aux_terms(sums: dict, cfg: ModelConfig) -> dict:
     return terms
 
 
+def gathered(mesh, dtype, chunked: bool, *params) -> list:
+    """Each expert parameter (an nnx.Param with logical axes) in the compute dtype, gathered from the devices its
+    experts are sharded across (maxctx.mesh.logical_to_spec: `expert` over fsdp and the context axes) by one
+    explicit all-gather per layer, as one copy per device: [G, ...] over EXPERT_AXES (G devices), the tensor split
+    (`mlp`) kept; a shard_map takes it with `copy_spec` and reads its [0]. A copy that is the device's own keeps
+    the experts' shard_map from summing the weights' gradients over the devices (an all-reduce of every expert's
+    gradient): the backward's only collective for them is the gather's transpose, a reduce-scatter in the compute
+    dtype (left to XLA, the gathers ran in fp32 and the gradients as a full all-reduce: tests/test_expert_comm.py).
+    `chunked` (mlp_sequence_chunks > 1): the copies in fp32, so that the chunks' gradients add up in fp32. `dtype`
+    None: the parameters' own (biases)."""
+    def cast(p):
+        return p[...] if dtype is None else p[...].astype(dtype)
+
+    if mesh is None:
+        return [p[...] if chunked else cast(p) for p in params]
+    out = []
+    for p in params:
+        value = cast(p)
+        spec = logical_to_spec(tuple(p.get_metadata()["axes"]), value.shape, mesh)
+        copies = shard_map(functools.partial(_gather, spec=spec), mesh, (spec,), copy_spec(spec))(value)
+        out.append(copies.astype(jnp.float32) if chunked else copies)
+    return out
+
+
+def copy_spec(spec: P) -> P:
+    """The layout of `gathered`'s copies of a parameter laid out as `spec`: [G, ...] over EXPERT_AXES, the tensor
+    axis kept where it was."""
+    return P(EXPERT_AXES, *(TENSOR_AXIS if entry in (TENSOR_AXIS, (TENSOR_AXIS,)) else None for entry in spec))
+
+
+def _gather(value, spec):
+    for dim, entry in enumerate(spec):
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != TENSOR_AXIS)
+        if axes:
+            value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
+    return value[None]
+
+
+def device_sums(fn, mesh, x_BSD, segment_ids_BS, *copies, rows: bool = False) -> dict:
+    """fn(x, segment ids, *weights) -> sums over the tokens given, run on each device's own tokens with its copy of
+    the gathered weights (`gathered`, none split over tensor) and added across devices: left to XLA, a sum over the
+    global arrays gathered the [B, S, X] router outputs over the context axes (O(S) bytes a layer). `rows`: fn's
+    sums keep the batch dimension first ([B, ...], per row)."""
+    if mesh is None:
+        return fn(x_BSD, segment_ids_BS, *copies)
+    spread = P(CONTEXT_AXES, BATCH_AXES) if rows else P((*BATCH_AXES, *CONTEXT_AXES))
+
+    def local(x, seg, *copies):
+        return jax.tree.map(lambda v: v[None], fn(x, seg, *(c[0] for c in copies)))
+
+    specs = (P(BATCH_AXES, CONTEXT_AXES, None), P(BATCH_AXES, CONTEXT_AXES))
+    specs += tuple(P(EXPERT_AXES, *([None] * (c.ndim - 1))) for c in copies)
+    parts = shard_map(local, mesh, specs, spread)(x_BSD, segment_ids_BS, *copies)
+    return jax.tree.map(lambda v: jnp.sum(v, axis=0), parts)
+
+
 class MoeBlock(nnx.Module):
     """router [D, X], w_gate, w_up [X, D, M], w_down [X, M, D]; returns (y[B, S, D], `load_sums`)."""
 
@@ -133,20 +192,25 @@ class MoeBlock(nnx.Module):
 
     def __call__(self, x_BSD, segment_ids_BS):
         cfg, opts = self.cfg, self.cfg.options
-        router, weights = self.router[...], (self.w_gate[...], self.w_up[...], self.w_down[...])
+        router, *weights = gathered(self.mesh, cfg.dtype, cfg.mlp_sequence_chunks > 1, self.router, self.w_gate,
+                                    self.w_up, self.w_down)
         if opts.capacity_factor:  # maxctx.model.moe.capacity; without it the program is the dropless one
             y, dropped = map_chunks(lambda x, seg: self._experts(x, router, *weights, seg), cfg.mlp_sequence_chunks,
                                     self.mesh, x_BSD, segment_ids_BS)
         else:
             y = map_chunks(lambda x: self._experts(x, router, *weights), cfg.mlp_sequence_chunks, self.mesh, x_BSD)
-        # The router once more over the global arrays for the counts: 2 D X FLOPs a token, against the experts'
-        # 6 k D M, so that the counts are plain reductions over the batch rather than per-device partial sums.
+        # The router once more for the counts: 2 D X FLOPs a token, against the experts' 6 k D M.
         z_loss = opts.router_z_loss_weight > 0
-        sums = sum_chunks(lambda x, seg: load_sums(x, seg, router, opts.top_k, cfg.dtype, z_loss),
-                          cfg.mlp_sequence_chunks, self.mesh, x_BSD, segment_ids_BS)
+        count = functools.partial(load_sums, top_k=opts.top_k, dtype=cfg.dtype, z_loss=z_loss)
+        sums = sum_chunks(lambda x, seg: device_sums(count, self.mesh, x, seg, router), cfg.mlp_sequence_chunks,
+                          self.mesh, x_BSD, segment_ids_BS)
         if opts.capacity_factor:
             sums["moe_dropped"] = jnp.sum(dropped)
-        return checkpoint_name(y, "mlpwo"), sums
+        return checkpoint_name(y, "mlpwo"), self.more_sums(x_BSD, segment_ids_BS, router, sums)
+
+    def more_sums(self, x_BSD, segment_ids_BS, router, sums: dict) -> dict:
+        """A family's sums besides the load counts, from the gathered router (DeepSeek's router: its own)."""
+        return sums
 
     def _experts(self, x_BSD, router, w_gate, w_up, w_down, segment_ids_BS=None):
         """y[B, S, D]; with `segment_ids_BS` (a capacity) also each token's dropped pairs [B, S]."""
@@ -170,15 +234,19 @@ class MoeBlock(nnx.Module):
             y = y.astype(dt).reshape(b, s, d)
             return (y, dropped) if seg else y
 
-        cast = [w.astype(dt) for w in (w_gate, w_up, w_down)]
         seg = () if segment_ids_BS is None else (segment_ids_BS,)
         if mesh is None:
-            return local(x_BSD, router, *cast, *seg)
+            return local(x_BSD, router, *(w.astype(dt) for w in (w_gate, w_up, w_down)), *seg)
+
+        def own(x, router, w_gate, w_up, w_down, *seg):  # each device's copy of the gathered experts
+            return local(x, router[0], *(w[0].astype(dt) for w in (w_gate, w_up, w_down)), *seg)
+
         act, m = P(BATCH_AXES, CONTEXT_AXES, None), TENSOR_AXIS if split else None
-        specs = (act, P(), P(None, None, m), P(None, None, m), P(None, m, None))
+        specs = (act, P(EXPERT_AXES, None, None), P(EXPERT_AXES, None, None, m), P(EXPERT_AXES, None, None, m),
+                 P(EXPERT_AXES, None, m, None))
         tokens = P(BATCH_AXES, CONTEXT_AXES)
         out = (act, tokens) if seg else act
-        return shard_map(local, mesh, specs + (tokens,) * len(seg), out)(x_BSD, router, *cast, *seg)
+        return shard_map(own, mesh, specs + (tokens,) * len(seg), out)(x_BSD, router, w_gate, w_up, w_down, *seg)
 
 
 class MoeLayer(nnx.Module):

@@ -1,0 +1,69 @@
+"""The expert strategy's collectives (maxctx.model.moe.experts, `gathered`) against the compiled HLO of one MoE
+layer's forward and backward on 8 CPU devices: the all-gather of every expert-block parameter once per layer and
+the reduce-scatter of its gradient, as the formulas say; the load-balancing sums' all-reduce does not grow with the
+sequence. fp32 throughout: XLA:CPU runs a bf16 collective in fp32, so only fp32 bytes are what a TPU moves."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from maxctx.attention.cp.cost import by_kind
+from maxctx.mesh import logical_to_spec
+from maxctx.model.gpt_oss.family import GptOssOptions
+from maxctx.model.gpt_oss.layers import GptOssExperts
+from maxctx.model.layers import ModelConfig
+from maxctx.model.moe import experts
+from maxctx.model.moe.family import MoeOptions
+from maxctx.model.moe.layers import MoeBlock
+from maxctx.parallelism import MESH_AXES
+from tests.support.hlo import collective_bytes
+
+D, X, M, K, B = 16, 8, 24, 2, 2
+
+
+def compiled(block_cls, options, mesh_shape: tuple[int, ...], seq: int) -> dict:
+    """Collective bytes per kind of one expert block's forward and backward (the gradient of every parameter)."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(mesh_shape), MESH_AXES)
+    cfg = ModelConfig(emb_dim=D, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=M, num_layers=1, vocab_size=8,
+                      dtype="float32", weight_dtype="float32", options=options)
+    graphdef, state = nnx.split(block_cls(cfg, nnx.Rngs(0), mesh))
+    abstract = nnx.from_flat_state([
+        (path, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+            mesh, logical_to_spec(tuple(v.get_metadata()["axes"]), v.shape, mesh))))
+        for path, v in nnx.to_flat_state(state)])
+    act = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    x = jax.ShapeDtypeStruct((B, seq, D), jnp.float32, sharding=NamedSharding(mesh, P(*act.spec, None)))
+    seg = jax.ShapeDtypeStruct((B, seq), jnp.int32, sharding=act)
+
+    def loss(params, x, seg):
+        y, sums = nnx.merge(graphdef, params)(x, seg)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(sums["moe_load"] * sums["moe_prob"])
+
+    return collective_bytes(jax.jit(jax.grad(loss)).lower(abstract, x, seg).compile().as_text())
+
+
+@pytest.mark.parametrize("family,mesh_shape", [("moe", (1, 2, 4, 1, 1)), ("moe", (1, 2, 2, 1, 2)),
+                                               ("gpt_oss", (1, 2, 4, 1, 1))])
+def test_the_experts_collectives_are_the_formulas(family, mesh_shape):
+    sizes = dict(zip(MESH_AXES, mesh_shape))
+    if family == "moe":
+        options = MoeOptions(num_experts=X, top_k=K, mlp_dim=M, renormalize=True, load_balance_loss_weight=0.01)
+        block, params = MoeBlock, experts.routed_params(X, D, M, 4)
+    else:
+        options = GptOssOptions(num_experts=X, top_k=K, mlp_dim=M, load_balance_loss_weight=0.01)
+        block, params = GptOssExperts, experts.gpt_oss_params(X, D, M, 4, 4)
+    got = compiled(block, options, mesh_shape, 64)
+    forward, backward = experts.comm_volume(params, sizes)
+    want = by_kind(forward + backward)
+    assert {k: got.get(k, 0) for k in want} == want
+    assert got.get("all-to-all", 0) == 0 and got.get("collective-permute", 0) == 0
+    if mesh_shape[-1] == 1:  # (with tensor parallelism, its sums of the tokens' partial outputs come on top)
+        # What is left is the load sums' all-reduce: O(X) numbers a layer, not the [B, S, X] router outputs.
+        assert got.get("all-reduce", 0) < 64 * X
+    if family == "moe" and mesh_shape[-1] == 1:
+        assert compiled(block, options, mesh_shape, 128) == got  # nothing grows with the sequence
