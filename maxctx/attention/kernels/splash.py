@@ -46,12 +46,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxctx.attention.kernels import document_blocks
-from maxctx.attention.kernels.flash import block_size
+from maxctx.attention.kernels.flash import block_size as _divisor
 from maxctx.attention.kernels.index_runs import expand, ranked, runs, shifted
 from maxctx.attention.kernels.scopes import PALLAS_MACS_SCOPE
 from maxctx.attention.kernels.splash_masks import ordered_causal_mask, sees_a_key
 
 COMPUTE_BLOCK = 512
+LANES = 128  # splash's blocks are whole multiples of the TPU's 128 lanes
+
+
+def block_size(n: int, want: int) -> int:
+    """Largest block <= want that divides n, a multiple of LANES where n is one (splash refuses others): a local
+    layer's halo gives W + L keys per chunk, 128 + 8,192 = 8,320 for GPT-OSS at 1M, whose largest divisor up to 512
+    is 416, the largest lane multiple 128."""
+    if n % LANES:
+        return _divisor(n, want)
+    return LANES * _divisor(n // LANES, max(1, want // LANES))
 # Block-table entries (query blocks x key blocks) one kernel call may have: the largest size that compiled within
 # SMEM on both v5p and v6e (benchmarks/splash_masks.md).
 MAX_TABLE_ENTRIES = 2 ** 16

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxctx.attention.kernels import splash
-from maxctx.attention.kernels.flash import block_size
 from maxctx.attention.kernels.index_runs import runs
+from maxctx.attention.kernels.splash import block_size
 from maxctx.attention.kernels.splash_masks import ordered_causal_mask, sees_a_key
 
 NAME = "tokamax_splash"  # the kernel name dispatch resolves splash to under use_tokamax_splash=true
