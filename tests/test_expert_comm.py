@@ -5,6 +5,9 @@ sequence. fp32 throughout: XLA:CPU runs a bf16 collective in fp32, so only fp32 
 
 from __future__ import annotations
 
+import functools
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,11 +24,13 @@ from maxctx.model.moe import experts
 from maxctx.model.moe.family import MoeOptions
 from maxctx.model.moe.layers import MoeBlock
 from maxctx.parallelism import MESH_AXES
+from maxctx.plan import roofline
 from tests.support.hlo import collective_bytes
 
 D, X, M, K, B = 16, 8, 24, 2, 2
 
 
+@functools.cache
 def compiled(block_cls, options, mesh_shape: tuple[int, ...], seq: int) -> dict:
     """Collective bytes per kind of one expert block's forward and backward (the gradient of every parameter)."""
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(mesh_shape), MESH_AXES)
@@ -67,3 +72,20 @@ def test_the_experts_collectives_are_the_formulas(family, mesh_shape):
         assert got.get("all-reduce", 0) < 64 * X
     if family == "moe" and mesh_shape[-1] == 1:
         assert compiled(block, options, mesh_shape, 128) == got  # nothing grows with the sequence
+
+
+def test_the_planner_prices_the_experts_as_the_compiled_program_moves_them():
+    """roofline.traffic's ICI term takes a mixture of experts' routers and experts at what the compiled layer puts
+    on the wire ((G - 1) / G of each all-gather's result and reduce-scatter's operand), not as FSDP weights (fp32
+    gradients, weight-dtype gathers)."""
+    mesh_shape = (1, 2, 4, 1, 1)
+    sizes, group = dict(zip(MESH_AXES, mesh_shape)), 8
+    options = MoeOptions(num_experts=X, top_k=K, mlp_dim=M, renormalize=True, load_balance_loss_weight=0.01)
+    got = compiled(MoeBlock, options, mesh_shape, 64)
+    wire = (got["all-gather"] + got["reduce-scatter"]) * (group - 1) / group
+    layer = types.SimpleNamespace(num_experts=X, emb_dim=D, moe_mlp_dim=M, moe_layers=3, itemsize=4)
+    params, moved = roofline.expert_traffic(layer, sizes, forward_passes=1)
+    assert (params, moved) == (3 * (D * X + 3 * X * D * M), 3 * wire)
+    remat = roofline.expert_traffic(layer, sizes, forward_passes=2)[1]  # the gather again under remat
+    assert remat == moved + 3 * got["all-gather"] * (group - 1) / group
+    assert roofline.expert_traffic(types.SimpleNamespace(num_layers=2), sizes, 1) == (0.0, 0.0)  # a dense model

@@ -7,8 +7,11 @@ collective terms read them (`traffic`), and the CP strategies' per-layer bytes (
              once per pass (backward counted as two forward passes); logits and their gradient. Attention kernels'
              K/V re-reads are left out (flash blocks make them small next to the FLOPs).
     ICI      FSDP all-gathers of the weights (forward, and backward with its recompute) and the reduce-scatter of
-             fp32 gradients over the devices a weight is sharded across; data-parallel all-reduce; tensor-parallel
-             activation all-reduces. The CP strategy's collectives are timed per layer by step_time (its
+             fp32 gradients over the devices a weight is sharded across, except a mixture of experts' router and
+             routed experts, which move as the expert strategy's formulas say (maxctx.model.moe.experts: gathered
+             in the compute dtype once per forward pass, their gradient reduce-scattered in it; GPT-OSS's expert
+             biases, under 0.1% of its experts, priced with the other weights); data-parallel all-reduce;
+             tensor-parallel activation all-reduces. The CP strategy's collectives are timed per layer by step_time (its
              `comm_volume` formulas: `cp_bytes_per_layer`).
     DCN      (several slices) bytes that cross slices: the cross-slice share (d - 1) / d of the weights' gathers
              and gradients' reductions sharded over dcn_fsdp x dcn_context = d slices and of the data-parallel
@@ -25,6 +28,7 @@ from maxctx.attention.cp import strategies
 from maxctx.attention.cp.cost import AttentionShape, Collective
 from maxctx.config import Config, layer_windows
 from maxctx.model import families
+from maxctx.model.moe import experts
 from maxctx.parallelism import (
     A2A_AXIS,
     DATA_AXIS,
@@ -87,6 +91,18 @@ def cp_dcn_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: in
             sum(crossing(bwd) for _, bwd in layers) / len(layers))
 
 
+def expert_traffic(model, mesh: dict[str, int], forward_passes: int) -> tuple[float, float]:
+    """(parameters, wire bytes per step and device) of a mixture of experts' routers and routed experts, over its
+    MoE layers: maxctx.model.moe.experts.comm_volume's collectives, each counted on the wire; (0, 0) for a shape
+    with no experts."""
+    layers = getattr(model, "moe_layers", 0) if getattr(model, "num_experts", 1) > 1 else 0
+    if not layers:
+        return 0.0, 0.0
+    x, d, m = model.num_experts, model.emb_dim, model.moe_mlp_dim
+    forward, backward = experts.comm_volume(experts.routed_params(x, d, m, model.itemsize), mesh, forward_passes)
+    return layers * (d * x + 3 * x * d * m), layers * sum(c.sent_bytes for c in forward + backward)
+
+
 def traffic(config: Config, mesh: dict[str, int], global_batch: float, forward_passes: int) -> dict[str, float]:
     """Bytes one device moves per step (module doc): `hbm` through HBM, `ici` over ICI for the weights, gradients
     and tensor parallelism (the CP strategy's own traffic is timed per layer by maxctx.plan.step_time), `dcn`
@@ -99,13 +115,14 @@ def traffic(config: Config, mesh: dict[str, int], global_batch: float, forward_p
     layers, dim, tp, dp = model.num_layers, model.emb_dim, mesh[TENSOR_AXIS], mesh[DATA_AXIS]
     t = global_batch * config.max_target_length / n  # tokens per device per step
 
+    expert_params, expert_bytes = expert_traffic(model, mesh, forward_passes)
     weights = num_params / tp  # a device's slice of every weight, once gathered
     shards = max(1, n // (dp * tp))  # devices each weight is sharded across (fsdp and context axes)
     layer_act = family.activation(model, tp)  # per token, one forward
     hbm_bytes = ((forward_passes + 1) * weights * wb + weights * 4 + 7 * 4 * num_params / (shards * tp)
                  + (forward_passes + 2) * layers * t * layer_act + 2 * t * model.vocab_size / tp * (b + 8))
 
-    fsdp = (shards - 1) / shards * (2 * weights * wb + weights * 4)
+    fsdp = (shards - 1) / shards * (2 * wb + 4) * (num_params - expert_params) / tp + expert_bytes
     data = 2 * (dp - 1) / dp * num_params / (shards * tp) * 4
     tensor = (2 * forward_passes + 2) * layers * 2 * (tp - 1) / tp * t * dim * b
     dcn_bytes = 0.0
