@@ -129,7 +129,9 @@ class GptOssExperts(nnx.Module):
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
                 y = jax.lax.psum(y, TENSOR_AXIS)
             # The down projection's bias after the sum over tensor shards, so that it is added once.
-            y = y + jnp.einsum("TK,TKD->TD", weights, jnp.take(b_down, experts, axis=0).astype(jnp.float32))
+            # As [T, X] routing weights times the biases [X, D]: no [T, k, D] copy of the biases rows.
+            per_expert = jnp.einsum("TK,TKX->TX", weights, jax.nn.one_hot(experts, b_down.shape[0]))
+            y = y + jnp.einsum("TX,XD->TD", per_expert, b_down.astype(jnp.float32))
             return y.astype(dt).reshape(b, s, d)
 
         if mesh is None:

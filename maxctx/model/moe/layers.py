@@ -83,7 +83,7 @@ def grouped_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, glu=swigl
     up = checkpoint_name(matmul(xs, w_up, sizes), "mlpwi")
     if gate_up_bias is not None:
         row_experts = jnp.take(flat, order)
-        gate, up = (h + jnp.take(b, row_experts, axis=0).astype(h.dtype) for h, b in zip((gate, up), gate_up_bias))
+        gate, up = (h + jnp.take(b.astype(h.dtype), row_experts, axis=0) for h, b in zip((gate, up), gate_up_bias))
     ys = matmul(glu(gate, up), w_down, sizes)
     y_TKD = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(ys.dtype), preferred_element_type=jnp.float32)
