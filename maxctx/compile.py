@@ -22,7 +22,8 @@ machine with libtpu installed and no TPU. For a topology the report adds:
 
 With `--plan`, nothing compiles: the ranked table of maxctx.plan.planner (what `context_parallel_strategy=auto`
 chooses from; with `remat_policy=auto` also each candidate's remat placement, host memory and what it recomputes)
-is printed; `--verify[=N]` then compiles its N (3) best fitting candidates for the topology and prints each one's
+is printed; `--verify[=N]` then compiles its N (3) best fitting candidates that compile for the topology (each in
+a process of its own: one libtpu aborts on is a line, and the next takes its place) and prints each one's
 compiled memory, attention forwards per layer and host bytes next to the planner's estimates, and the step-time
 model fed the program's counts (JSON on stdout's last line either way).
 """
@@ -200,35 +201,78 @@ def make_plan(config: Config) -> planner.Plan:
     return planner.plan(config, None if n is None else lambda c: check_devices(c, n))
 
 
-def verify_plan(plan: planner.Plan, config: Config, top: int = 3) -> list[dict]:
-    """Compiles the `top` best fitting candidates (strategy and remat placement); for each, the planner's
-    estimates beside what the compiled program says: memory per device, attention forwards per layer, host bytes,
-    and the step-time model fed the program's counts."""
+def verify_plan(plan: planner.Plan, config: Config, top: int = 3, argv: list[str] | None = None,
+                run=None) -> list[dict]:
+    """Compiles the `top` best fitting candidates (strategy and remat placement) that compile; for each, the
+    planner's estimates beside what the compiled program says: memory per device, attention forwards per layer,
+    host bytes, and the step-time model fed the program's counts. With `argv` (a TPU topology's compile, where
+    libtpu may abort) each candidate compiles in a process of its own, `run(args)` -> (exit status, stdout,
+    stderr): an abort or a failure is a row and a line, and the next candidate is compiled in its place."""
+    import signal
+
     rows = []
-    for cand in [c for c in plan.ranked if c.fits][:top]:
-        report = compile_report(planner.candidate_config(config, cand.strategy, cand.a2a, dict(cand.placement)))
-        compiled = report.get("total_size_in_bytes", report.get("xla_required_bytes"))
-        held = report.get("device_to_host_bytes")
-        rows.append({"label": cand.label, "placement": dict(cand.placement), "estimate_bytes": cand.memory_bytes,
-                     "compiled_bytes": compiled, "fits": report.get("fits"), "estimate_step_s": cand.step_s,
-                     "compiled_estimate_step_s": report.get("estimate_step_time_s"),
-                     "estimate_forwards_per_layer": cand.forwards_per_layer,
-                     "attention_forwards_per_layer": report.get("attention_forwards_per_layer"),
-                     "estimate_host_bytes": cand.host_bytes, "device_to_host_bytes": held,
-                     "compile_time_s": report["compile_time_s"]})
-        got = "?" if compiled is None else f"{compiled / GIB:.2f} GiB"
-        step = report.get("estimate_step_time_s")
-        forwards = report.get("attention_forwards_per_layer")
-        print(f"verify {cand.label} ({cand.placed}): HBM estimate {cand.memory_bytes / GIB:.2f} GiB, compiled {got}"
-              + ("" if report.get("fits") is None else f" ({'fits' if report['fits'] else 'does not fit'})")
-              + f"; attention forwards per layer estimate {cand.forwards_per_layer:g}, compiled "
-              + ("?" if forwards is None else f"{forwards:g}")
-              + f"; host bytes estimate {cand.host_bytes / GIB:.2f} GiB, compiled "
-              + ("?" if held is None else f"{held / GIB:.2f} GiB")
-              + f"; step estimate {_seconds(cand.step_s)}, with the program's counts "
-              + ("?" if step is None else _seconds(step))
-              + f"; compiled in {report['compile_time_s']:.0f} s", flush=True)
+    for cand in [c for c in plan.ranked if c.fits]:
+        if len([r for r in rows if "aborted" not in r]) == top:
+            break
+        if argv is None:
+            report = compile_report(planner.candidate_config(config, cand.strategy, cand.a2a, dict(cand.placement)))
+        else:
+            given = {key.split("=")[0] for key in candidate_keys(config, plan, cand)}
+            status, out, err = (run or _run_child_report)(
+                [*(a for a in argv if a.split("=")[0] not in given), *candidate_keys(config, plan, cand)])
+            report = _last_json(out)
+            if report is None:
+                why = (f"aborted while compiling ({signal.Signals(-status).name})" if status < 0 else
+                       f"failed (exit status {status}: {(err.strip().splitlines() or ['no message'])[-1]})")
+                print(f"verify {cand.label} ({cand.placed}): {why}; taking the next", flush=True)
+                rows.append({"label": cand.label, "placement": dict(cand.placement), "aborted": why})
+                continue
+        rows.append(_verified(cand, report))
     return rows
+
+
+def _verified(cand: planner.Candidate, report: dict) -> dict:
+    """One candidate's estimates beside its compiled report: the row, and its line printed."""
+    compiled = report.get("total_size_in_bytes", report.get("xla_required_bytes"))
+    held = report.get("device_to_host_bytes")
+    row = {"label": cand.label, "placement": dict(cand.placement), "estimate_bytes": cand.memory_bytes,
+           "compiled_bytes": compiled, "fits": report.get("fits"), "estimate_step_s": cand.step_s,
+           "compiled_estimate_step_s": report.get("estimate_step_time_s"),
+           "estimate_forwards_per_layer": cand.forwards_per_layer,
+           "attention_forwards_per_layer": report.get("attention_forwards_per_layer"),
+           "estimate_host_bytes": cand.host_bytes, "device_to_host_bytes": held,
+           "compile_time_s": report["compile_time_s"]}
+    got = "?" if compiled is None else f"{compiled / GIB:.2f} GiB"
+    step = report.get("estimate_step_time_s")
+    forwards = report.get("attention_forwards_per_layer")
+    print(f"verify {cand.label} ({cand.placed}): HBM estimate {cand.memory_bytes / GIB:.2f} GiB, compiled {got}"
+          + ("" if report.get("fits") is None else f" ({'fits' if report['fits'] else 'does not fit'})")
+          + f"; attention forwards per layer estimate {cand.forwards_per_layer:g}, compiled "
+          + ("?" if forwards is None else f"{forwards:g}")
+          + f"; host bytes estimate {cand.host_bytes / GIB:.2f} GiB, compiled "
+          + ("?" if held is None else f"{held / GIB:.2f} GiB")
+          + f"; step estimate {_seconds(cand.step_s)}, with the program's counts "
+          + ("?" if step is None else _seconds(step))
+          + f"; compiled in {report['compile_time_s']:.0f} s", flush=True)
+    return row
+
+
+def _last_json(out: str) -> dict | None:
+    """The report a `python -m maxctx.compile` child printed on stdout's last line, or None."""
+    lines = out.strip().splitlines()
+    try:
+        report = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+    return report if isinstance(report, dict) and "compile_time_s" in report else None
+
+
+def _run_child_report(args: list[str]) -> tuple[int, str, str]:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "maxctx.compile", *args], check=False, capture_output=True,
+                          text=True)
+    return done.returncode, done.stdout, done.stderr
 
 
 def candidate_keys(config: Config, plan: planner.Plan, cand: planner.Candidate) -> list[str]:
@@ -286,7 +330,9 @@ def main(argv: list[str]) -> int:
             plan = auto_plan if auto_plan is not None else make_plan(config)
             print("\n".join(planner.format_plan(plan)), flush=True)
             verified = []
-            if "--verify" in flags:
+            if "--verify" in flags and config.compile_topology:  # each candidate in a process of its own
+                verified = verify_plan(plan, config, int(top[-1]) if top else 3, argv)
+            elif "--verify" in flags:
                 from maxctx import runtime
 
                 runtime.initialize(config)

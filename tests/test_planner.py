@@ -447,3 +447,40 @@ def test_auto_takes_the_next_candidate_when_the_first_aborts_while_compiling(cap
                    f"next, {second.label}",
                    f"auto: candidate {second.label} ({second.placed}) compiled but does not fit; taking the next, "
                    f"{third.label}"]
+
+
+def test_verify_takes_the_next_candidate_when_one_aborts_while_compiling(capsys):
+    # `--plan --verify=N` for a TPU topology compiles each candidate in a process of its own (as auto does): an
+    # abort is a row and a line, and the next candidate takes its place among the N.
+    import json
+    import signal
+
+    from maxctx.compile import verify_plan
+    argv = ["configs/base.yml", "compile_topology=v5p-128", "model_name=llama3-8b", "max_target_length=131072",
+            "ici_context_parallelism=16", "ici_fsdp_parallelism=4", "per_device_batch_size=0.25",
+            "context_parallel_strategy=auto"]
+    config, plan = load(argv)
+    first, second = [c for c in plan.ranked if c.fits][:2]
+    report = {"total_size_in_bytes": 40 * 2**30, "fits": True, "attention_forwards_per_layer": 2,
+              "device_to_host_bytes": 0, "compile_time_s": 12.0}
+    answers = [(-signal.SIGABRT, "", "libtpu: ...\n"), (0, "plan lines\n" + json.dumps(report) + "\n", ""),
+               (2, "", "config error: something named\n")]
+    calls = []
+
+    def run(args):
+        calls.append(args)
+        return answers[len(calls) - 1]
+
+    rows = verify_plan(plan, config, 1, argv, run)
+    assert [r["label"] for r in rows] == [first.label, second.label] and len(calls) == 2
+    assert rows[0]["aborted"] == "aborted while compiling (SIGABRT)"
+    assert rows[1]["compiled_bytes"] == 40 * 2**30 and rows[1]["fits"] is True
+    assert f"context_parallel_strategy={second.strategy}" in calls[1]
+    assert "context_parallel_strategy=auto" not in calls[1]
+    out = capsys.readouterr().out
+    assert f"verify {first.label} ({first.placed}): aborted while compiling (SIGABRT); taking the next" in out
+    calls.clear()
+    answers[:2] = [answers[2], answers[1]]  # a child that fails names its error
+    rows = verify_plan(plan, config, 1, argv, run)
+    assert rows[0]["aborted"] == "failed (exit status 2: config error: something named)"
+    assert rows[1]["label"] == second.label
