@@ -275,6 +275,15 @@ def _run_child_report(args: list[str]) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
+def check_layout(config: Config) -> None:
+    """Refuses, in one line, an ICI mesh that cannot be laid over compile_topology's physical axes
+    (maxctx.mesh.create_mesh builds it over the topology's devices, which needs no TPU)."""
+    from maxctx.mesh import create_mesh
+    from maxctx.plan import topology as topo
+
+    create_mesh(config, topo.topology_devices(topo.parse(config.compile_topology), config.compile_topology_num_slices))
+
+
 def candidate_keys(config: Config, plan: planner.Plan, cand: planner.Candidate) -> list[str]:
     """The command-line keys that run `cand` of `plan` (what auto chose for it) without auto."""
     chosen = strategies.get(cand.strategy).candidate_config(config, cand.a2a)
@@ -342,6 +351,7 @@ def main(argv: list[str]) -> int:
         if auto_plan is not None and config.compile_topology:
             # auto's first choice verified by compiling it, in a process of its own, before it is reported
             print("\n".join(planner.format_plan(auto_plan)), flush=True)
+            check_layout(config)  # the candidates share the mesh's physical layout: one error, not one per child
             return compile_first_that_works(argv, config, auto_plan)
         from maxctx import runtime
 

@@ -10,6 +10,7 @@ shard index = ring_rank * U + a2a_rank. The config is checked against the device
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -18,7 +19,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxctx.attention.cp import strategies
-from maxctx.config import Config
+from maxctx.config import Config, ConfigError
 from maxctx.parallelism import BATCH_AXES, CONFIGURED_AXES, CONTEXT_AXES, MESH_AXES, MeshPlan, resolve_axes
 
 
@@ -39,9 +40,27 @@ def create_mesh(config: Config, devices: list | None = None, plan: MeshPlan | No
     else:
         # The physical mapping is chosen for context unsplit (its ring and A2A parts together); splitting it
         # afterwards keeps each A2A group on adjacent devices of that axis.
-        grid = mesh_utils.create_device_mesh(tuple(plan.ici[a] for a in CONFIGURED_AXES), devices)
+        shape = tuple(plan.ici[a] for a in CONFIGURED_AXES)
+        try:
+            grid = mesh_utils.create_device_mesh(shape, devices)
+        except NotImplementedError as e:  # JAX's one way of saying an axis cannot be laid over whole physical axes
+            raise ConfigError(_layout_error(shape, devices)) from e
         grid = grid.reshape(plan.ici_shape)
     return Mesh(grid, MESH_AXES)
+
+
+def _layout_error(shape: tuple[int, ...], devices: list) -> str:
+    """The one line for an ICI mesh that JAX cannot lay over the slice's physical axes."""
+    coords = np.asarray([d.coords for d in devices])
+    physical = [int(n) for n in coords.max(axis=0) - coords.min(axis=0) + 1]
+    cores = len(devices) // math.prod(physical)
+    physical += [cores] if cores > 1 else []
+    named = " x ".join(f"{a} {n}" for a, n in zip(CONFIGURED_AXES, shape) if n > 1) or "1"
+    sizes = sorted({math.prod(c) for k in range(1, len(physical) + 1) for c in itertools.combinations(physical, k)})
+    return (f"the ICI mesh ({named}) cannot be laid over this slice's physical axes "
+            f"({' x '.join(map(str, physical))}{', the last the cores of a chip' if cores > 1 else ''}): JAX gives "
+            f"each mesh axis whole physical axes, so each ici_*_parallelism above 1 must be one of "
+            f"{', '.join(map(str, sizes))}, together using each physical axis once; choose such a split")
 
 
 def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,

@@ -149,15 +149,28 @@ def test_topology_devices_for_every_generation():
             "    t = parse(name); d = topology_devices(t)\n"
             "    print(name, len(d), d[0].device_kind, d[0].platform)\n"
             "d = topology_devices(parse('v5e-8'), num_slices=2)\n"
-            "print('slices', len(d), sorted({x.slice_index for x in d}))\n")
+            "print('slices', len(d), sorted({x.slice_index for x in d}))\n"
+            # an ICI mesh JAX cannot lay over the slice's physical axes (128 of 8 x 8 x 8 after fsdp took one 8)
+            "from maxctx.config import ConfigError\n"
+            "from maxctx.loader import load_config\n"
+            "from maxctx.mesh import create_mesh\n"
+            "keys = ['configs/base.yml', 'compile_topology=v5p-1024', 'ici_fsdp_parallelism=4',\n"
+            "        'ici_context_parallelism=128', 'per_device_batch_size=0.0078125', 'max_target_length=65536']\n"
+            "try:\n"
+            "    create_mesh(load_config(keys), topology_devices(parse('v5p-1024')))\n"
+            "except ConfigError as e:\n"
+            "    print('layout', e)\n")
     proc = python("-c", code, env=tpu_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.strip().splitlines()]
-    kinds = {line[0]: (int(line[1]), " ".join(line[2:-1]), line[-1]) for line in lines[:-1]}
+    kinds = {line[0]: (int(line[1]), " ".join(line[2:-1]), line[-1]) for line in lines[:-2]}
     for name, (count, kind, platform) in kinds.items():
         topology = parse(name)
         assert count == topology.num_devices and kind == topology.chip.device_kind and platform == "tpu", name
-    assert lines[-1] == ["slices", "16", "[0,", "1]"]
+    assert lines[-2] == ["slices", "16", "[0,", "1]"]
+    assert " ".join(lines[-1]).startswith(
+        "layout the ICI mesh (fsdp 4 x context 128) cannot be laid over this slice's physical axes (8 x 8 x 8): JAX "
+        "gives each mesh axis whole physical axes, so each ici_*_parallelism above 1 must be one of 8, 64, 512")
     # libtpu's start-up on a host without a TPU logs nothing (it was E0000 INVALID_ARGUMENT lines about
     # TPU_WORKER_HOSTNAMES and a metadata-server warning before every compile; topology_devices sets them)
     assert "INVALID_ARGUMENT" not in proc.stderr and "host bounds" not in proc.stderr, proc.stderr[-2000:]
