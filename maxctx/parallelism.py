@@ -34,6 +34,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
     "length": CONTEXT_AXES,
     "embed": (FSDP_AXIS, *CONTEXT_AXES),
+    "lora": (FSDP_AXIS, *CONTEXT_AXES),  # MLA's low-rank dimension of wq_b and wkv_b: sharded like a weight's embed
     "heads": (TENSOR_AXIS,),
     "kv_heads": (TENSOR_AXIS,),
     "mlp": (TENSOR_AXIS,),

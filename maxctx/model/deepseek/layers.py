@@ -68,15 +68,17 @@ class MlaAttention(nnx.Module):
         o, d, h, wd = cfg.options, cfg.emb_dim, cfg.num_heads, cfg.weight_dtype
         q = o.nope_dim + o.rope_dim
         if o.q_lora_rank:
-            # The LoRA ranks are replicated (`head_dim`'s rule), not `norm`: these matrices get weight decay.
+            # wq_a's rank is `head_dim` (replicated; its embed is sharded), not `norm`: these matrices get weight
+            # decay. wq_b's and wkv_b's rank is `lora`, sharded like an embed: replicated, they held 3.3B of
+            # DeepSeek-V3's parameters whole on every device.
             self.wq_a = param(rngs, (d, o.q_lora_rank), ("embed", "head_dim"), wd)
             self.q_norm = RMSNorm(o.q_lora_rank, cfg.norm_eps, wd, rngs)
-            self.wq_b = param(rngs, (o.q_lora_rank, h, q), ("head_dim", "heads", "head_dim"), wd)
+            self.wq_b = param(rngs, (o.q_lora_rank, h, q), ("lora", "heads", "head_dim"), wd)
         else:
             self.wq = param(rngs, (d, h, q), ("embed", "heads", "head_dim"), wd)
         self.wkv_a = param(rngs, (d, o.kv_lora_rank + o.rope_dim), ("embed", "head_dim"), wd)
         self.kv_norm = RMSNorm(o.kv_lora_rank, cfg.norm_eps, wd, rngs)
-        self.wkv_b = param(rngs, (o.kv_lora_rank, h, o.nope_dim + o.v_dim), ("head_dim", "heads", "head_dim"), wd)
+        self.wkv_b = param(rngs, (o.kv_lora_rank, h, o.nope_dim + o.v_dim), ("lora", "heads", "head_dim"), wd)
         self.wo = param(rngs, (h, o.v_dim, d), ("heads", "head_dim", "embed"), wd, scale=(h * o.v_dim) ** -0.5)
         self.cfg, self.mesh = cfg, mesh
 
