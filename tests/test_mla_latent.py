@@ -208,15 +208,17 @@ def test_deepseek3_loss_and_gradients_at_c4_are_one_devices(tmp_path):
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda e: -e[1])[:3]
 
 
-LONG = ["configs/base.yml", "model_name=deepseek2-16b", "compile_topology=v5p-128", "compile_topology_num_slices=2",
-        "ici_context_parallelism=64", "ici_fsdp_parallelism=1", "dcn_context_parallelism=2",
-        "max_target_length=1048576", "per_device_batch_size=0.0078125", "context_parallel_strategy=auto"]
+LONG = ["configs/base.yml", "model_name=deepseek2-236b", "compile_topology=v5p-128", "compile_topology_num_slices=4",
+        "ici_context_parallelism=64", "ici_fsdp_parallelism=1", "dcn_context_parallelism=4",
+        "max_target_length=1048576", "per_device_batch_size=0.00390625", "context_parallel_strategy=auto"]
 
 
 def test_the_planner_weighs_the_rebuild_against_the_bytes_and_offers_it_to_mla_only():
-    # deepseek2-16b at 1M over 2 slices of v5p-128 (C = 128, one sequence): K and V cross DCN under every K/V
-    # strategy (usp's all-to-all stays in a slice, but its ring crosses it); the latent moves 16 x 320 / 576 = 8.9x
-    # fewer bytes, and its rebuild of K and V (step_time.rebuild_flops) costs less than that saves.
+    # deepseek2-236b at 1M over 4 slices of v5p-128 (C = 256, one sequence): K and V cross DCN under every K/V
+    # strategy (usp's all-to-all stays in a slice, but its ring crosses it); the latent moves 128 x 320 / 576 = 71x
+    # fewer bytes, and its rebuild of K and V (step_time.rebuild_flops) costs less than that saves. (deepseek2-16b,
+    # 16 heads, over 2 slices was this case until the experts' weights were priced as they move: usp 8x16 is
+    # 2.6% ahead of the latent there now, docs/choosing_a_strategy.md.)
     from maxctx.loader import load_config
     from maxctx.plan import planner, step_time
 
@@ -224,7 +226,7 @@ def test_the_planner_weighs_the_rebuild_against_the_bytes_and_offers_it_to_mla_o
     p = planner.plan(config)
     fastest = {c.strategy: c for c in reversed(p.ranked) if c.valid}
     assert p.choice.strategy == NAME, planner.format_plan(p)
-    assert p.choice.step_s < 0.9 * fastest["usp"].step_s and p.choice.step_s < 0.3 * fastest["all_gather"].step_s
+    assert p.choice.step_s < 0.97 * fastest["usp"].step_s and p.choice.step_s < 0.1 * fastest["all_gather"].step_s
     chosen = planner.candidate_config(config, NAME, 1)
     mesh = planner.mesh_plan(config)
     assert step_time.rebuild_flops(chosen, mesh, 2) > 0  # the rebuild is priced ...
