@@ -268,20 +268,30 @@ def _last_json(out: str) -> dict | None:
 
 
 def _run_child_report(args: list[str]) -> tuple[int, str, str]:
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-m", "maxctx.compile", *args], check=False, capture_output=True,
-                          text=True)
-    return done.returncode, done.stdout, done.stderr
+    return _run_child_code("from maxctx.compile import cli; cli()", args)
 
 
-def check_layout(config: Config) -> None:
-    """Refuses, in one line, an ICI mesh that cannot be laid over compile_topology's physical axes
-    (maxctx.mesh.create_mesh builds it over the topology's devices, which needs no TPU)."""
+def check_layout_cli(argv: list[str]) -> int:
+    """Exit status 2 and one line for an ICI mesh that cannot be laid over compile_topology's physical axes
+    (maxctx.mesh.create_mesh over the topology's devices, which needs no TPU), else 0."""
     from maxctx.mesh import create_mesh
     from maxctx.plan import topology as topo
 
-    create_mesh(config, topo.topology_devices(topo.parse(config.compile_topology), config.compile_topology_num_slices))
+    try:
+        config, _ = load(argv)
+        create_mesh(config, topo.topology_devices(topo.parse(config.compile_topology),
+                                                  config.compile_topology_num_slices))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_child_code(code: str, args: list[str]) -> tuple[int, str, str]:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code, *args], check=False, capture_output=True, text=True)
+    return done.returncode, done.stdout, done.stderr
 
 
 def candidate_keys(config: Config, plan: planner.Plan, cand: planner.Candidate) -> list[str]:
@@ -351,7 +361,13 @@ def main(argv: list[str]) -> int:
         if auto_plan is not None and config.compile_topology:
             # auto's first choice verified by compiling it, in a process of its own, before it is reported
             print("\n".join(planner.format_plan(auto_plan)), flush=True)
-            check_layout(config)  # the candidates share the mesh's physical layout: one error, not one per child
+            # The candidates share the mesh's physical layout: one error, not one per child. Checked in a child
+            # too: libtpu in this process would keep the candidates' processes from starting it.
+            status, _, err = _run_child_code("import sys; from maxctx.compile import check_layout_cli; "
+                                             "sys.exit(check_layout_cli(sys.argv[1:]))", argv)
+            if status == 2:
+                print(err.strip().splitlines()[-1], file=sys.stderr)
+                return 2
             return compile_first_that_works(argv, config, auto_plan)
         from maxctx import runtime
 
