@@ -45,19 +45,26 @@ RESOLVED = {
     # The MoE rows at 1M (docs/long_context.md: usp, input=offload context=offload).
     "qwen3-30b-a3b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=4", "remat_policy=custom",
                       "decoder_layer_input=offload", "context=offload"],
-    "gpt-oss-20b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=8", "remat_policy=custom",
-                    "decoder_layer_input=offload", "context=offload"],
+    "gpt-oss-20b attention=blockwise": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=8",
+                                        "remat_policy=custom", "decoder_layer_input=offload", "context=offload"],
+    "gpt-oss-20b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=16", "remat_policy=custom",
+                    "decoder_layer_input=offload", "context=offload", "mlpwo=offload"],
     "deepseek2-16b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=16", "remat_policy=custom",
                       "decoder_layer_input=offload", "context=offload"],
+    # deepseek3-671b at 128K on v5p-1024 (docs/mixture_of_experts.md): auto's first candidate compiled.
+    "deepseek3-671b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=32", "remat_policy=custom",
+                       "decoder_layer_input=offload", "context=offload"],
 }
 AUTO = ("context_parallel_strategy=auto", "remat_policy=auto")
 
 
 def compiled_keys(row: dict) -> list[str]:
-    """The row's keys with auto's choices replaced by what they resolved to when the row compiled (RESOLVED)."""
+    """The row's keys with auto's choices replaced by what they resolved to when the row compiled (RESOLVED, by
+    model, and attention kernel where a model has rows of two)."""
     if not any(k in AUTO for k in row["keys"]):
         return row["keys"]
-    return [k for k in row["keys"] if k not in AUTO] + RESOLVED[row["model"]]
+    blockwise = " attention=blockwise" if "attention=blockwise" in row["keys"] else ""
+    return [k for k in row["keys"] if k not in AUTO] + RESOLVED[row["model"] + blockwise]
 
 
 def estimate_bytes(keys: list[str]) -> float:

@@ -19,8 +19,8 @@ ROWS = hbm_estimate.compiled_rows()
 # above the buffers live at its peak), two llama rows by under 6%, and qwen3.5-9b at 1M (its Gated DeltaNet layers'
 # temporaries in that compile, about 488 KiB per token, since halved and not recompiled: docs/linear_attention.md),
 # the MoE rows at 1M whose working set the planner takes from the dense layers' fit: gpt-oss-20b (its experts'
-# buffers) and deepseek2-16b (docs/long_context.md, "Mixture of experts at 1,048,576 tokens"). Keyed by model,
-# topology, length and attention_head_chunks.
+# buffers) and deepseek2-16b (docs/long_context.md, "Mixture of experts at 1,048,576 tokens"), and deepseek3-671b at
+# 128K (over). Keyed by model, topology, length and attention_head_chunks.
 KNOWN = {("llama3.1-8b-hd256", "v5p-128", "14680064", "2"): 0.16,
          ("llama3.1-8b-hd256", "v5p-128", "14680064", "1"): 0.15,
          ("llama3.1-8b", "tpu7x-128", "16777216", "1"): 0.13,
@@ -30,7 +30,11 @@ KNOWN = {("llama3.1-8b-hd256", "v5p-128", "14680064", "2"): 0.16,
          ("qwen3-32b", "v5p-128", "1048576", "1"): 0.08,
          ("qwen3.5-9b", "v5p-128", "1048576", "1"): 0.29,
          ("gpt-oss-20b", "v5p-128", "1048576", "1"): 0.31,
-         ("deepseek2-16b", "v5p-128", "1048576", "1"): 0.13}
+         ("deepseek2-16b", "v5p-128", "1048576", "1"): 0.13,
+         # over, not under: a layer's weights are priced as a bf16 copy and an fp32 gradient (6 bytes a parameter,
+         # 63 GiB for V3's 11.3B-parameter expert layer); the gathered experts hold bf16 copies and bf16 gradients,
+         # freed weight by weight (docs/mixture_of_experts.md)
+         ("deepseek3-671b", "v5p-1024", "131072", "1"): 0.60}
 
 
 def _key(row: dict) -> tuple[str, str, str, str]:
