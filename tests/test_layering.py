@@ -27,7 +27,8 @@ LAYERS = [
     ["maxctx.attention.kernels"],  # what one device computes
     ["maxctx.attention.cp"],  # context parallelism over the kernels
     ["maxctx.attention"],  # dispatch.py: picks kernel and strategy
-    ["maxctx.plan", "maxctx.validate", "maxctx.loader"],
+    # maxctx.model.moe.experts: the expert strategy's bytes and memory as formulas (no JAX), which the roofline reads
+    ["maxctx.plan", "maxctx.validate", "maxctx.loader", "maxctx.model.moe.experts"],
     ["maxctx.mesh", "maxctx.runtime", "maxctx.peers"],
     ["maxctx.model", "maxctx.model.llama", "maxctx.model.qwen", "maxctx.model.olmo",
      "maxctx.model.gemma", "maxctx.model.moe", "maxctx.model.deepseek", "maxctx.model.qwen35",
