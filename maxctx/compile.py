@@ -217,9 +217,9 @@ def verify_plan(plan: planner.Plan, config: Config, top: int = 3, argv: list[str
         if argv is None:
             report = compile_report(planner.candidate_config(config, cand.strategy, cand.a2a, dict(cand.placement)))
         else:
-            given = {key.split("=")[0] for key in candidate_keys(config, plan, cand)}
-            status, out, err = (run or _run_child_report)(
-                [*(a for a in argv if a.split("=")[0] not in given), *candidate_keys(config, plan, cand)])
+            keys = candidate_keys(config, plan, cand)
+            given = {key.split("=")[0] for key in keys}
+            status, out, err = (run or _run_child_report)([*(a for a in argv if a.split("=")[0] not in given), *keys])
             report = _last_json(out)
             if report is None:
                 why = (f"aborted while compiling ({signal.Signals(-status).name})" if status < 0 else
