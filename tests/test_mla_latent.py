@@ -122,22 +122,28 @@ def test_the_backward_keeps_the_latent_not_k_and_v():
     assert not [x.shape for x in kept if x.ndim == 4 and x.shape[:2] == (4 * B, S)]  # nothing per head of S keys
 
 
-def compiled_bytes(strategy: str, backward: bool):
-    """Collective bytes per kind of one MLA layer's attention at C = 4 (forward, or forward + backward in q and
-    what the strategy moves) from the compiled HLO: the latent under latent_all_gather, K and V under all_gather."""
+def mla_attention(strategy: str, attention: AttentionSpec, mesh, nope: int = N):
+    """(q, latent, wkv_b, positions, segment ids) -> out: from the latent under latent_all_gather, else from K and V
+    rebuilt first, as MlaAttention does (`nope`: the q/k head dim without RoPE)."""
     from maxctx.attention.cp.latent import rebuild
     from maxctx.attention.dispatch import attend
-
-    mesh = make_mesh(4, 1)
-    bs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
-    sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
-    ids = [jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs)] * 2
-    attention = AttentionSpec(kernel="blockwise", strategy=strategy, block_q=4, block_kv=4)
 
     def fwd(q, latent, w, pos, seg):
         if strategy == NAME:
             return attend_latent(q, latent, w, pos, seg, attention, mesh)
-        return attend(q, *rebuild(latent, w, N), pos, seg, attention, mesh)  # K and V first, as MlaAttention does
+        return attend(q, *rebuild(latent, w, nope), pos, seg, attention, mesh)
+
+    return fwd
+
+
+def compiled_bytes(strategy: str, backward: bool):
+    """Collective bytes per kind of one MLA layer's attention at C = 4 (forward, or forward + backward in q and
+    what the strategy moves) from the compiled HLO: the latent under latent_all_gather, K and V under all_gather."""
+    mesh = make_mesh(4, 1)
+    bs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
+    sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    ids = [jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=bs)] * 2
+    fwd = mla_attention(strategy, AttentionSpec(kernel="blockwise", strategy=strategy, block_q=4, block_kv=4), mesh)
 
     def fwd_bwd(q, latent, w, pos, seg):
         out, pullback = jax.vjp(lambda q, latent: fwd(q, latent, w, pos, seg), q, latent)
@@ -168,18 +174,14 @@ def grad_temp_bytes(strategy: str, seq: int, heads: int, q_dim: int, v_dim: int,
     """Temp bytes per device of one MLA attention's gradient (q, latent, wkv_b) at C = 4, fp32, one sequence, with
     blocks of 128 keys (so the kernel's own scores stay a constant): from the latent under latent_all_gather, from
     K and V rebuilt before the layer (as MlaAttention does) under all_gather."""
-    from maxctx.attention.cp.latent import rebuild
-    from maxctx.attention.dispatch import attend
-
     mesh = make_mesh(4, 1)
     bs = NamedSharding(mesh, P(("data", "fsdp"), ("context", "context_a2a")))
-    attention = AttentionSpec(kernel="blockwise", strategy=strategy, block_q=128, block_kv=128)
     nope = q_dim - PR
+    fwd = mla_attention(strategy, AttentionSpec(kernel="blockwise", strategy=strategy, block_q=128, block_kv=128),
+                        mesh, nope)
 
-    def loss(q, latent, w, pos, seg):
-        if strategy == NAME:
-            return (attend_latent(q, latent, w, pos, seg, attention, mesh) ** 2).sum()
-        return (attend(q, *rebuild(latent, w, nope), pos, seg, attention, mesh) ** 2).sum()
+    def loss(*args):
+        return (fwd(*args) ** 2).sum()
 
     sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
     args = [sd((1, seq, heads, q_dim), sharding=bs), sd((1, seq, rank + PR), sharding=bs),
