@@ -21,7 +21,9 @@ HOOKED_TRAIN = ROOT / "tests" / "support" / "hooked_train.py"  # train.py with t
 # XLA:CPU's code generation without LLVM's slow optimisations, for the tests and their CPU children: compiling
 # dominates the suite (a tiny train step: 9.2 s -> 6.2 s), and the HLO passes, so the programs' buffers and
 # collectives, are XLA's usual ones. The tests compare runs compiled alike; none times a step.
-CPU_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# (tests.support.meshes.FAST_COMPILE passes the same options to single compiles.)
+QUICK_BACKEND = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+CPU_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in QUICK_BACKEND.items())
 
 
 def cpu_env(compile_cache: str | Path | None = None, **extra: str) -> dict[str, str]:
