@@ -47,3 +47,49 @@ def test_the_estimate_is_within_5_percent_of_each_compile_that_fits(row):
     ratio = hbm_estimate.estimate_bytes(hbm_estimate.compiled_keys(row)) / row["report"]["total_size_in_bytes"]
     assert abs(ratio - 1) <= KNOWN.get(_key(row), 0.05), f"estimate / compiled = {ratio:.3f}"
 
+
+
+peak_spec = importlib.util.spec_from_file_location("peak_buffers", "benchmarks/peak_buffers.py")
+peak_buffers = importlib.util.module_from_spec(peak_spec)
+peak_spec.loader.exec_module(peak_buffers)
+
+# A dump in XLA's formats: four values in the temporary allocation, two sharing a slot as a loop's carried buffer
+# does, and one in host memory (color 5), which is not HBM.
+BUFFERS = """BufferAssignment:
+allocation 0: size 4096, parameter 0, shape |f32[1024]| at ShapeIndex {}:
+ value: <0 p.1 @0> (size=4096,offset=0): f32[1024]{0}
+allocation 1: size 3072, preallocated-temp:
+ value: <1 dot.1 @0> (size=2048,offset=0): f32[512]{0}
+ value: <2 while.1{1} (phi) @0> (size=1024,offset=2048): f32[256]{0}
+ value: <3 add.1 @0> (size=1024,offset=2048): f32[256]{0}
+ value: <4 neg.1 @0> (size=1024,offset=0): f32[256]{0}
+allocation 2: size 9999, color 5, preallocated-temp:
+ value: <5 copy.1 @0> (size=9999,offset=0): f32[2500]{0}
+"""
+LIVE = """HloLiveRange (max 9):
+  BufferLiveRange:
+    p.1{}:0-9
+    dot.1{}:1-5
+    while.1{1}:2-6
+    add.1{}:3-6
+    neg.1{}:6-8
+    copy.1{}:0-9
+"""
+HLO = """  %dot.1 = f32[512]{0} dot(%p.1, %p.1), metadata={op_name="jit(step)/jvp()/body/BSD,DV->BSV/dot_general"}
+  %neg.1 = f32[256]{0} negate(%add.1), metadata={op_name="jit(step)/neg"}
+"""
+
+
+def test_the_peak_counts_a_shared_slot_once_and_names_what_made_each_buffer(tmp_path):
+    for suffix, text in (("buffer-assignment.txt", BUFFERS), ("live-range.txt", LIVE), ("", HLO)):
+        (tmp_path / f"module_0001.jit_step.after_optimizations{'-' + suffix if suffix else '.txt'}").write_text(text)
+    lines = peak_buffers.report(str(tmp_path), "jit_step", 10)
+    # From position 2 dot.1 (2048 B) and the slot at 2048 are live; at 3-5 the slot holds while.1 and add.1, which
+    # count once: 3072 B at most, not 4096; neg.1 reuses dot.1's bytes after it.
+    assert "most in use at schedule position 2: 0.000 GiB (3,072 bytes) in 2 values" in lines[1]
+    values = peak_buffers.temp_values(tmp_path / "module_0001.jit_step.after_optimizations-buffer-assignment.txt")
+    assert values[0] == 3072 and len(values[1]) == 4
+    ranges = peak_buffers.live_ranges(tmp_path / "module_0001.jit_step.after_optimizations-live-range.txt")
+    at_3 = [(v[2], v[2] + v[1]) for v in values[1] if ranges[v[0]][0] <= 3 <= ranges[v[0]][1]]
+    assert len(at_3) == 3 and peak_buffers.in_use(at_3) == 3072
+    assert "| 1 | f32[512] | body/BSD,DV->BSV/dot_general |" in "\n".join(lines)
