@@ -31,6 +31,10 @@ KNOWN = {("llama3.1-8b-hd256", "v5p-128", "14680064", "2"): 0.16,
          ("qwen3.5-9b", "v5p-128", "1048576", "1"): 0.29,
          ("gpt-oss-20b", "v5p-128", "1048576", "1"): 0.31,
          ("deepseek2-16b", "v5p-128", "1048576", "1"): 0.13,
+         # at 128K the loss is the peak; XLA reports more than its dumped heap (5.86 GiB of temporaries against
+         # 4.91 for llama3-8b, 11.39 against 9.74 for qwen3.5-9b's placement row; its remat_policy=full row: 1.000)
+         ("llama3-8b", "v5p-128", "131072", "1"): 0.09,
+         ("qwen3.5-9b", "v5p-128", "131072", "1"): 0.07,
          # over, not under: a layer's weights are priced as a bf16 copy and an fp32 gradient (6 bytes a parameter,
          # 63 GiB for V3's 11.3B-parameter expert layer); the gathered experts hold bf16 copies and bf16 gradients,
          # freed weight by weight (docs/mixture_of_experts.md)

@@ -11,7 +11,7 @@ remat_policy=auto's host budget read (no JAX).
                      and transient bytes with the projections' gradients, / attention_head_chunks) and the MLP
                      chunk's tile and its gradient
             loss     the loss over one vocab tile: its fp32 logits and their bf16 copy, the gathered output
-                     weights and their fp32 gradient
+                     weights (twice when tiled) and their fp32 gradient
           the peak is `always` + the larger of `layer` and `loss`
     host  `held_host_bytes`: what the offloaded tensors hold in pinned host memory, against
           `host_budget_per_device` (HOST_FRACTION of the host DRAM per device)
@@ -43,6 +43,11 @@ KEPT_ON_DEVICE = 1.4
 # bf16 copy the output projection writes (llama3-8b's 1,048,576-token step on v5p-128 untiled, XLA's buffers:
 # f32[16384, 128256] twice, bf16[16384, 128256], the latter reusing the former's memory there).
 LOGIT_BYTES = 10
+# bf16 copies of the gathered output weights [D, V] the tiled loss's backward holds at once, beside their fp32
+# gradient: the recomputed forward's and the transposed product's (XLA's buffers live at the peak, read with
+# benchmarks/peak_buffers.py, of llama3-8b and qwen3.5-9b at 131,072 tokens on v5p-128 with num_vocab_tiling=16:
+# bf16[4096, 128256] and bf16[4096, 248320] twice, f32 once; the loss is those compiles' peak).
+GATHERED_OUTPUT_COPIES = 2
 # [t, D] buffers held per extra layer of a strided run (decoder_layer_input_stride N): the run's scan stacks the
 # inputs of its N layers for its backward, and the recomputed input and its gradient stay live (the fit table's
 # 2^25-token llama3-8b row with stride 2: 84.40 GiB).
@@ -111,13 +116,14 @@ def device_bytes(config: Config, tp: int, shards: int, attention_bytes: float) -
 def _loss_bytes(config: Config, shape, tp: int, tokens: float) -> float:
     """One vocab tile of the loss (module doc). Tiled (num_vocab_tiling > 1), the loss is a scan that keeps its
     fp32 inputs [t, D] for the backward, holds a tile's logits, their gradient (fp32) and the bf16 copy at once,
-    and accumulates the output weights' fp32 gradient over the tiles; untiled, the logits and their gradient
-    (fp32) are the peak, and the weights' gradient comes after them."""
+    two bf16 copies of the gathered output weights (GATHERED_OUTPUT_COPIES), and accumulates their fp32 gradient
+    over the tiles; untiled, the logits and their gradient (fp32) are the peak, and the weights' gradient comes
+    after them."""
     head = shape.vocab_size * shape.emb_dim / tp
     if config.num_vocab_tiling == 1:
         return tokens * shape.vocab_size / tp * 8 + head * shape.itemsize
     tile = tokens / config.num_vocab_tiling * shape.vocab_size / tp
-    return tile * LOGIT_BYTES + 4 * tokens * shape.emb_dim + head * (shape.itemsize + 4)
+    return tile * LOGIT_BYTES + 4 * tokens * shape.emb_dim + head * (GATHERED_OUTPUT_COPIES * shape.itemsize + 4)
 
 
 def _layer_bytes(config: Config, family, shape, tp: int, tokens: float, attention_bytes: float,
