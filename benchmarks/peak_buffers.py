@@ -31,7 +31,7 @@ OP_NAME = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?op_name=\"([^\"]*)\"")
 
 
 def _module_file(dump: str, module: str, suffix: str) -> str:
-    """The one dump file of the largest module whose name contains `module` ending in `suffix`."""
+    """The largest dump file ending in `suffix` of a module whose name contains `module`."""
     files = [f for f in glob.glob(os.path.join(dump, f"*{suffix}")) if module in os.path.basename(f)]
     if not files:
         raise SystemExit(f"no *{suffix} for a module matching {module!r} in {dump}: compile with "
@@ -121,9 +121,10 @@ def _source(op: str) -> str:
 
 def report(dump: str, module: str, top: int) -> list[str]:
     ba = _module_file(dump, module, "after_optimizations-buffer-assignment.txt")
+    prefix = ba[:-len("-buffer-assignment.txt")]  # the same module's other files
     size, values = temp_values(ba)
-    ranges = live_ranges(_module_file(dump, module, "after_optimizations-live-range.txt"))
-    ops = op_names(_module_file(dump, module, "after_optimizations.txt"))
+    ranges = live_ranges(prefix + "-live-range.txt")
+    ops = op_names(prefix + ".txt")
     t, used, live = peak(values, ranges)
     lines = [f"module: {os.path.basename(ba).split('.after_')[0]}",
              f"temporary allocation: {size / 2**30:.3f} GiB; most in use at schedule position {t}: "

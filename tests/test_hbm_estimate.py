@@ -52,7 +52,6 @@ def test_the_estimate_is_within_5_percent_of_each_compile_that_fits(row):
     assert abs(ratio - 1) <= KNOWN.get(_key(row), 0.05), f"estimate / compiled = {ratio:.3f}"
 
 
-
 peak_spec = importlib.util.spec_from_file_location("peak_buffers", "benchmarks/peak_buffers.py")
 peak_buffers = importlib.util.module_from_spec(peak_spec)
 peak_spec.loader.exec_module(peak_buffers)
