@@ -41,23 +41,20 @@ def _module_file(dump: str, module: str, suffix: str) -> str:
 
 def temp_values(path: str) -> tuple[int, list[tuple[str, int, int, str]]]:
     """(size, [(value, size, offset, shape)]) of the largest preallocated-temp allocation in HBM (no color)."""
-    best, values, current, keep = (0, []), [], None, False
+    allocations, values = [], None  # (size, values) of each such allocation; the current one's values
     with open(path) as f:
         for line in f:
             m = ALLOCATION.match(line)
             if m:
-                if keep and current[0] > best[0]:
-                    best = (current[0], values)
-                size, kind = int(m.group(2)), m.group(3)
-                keep = "preallocated-temp" in kind and "color" not in kind
-                current, values = (size,), []
+                temp = "preallocated-temp" in m.group(3) and "color" not in m.group(3)
+                values = [] if temp else None
+                if temp:
+                    allocations.append((int(m.group(2)), values))
                 continue
             v = VALUE.match(line)
-            if v and keep:
+            if v and values is not None:
                 values.append((v.group(1), int(v.group(2)), int(v.group(3)), v.group(4)))
-    if keep and current and current[0] > best[0]:
-        best = (current[0], values)
-    return best
+    return max(allocations, key=lambda a: a[0], default=(0, []))
 
 
 def live_ranges(path: str) -> dict[str, tuple[int, int]]:
@@ -95,17 +92,11 @@ def in_use(live: list[tuple[int, int]]) -> int:
 
 
 def peak(values, ranges) -> tuple[int, int, list]:
-    """(position, bytes in use, the values live there) at the schedule position where most bytes are in use."""
-    events = collections.defaultdict(list)
-    spans = []
-    for name, size, offset, shape in values:
-        span = ranges.get(name)
-        if span is None:
-            continue
-        spans.append((span, (name, size, offset, shape)))
-        events[span[0]].append(None)
+    """(position, bytes in use, the values live there) at the schedule position where most bytes are in use (a
+    value's first position is where the bytes in use can grow)."""
+    spans = [(ranges[v[0]], v) for v in values if v[0] in ranges]
     best = (0, -1, [])
-    for t in sorted(events):
+    for t in sorted({first for (first, _), _ in spans}):
         live = [v for (a, b), v in spans if a <= t <= b]
         used = in_use([(v[2], v[2] + v[1]) for v in live])
         if used > best[1]:
