@@ -8,9 +8,16 @@ import importlib.util
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("hbm_estimate", "benchmarks/hbm_estimate.py")
-hbm_estimate = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(hbm_estimate)
+
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, f"benchmarks/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hbm_estimate = _benchmark("hbm_estimate")
 
 ROWS = hbm_estimate.compiled_rows()
 # Compiles that fit whose estimate is not within 5%, with the bound each keeps (docs/choosing_a_strategy.md, "The
@@ -52,9 +59,7 @@ def test_the_estimate_is_within_5_percent_of_each_compile_that_fits(row):
     assert abs(ratio - 1) <= KNOWN.get(_key(row), 0.05), f"estimate / compiled = {ratio:.3f}"
 
 
-peak_spec = importlib.util.spec_from_file_location("peak_buffers", "benchmarks/peak_buffers.py")
-peak_buffers = importlib.util.module_from_spec(peak_spec)
-peak_spec.loader.exec_module(peak_buffers)
+peak_buffers = _benchmark("peak_buffers")
 
 # A dump in XLA's formats: four values in the temporary allocation, two sharing a slot as a loop's carried buffer
 # does, and one in host memory (color 5), which is not HBM.
