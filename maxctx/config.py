@@ -19,6 +19,8 @@ from maxctx.errors import ConfigError  # noqa: F401 (re-exported: the error of a
 AttentionKernel = Literal["auto", "flash", "dot_product", "blockwise", "splash", "cudnn"]
 # The MoE experts' grouped matmul (maxctx.model.moe.kernels): auto, megablox on TPU, jax.lax.ragged_dot elsewhere.
 MoeKernel = Literal["auto", "ragged_dot", "megablox"]
+# How expert parallelism moves the tokens (maxctx.model.moe.dispatch): auto, ragged on TPU/GPU, padded on CPU.
+ExpertDispatch = Literal["auto", "padded", "ragged"]
 # MaxText's policies (NAMED_POLICIES says what each keeps), plus none: no remat at all, and auto: custom with each
 # tensor placed by maxctx.plan.remat at load (maxctx.loader).
 RematPolicy = Literal["full", "minimal", "minimal_with_context", "minimal_flash", "save_dot_with_context_except_mlp",
@@ -190,6 +192,11 @@ class Config:
     attn_logits_soft_cap: float = 0.0
     # The MoE layers' grouped matmul kernel (maxctx.model.moe.kernels).
     moe_kernel: MoeKernel = "auto"
+    # Expert parallelism (maxctx.model.moe.dispatch): each of E devices keeps X / E whole experts and the tokens
+    # travel to them by all-to-all; 1: every device gathers every expert per layer. E borrows the leading devices
+    # of fsdp and the context axes.
+    expert_parallelism: int = 1
+    expert_dispatch: ExpertDispatch = "auto"
     # One of maxctx.attention.cp.strategies (or an alias), checked there: the registry is its one list of names.
     context_parallel_strategy: str = "all_gather"
     context_parallel_load_balance: LoadBalance = True

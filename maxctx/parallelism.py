@@ -9,8 +9,8 @@ is the strategy's rule (maxctx.attention.cp.<strategy>.a2a_degree; maxctx.attent
 this module only does the arithmetic.
 
 Experts have no axis of their own: they borrow the devices of fsdp and context (EXPERT_AXES), as torchtitan's
-expert parallelism borrows all of context parallelism and some of data-parallel sharding, so an expert degree E
-must divide fsdp x C (MeshPlan.check_expert_degree).
+expert parallelism borrows all of context parallelism and some of data-parallel sharding: an expert degree E is
+a product of the leading axes the experts are sharded over (maxctx.model.moe.dispatch.ep_axes).
 """
 
 from __future__ import annotations
@@ -154,14 +154,6 @@ class MeshPlan:
     def dcn_cp(self) -> int:
         """Slices the context axis spans (its ring crosses DCN there)."""
         return self.dcn[RING_AXIS]
-
-    def check_expert_degree(self, experts: int) -> None:
-        """An expert-parallel degree E borrows devices from EXPERT_AXES, so it must divide their product."""
-        borrowed = math.prod(self.sizes[a] for a in EXPERT_AXES)
-        if borrowed % experts:
-            raise ConfigError(f"an expert-parallel degree of {experts} does not divide fsdp x context = "
-                              f"{self.sizes[FSDP_AXIS]} x {self.cp} = {borrowed}, the devices experts borrow; "
-                              f"choose a divisor of {borrowed}")
 
 
 def num_slices(config: Config) -> int:

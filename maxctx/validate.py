@@ -86,6 +86,7 @@ def check_devices(config: Config, num_devices: int) -> None:
         strategies.mesh_plan(config, num_devices)  # the A2A part inside a slice
     _check_head_chunks(config, tp, strategies.for_config(config).a2a_degree(config, cp) if cp > 1 else 1)
     moe_family.check_keys(config, cp)  # MoE placement keys for another family; a capacity that drops by design
+    moe_family.check_expert_parallelism(config, axis)
     _check_host_layers(config)
     # splash: asked for, or what auto/flash pick when compiling for a TPU topology
     if config.attention == "splash" or config.attention in ("auto", "flash") and config.compile_topology:

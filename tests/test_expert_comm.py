@@ -31,11 +31,14 @@ D, X, M, K, B = 16, 8, 24, 2, 2
 
 
 @functools.cache
-def compiled(block_cls, options, mesh_shape: tuple[int, ...], seq: int) -> dict:
-    """Collective bytes per kind of one expert block's forward and backward (the gradient of every parameter)."""
+def compiled(block_cls, options, mesh_shape: tuple[int, ...], seq: int, ep: int = 1, chunks: int = 1) -> dict:
+    """Collective bytes per kind of one expert block's forward and backward (the gradients of every parameter and
+    of the input, as a layer in a model takes them), with expert parallelism `ep` (padded: the CPU's dispatch)
+    over `chunks` chunks."""
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(mesh_shape), MESH_AXES)
     cfg = ModelConfig(emb_dim=D, num_heads=2, num_kv_heads=2, head_dim=8, mlp_dim=M, num_layers=1, vocab_size=8,
-                      dtype="float32", weight_dtype="float32", options=options)
+                      dtype="float32", weight_dtype="float32", options=options, expert_parallelism=ep,
+                      mlp_sequence_chunks=chunks)
     graphdef, state = nnx.split(block_cls(cfg, nnx.Rngs(0), mesh))
     abstract = nnx.from_flat_state([
         (path, jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
@@ -49,7 +52,7 @@ def compiled(block_cls, options, mesh_shape: tuple[int, ...], seq: int) -> dict:
         y, sums = nnx.merge(graphdef, params)(x, seg)
         return jnp.sum(jnp.sin(y)) + jnp.sum(sums["moe_load"] * sums["moe_prob"])
 
-    return collective_bytes(jax.jit(jax.grad(loss)).lower(abstract, x, seg).compile().as_text())
+    return collective_bytes(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(abstract, x, seg).compile().as_text())
 
 
 @pytest.mark.parametrize("family,mesh_shape", [("moe", (1, 2, 4, 1, 1)), ("moe", (1, 2, 2, 1, 2)),
@@ -73,6 +76,27 @@ def test_the_experts_collectives_are_the_formulas(family, mesh_shape):
     if family == "moe" and mesh_shape[-1] == 1:
         assert compiled(block, options, mesh_shape, 128) == got  # nothing grows with the sequence
 
+
+@pytest.mark.parametrize("mesh_shape,ep,chunks", [((1, 2, 4, 1, 1), 8, 1), ((1, 2, 4, 1, 1), 2, 2),
+                                                   ((1, 2, 2, 1, 2), 4, 1)])
+def test_expert_parallelism_moves_what_its_formulas_say(mesh_shape, ep, chunks):
+    """Each EP rank gathers its X / E experts over the axes left (none at E = fsdp x C), the router whole; the
+    tokens go there and back by all-to-all ([E R, D] each way and the rows' experts forward, transposed in the
+    backward; a chunk's forward runs again in the backward, maxctx.model.tiling)."""
+    sizes = dict(zip(MESH_AXES, mesh_shape))
+    options = MoeOptions(num_experts=X, top_k=K, mlp_dim=M, renormalize=True, load_balance_loss_weight=0.01)
+    seq = 64
+    got = compiled(MoeBlock, options, mesh_shape, seq, ep, chunks)
+    pairs = B * seq // (sizes["data"] * sizes["fsdp"] * sizes["context"] * sizes["context_a2a"]) * K
+    weights = experts.comm_volume(experts.routed_params(X, D, M, 4), sizes, degree=ep)
+    tokens = experts.dispatch_volume(pairs, D, 4, X, ep, "padded", chunks, forward_passes=1 + (chunks > 1))
+    want = by_kind(weights[0] + weights[1] + tokens[0] + tokens[1])
+    assert {k: got.get(k, 0) for k in want} == want
+    assert got.get("collective-permute", 0) == 0
+    if mesh_shape[-1] == 1:
+        assert got.get("all-reduce", 0) < 64 * X  # the load sums only
+    if ep == 8:  # every expert whole on its rank: only the router is gathered (and its gradient scattered)
+        assert got["all-gather"] == D * X * 4 and got["reduce-scatter"] == D * X * 4
 
 def test_the_planner_prices_the_experts_as_the_compiled_program_moves_them():
     """roofline.traffic's ICI term takes a mixture of experts' routers and experts at what the compiled layer puts

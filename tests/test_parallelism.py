@@ -6,7 +6,7 @@ import pytest
 from maxctx.attention.cp import strategies
 from maxctx.config import ConfigError
 from maxctx.loader import load_config
-from maxctx.parallelism import AXES, EXPERT_AXES, LOGICAL_RULES, MESH_AXES, MeshPlan, mesh_plan
+from maxctx.parallelism import AXES, EXPERT_AXES, LOGICAL_RULES, MESH_AXES, mesh_plan
 
 
 def _config(*overrides):
@@ -37,12 +37,6 @@ def test_a_plan_is_built_once_from_the_config_and_the_strategy():
 
 
 def test_experts_borrow_fsdp_and_context():
-    # Experts have no axis of their own: an `expert` dimension shards over fsdp and both context parts, and a
-    # degree E fits when it divides fsdp x C.
+    # Experts have no axis of their own: an `expert` dimension shards over fsdp and both context parts
+    # (tests/test_expert_parallel.py: the degrees expert parallelism takes from them).
     assert LOGICAL_RULES["expert"] == EXPERT_AXES == ("fsdp", "context", "context_a2a")
-    plan = MeshPlan(ici={"data": 1, "fsdp": 2, "context": 4, "tensor": 1},
-                    dcn={"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, a2a=2)
-    for fits in (1, 2, 4, 8):
-        plan.check_expert_degree(fits)
-    with pytest.raises(ConfigError, match=r"expert-parallel degree of 3 does not divide fsdp x context = 2 x 4 = 8"):
-        plan.check_expert_degree(3)

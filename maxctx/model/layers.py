@@ -48,6 +48,8 @@ class ModelConfig(ModelShape):
     attention_head_chunks: int = Config.attention_head_chunks
     attention: AttentionSpec = AttentionSpec()
     moe_kernel: str = Config.moe_kernel  # unresolved, as `attention`: the MoE layers resolve it per mesh platform
+    expert_parallelism: int = Config.expert_parallelism  # maxctx.model.moe.dispatch
+    expert_dispatch: str = Config.expert_dispatch
     # The sliding window of each layer of one repeating group (0: global); maxctx.config.layer_windows.
     layer_windows: tuple[int, ...] = (0,)
     # The family's layer stacks (maxctx.model.family.Stack); () is one `llama` stack of num_layers, layer_windows.
@@ -74,6 +76,7 @@ class ModelConfig(ModelShape):
             attention=AttentionSpec.from_config(config), layer_windows=layer_windows(config),
             stacks=family.stacks(config), options=family.options(config),
             final_logits_soft_cap=config.final_logits_soft_cap, moe_kernel=config.moe_kernel,
+            expert_parallelism=config.expert_parallelism, expert_dispatch=config.expert_dispatch,
         )
 
     @property

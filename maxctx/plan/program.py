@@ -20,7 +20,8 @@ which the load-balanced ring never takes). A loop whose trips cannot be read cou
   dynamic-update-slice (or its async -start) whose operand is on the host and result on the device (to device),
   or the reverse (to host, the device operand's bytes).
 - collective bytes per kind, counted as the strategies' docstrings count them: the result of all-gather,
-  all-to-all and collective-permute, the operand of reduce-scatter, all-reduce by its result.
+  all-to-all and collective-permute, the operand of reduce-scatter, all-reduce by its result; a ragged all-to-all
+  (expert parallelism's dispatch) by the smaller of its operand and output, what a device sends when balanced.
 - executed FLOPs: 2 x result x contraction of every dot, plus the Pallas kernels' own from the block tables
   maxctx.attention.kernels.splash states in each call's scope (`pallas_macs=N`: query-key products of the visited
   blocks, times the head dim) x the kernel's matmuls (forward 2: QK and PV; dQ 3; dK/dV 4; the fused backward 5),
@@ -35,7 +36,7 @@ from collections import Counter, defaultdict
 
 from maxctx.attention.kernels.scopes import ATTENTION_FORWARD_SCOPE, PALLAS_MACS_SCOPE
 
-COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce", "ragged-all-to-all")
 _BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1,
           "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
@@ -263,6 +264,8 @@ class Program:
                 continue
             if kind == "reduce-scatter":
                 size = sum(shape_bytes(self.defs[o].result) for o in ins.operands if o in self.defs)
+            elif kind == "ragged-all-to-all":  # what one device sends when balanced (maxctx.model.moe.experts)
+                size = min(shape_bytes(ins.result), shape_bytes(self.defs[ins.operands[0]].result))
             elif ins.op.endswith("-start") and kind == "collective-permute":
                 size = shape_bytes(_output(ins))
             else:

@@ -42,7 +42,7 @@ from maxctx.attention.dispatch import attend, attend_latent, moves_latent
 from maxctx.model.layers import MLP, SIGN_UPDATE, ModelConfig, RMSNorm, param
 from maxctx.model.llama.layers import DecoderLayer
 from maxctx.model.moe import kernels, layers as moe
-from maxctx.model.moe.layers import MoeBlock, grouped_swiglu
+from maxctx.model.moe.layers import MoeBlock
 from maxctx.model.rope import RopeSpec, inverse_frequencies
 from maxctx.model.tiling import sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, EXPERT_AXES, TENSOR_AXIS
@@ -270,7 +270,7 @@ class DeepseekMoe(MoeBlock):
             if mesh is not None:  # each device's copy of the gathered experts (moe.gathered)
                 router, w_gate, w_up, w_down = (w[0].astype(dt) for w in (router, w_gate, w_up, w_down))
             _, weights, experts = route(x_TD, router, opts, dt, bias if opts.routed_bias else None)
-            y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down, matmul=matmul)
+            y = self.swiglu(matmul)(x_TD, weights, experts, w_gate, w_up, w_down)
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
                 y = jax.lax.psum(y, TENSOR_AXIS)
             return y.astype(dt).reshape(b, s, d)

@@ -41,16 +41,20 @@ class ExpertParam:
     axes: tuple[str | None, ...]
     itemsize: int
 
-    def gathered_bytes(self, sizes: Mapping[str, int]) -> float:
-        """Bytes of one device's copy: the whole parameter, less the tensor split."""
+    def gathered_bytes(self, sizes: Mapping[str, int], degree: int = 1) -> float:
+        """Bytes of one device's copy: the whole parameter, less the tensor split (and an expert-parallel
+        `degree`'s split of an expert dimension)."""
         split = resolve_axes(self.axes, self.shape, sizes)
         tensor = math.prod(sizes[a] for dim in split for a in dim if a == TENSOR_AXIS)
-        return math.prod(self.shape) / tensor * self.itemsize
+        return math.prod(self.shape) / tensor / self._ep(degree) * self.itemsize
 
-    def group(self, sizes: Mapping[str, int]) -> int:
+    def group(self, sizes: Mapping[str, int], degree: int = 1) -> int:
         """Devices the parameter is gathered from."""
         split = resolve_axes(self.axes, self.shape, sizes)
-        return math.prod(sizes[a] for dim in split for a in dim if a != TENSOR_AXIS)
+        return math.prod(sizes[a] for dim in split for a in dim if a != TENSOR_AXIS) // self._ep(degree)
+
+    def _ep(self, degree: int) -> int:
+        return degree if self.axes[0] == "expert" else 1  # the router's experts are its columns: gathered whole
 
 
 def routed_params(experts: int, emb_dim: int, mlp_dim: int, itemsize: int) -> tuple[ExpertParam, ...]:
@@ -63,12 +67,38 @@ def routed_params(experts: int, emb_dim: int, mlp_dim: int, itemsize: int) -> tu
 
 
 def comm_volume(params: tuple[ExpertParam, ...], sizes: Mapping[str, int],
-                forward_passes: int = 1) -> tuple[list[Collective], list[Collective]]:
-    """(forward, backward) collectives of one MoE layer per device (module doc); `sizes`: the mesh axes' sizes."""
-    gathers = [Collective("all-gather", p.gathered_bytes(sizes), p.group(sizes)) for p in params
-               if p.group(sizes) > 1]
+                forward_passes: int = 1, degree: int = 1) -> tuple[list[Collective], list[Collective]]:
+    """(forward, backward) collectives of one MoE layer's weights per device (module doc); `sizes`: the mesh axes'
+    sizes; `degree`: expert parallelism's (each EP rank gathers its experts only; `dispatch_volume` moves the
+    tokens)."""
+    gathers = [Collective("all-gather", p.gathered_bytes(sizes, degree), p.group(sizes, degree)) for p in params
+               if p.group(sizes, degree) > 1]
     scatters = [Collective("reduce-scatter", c.bytes, c.group) for c in gathers]
     return gathers, scatters + gathers * (forward_passes - 1)
+
+
+def dispatch_volume(pairs: int, emb_dim: int, itemsize: int, experts: int, degree: int, dispatch: str,
+                    chunks: int = 1, forward_passes: int = 1) -> tuple[list[Collective], list[Collective]]:
+    """(forward, backward) token exchanges of one MoE layer per device under expert parallelism of `degree` E
+    (maxctx.model.moe.dispatch), R = `pairs` (the device's tokens x k, over its `chunks` chunks), D = `emb_dim`:
+
+        padded  forward  all-to-all [E R, D] there and back, and the rows' experts [E R] int32
+                backward the two [E R, D] all-to-alls transposed
+        ragged  forward  ragged all-to-all of R rows there and back (counted as maxctx.plan.program counts it:
+                         the smaller of operand and output, R D b, what a device sends when the routing is
+                         balanced), and an all-gather of every device's counts [E, X] int32 per chunk
+                backward the two ragged all-to-alls transposed
+
+    With the layer's forward run again in the backward (`forward_passes` = 2: remat, or mlp_sequence_chunks > 1,
+    whose chunks maxctx.model.tiling rematerialises) the forward's exchanges come again."""
+    rows = pairs * itemsize * emb_dim
+    if dispatch == "padded":
+        there = [Collective("all-to-all", degree * rows, degree)] * 2
+        forward = [*there, Collective("all-to-all", degree * pairs * 4, degree)]
+    else:
+        there = [Collective("ragged-all-to-all", rows, degree)] * 2
+        forward = [*there, Collective("all-gather", chunks * degree * experts * 4, degree)]
+    return forward, there + forward * (forward_passes - 1)
 
 
 def transient_bytes(params: tuple[ExpertParam, ...], sizes: Mapping[str, int], chunked: bool) -> float:

@@ -41,9 +41,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from maxctx.attention.cp.sharded import shard_map
+from maxctx.errors import ConfigError
 from maxctx.mesh import logical_to_spec
 from maxctx.model.layers import Attention, ModelConfig, RMSNorm, param
-from maxctx.model.moe import capacity, kernels
+from maxctx.model.moe import capacity, dispatch, kernels
 from maxctx.model.qwen.layers import QwenAttention
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, EXPERT_AXES, TENSOR_AXIS
@@ -123,7 +124,7 @@ def aux_terms(sums: dict, cfg: ModelConfig) -> dict:
     return terms
 
 
-def gathered(mesh, dtype, chunked: bool, *params) -> list:
+def gathered(mesh, dtype, chunked: bool, *params, keep: tuple[str, ...] = ()) -> list:
     """Each expert parameter (an nnx.Param with logical axes) in the compute dtype, gathered from the devices its
     experts are sharded across (maxctx.mesh.logical_to_spec: `expert` over fsdp and the context axes) by one
     explicit all-gather per layer, as one copy per device: [G, ...] over EXPERT_AXES (G devices), the tensor split
@@ -132,7 +133,8 @@ def gathered(mesh, dtype, chunked: bool, *params) -> list:
     gradient): the backward's only collective for them is the gather's transpose, a reduce-scatter in the compute
     dtype (left to XLA, the gathers ran in fp32 and the gradients as a full all-reduce: tests/test_expert_comm.py).
     `chunked` (mlp_sequence_chunks > 1): the copies in fp32, so that the chunks' gradients add up in fp32. `dtype`
-    None: the parameters' own (biases)."""
+    None: the parameters' own (biases). `keep`: mesh axes of the first (experts') dimension not gathered, its
+    leading ones (expert parallelism, maxctx.model.moe.dispatch: each copy holds its EP rank's experts)."""
     def cast(p):
         return p[...] if dtype is None else p[...].astype(dtype)
 
@@ -142,7 +144,8 @@ def gathered(mesh, dtype, chunked: bool, *params) -> list:
     for p in params:
         value = cast(p)
         spec = logical_to_spec(tuple(p.get_metadata()["axes"]), value.shape, mesh)
-        copies = shard_map(functools.partial(_gather, spec=spec), mesh, (spec,), copy_spec(spec))(value)
+        gather = functools.partial(_gather, spec=spec, keep=keep)
+        copies = shard_map(gather, mesh, (spec,), copy_spec(spec))(value)
         out.append(copies.astype(jnp.float32) if chunked else copies)
     return out
 
@@ -153,9 +156,11 @@ def copy_spec(spec: P) -> P:
     return P(EXPERT_AXES, *(TENSOR_AXIS if entry in (TENSOR_AXIS, (TENSOR_AXIS,)) else None for entry in spec))
 
 
-def _gather(value, spec):
+def _gather(value, spec, keep=()):
     for dim, entry in enumerate(spec):
-        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != TENSOR_AXIS)
+        axes = dispatch.entry_axes(entry)
+        if dim == 0 and keep:  # the EP rank's experts: the leading axes stay split
+            axes = axes[len(keep):]
         if axes:
             value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
     return value[None]
@@ -179,6 +184,19 @@ def device_sums(fn, mesh, x_BSD, segment_ids_BS, *copies, rows: bool = False) ->
     return jax.tree.map(lambda v: jnp.sum(v, axis=0), parts)
 
 
+def expert_axes(cfg: ModelConfig, mesh, w_gate) -> tuple[str, ...]:
+    """The mesh axes of expert parallelism (maxctx.model.moe.dispatch.ep_axes) for the experts' weight `w_gate`
+    [X, D, M] as stored; () without it."""
+    degree = cfg.expert_parallelism
+    if degree == 1:
+        return ()
+    if mesh is None:
+        raise ConfigError(f"expert_parallelism={degree} needs a mesh of at least {degree} devices; set 1")
+    dispatch.local_experts(cfg.options.num_experts, degree)
+    spec = logical_to_spec(tuple(w_gate.get_metadata()["axes"]), w_gate.shape, mesh)
+    return dispatch.ep_axes(spec[0], dict(mesh.shape), degree)
+
+
 class MoeBlock(nnx.Module):
     """router [D, X], w_gate, w_up [X, D, M], w_down [X, M, D]; returns (y[B, S, D], `load_sums`)."""
 
@@ -189,11 +207,13 @@ class MoeBlock(nnx.Module):
         self.w_up = param(rngs, (x, d, m), ("expert", "embed", "mlp"), wd, scale=d**-0.5)
         self.w_down = param(rngs, (x, m, d), ("expert", "mlp", "embed"), wd, scale=m**-0.5)
         self.cfg, self.mesh = cfg, mesh
+        self.ep_axes = expert_axes(cfg, mesh, self.w_gate)
 
     def __call__(self, x_BSD, segment_ids_BS):
         cfg, opts = self.cfg, self.cfg.options
-        router, *weights = gathered(self.mesh, cfg.dtype, cfg.mlp_sequence_chunks > 1, self.router, self.w_gate,
-                                    self.w_up, self.w_down)
+        chunked = cfg.mlp_sequence_chunks > 1
+        router, = gathered(self.mesh, cfg.dtype, chunked, self.router)
+        weights = gathered(self.mesh, cfg.dtype, chunked, self.w_gate, self.w_up, self.w_down, keep=self.ep_axes)
         if opts.capacity_factor:  # maxctx.model.moe.capacity; without it the program is the dropless one
             y, dropped = map_chunks(lambda x, seg: self._experts(x, router, *weights, seg), cfg.mlp_sequence_chunks,
                                     self.mesh, x_BSD, segment_ids_BS)
@@ -207,6 +227,15 @@ class MoeBlock(nnx.Module):
         if opts.capacity_factor:
             sums["moe_dropped"] = jnp.sum(dropped)
         return checkpoint_name(y, "mlpwo"), self.more_sums(x_BSD, segment_ids_BS, router, sums)
+
+    def swiglu(self, matmul):
+        """grouped_swiglu over this device's copy of every expert, or under expert parallelism over its EP rank's
+        experts with the pairs dispatched to them (maxctx.model.moe.dispatch)."""
+        if not self.ep_axes:
+            return functools.partial(grouped_swiglu, matmul=matmul)
+        platform = self.mesh.devices.flat[0].platform
+        return functools.partial(dispatch.dispatched_swiglu, axes=self.ep_axes, matmul=matmul, platform=platform,
+                                 dispatch=dispatch.resolve(self.cfg.expert_dispatch, platform))
 
     def more_sums(self, x_BSD, segment_ids_BS, router, sums: dict) -> dict:
         """A family's sums besides the load counts, from the gathered router (DeepSeek's router: its own)."""
@@ -228,7 +257,7 @@ class MoeBlock(nnx.Module):
                 kept, dropped = capacity.kept_and_dropped(experts.reshape(b, s, -1), seg[0], opts.capacity_factor,
                                                           opts.num_experts)
                 weights = jnp.where(kept.reshape(b * s, -1), weights, 0.0)
-            y = grouped_swiglu(x_TD, weights, experts, w_gate, w_up, w_down, matmul=matmul)
+            y = self.swiglu(matmul)(x_TD, weights, experts, w_gate, w_up, w_down)
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
                 y = jax.lax.psum(y, TENSOR_AXIS)
             y = y.astype(dt).reshape(b, s, d)
