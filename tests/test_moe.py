@@ -7,6 +7,7 @@ a training run logs each expert's load."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from maxctx.model.moe.layers import MoeBlock
 from maxctx.plan import planner, step_time
 from maxctx.train_step import loss_terms, make_setup
 from tests.support.hf import FIXTURES, logits, relative_error, setup
+from tests.support.strategies import config_args
 
 quiet = lambda *args, **kwargs: None  # noqa: E731
 
@@ -116,6 +118,11 @@ def _loss_and_grads(checkpoint: Path, cp: int, *overrides: str):
     return float(total / weight), {k: np.asarray(v / weight) for k, v in terms.items()}, grads
 
 
+@functools.cache
+def _one_device(checkpoint: Path):
+    return _loss_and_grads(checkpoint, 1)
+
+
 def test_the_aux_losses_are_transformers_and_the_same_at_every_context_degree(mixtral):
     """The load-balancing loss with the fixture's router_aux_loss_coef (0.001, carried by from_hf) and the router
     z-loss at ST-MoE's weight (0.001: 13% of the router's gradient here): terms, loss and every gradient the same
@@ -135,6 +142,21 @@ def test_the_aux_losses_are_transformers_and_the_same_at_every_context_degree(mi
         assert terms_4[term] == pytest.approx(terms_1[term], rel=1e-5), term
     np.testing.assert_allclose(terms_4["moe_expert_load"], terms_1["moe_expert_load"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads_4)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy,ep,how", [("all_gather", 4, "padded"), ("p2p", 4, "ragged"), ("a2a", 4, "padded"),
+                                             ("usp", 2, "ragged")])
+def test_the_fixture_trains_under_expert_parallelism_with_the_one_device_loss(mixtral, strategy, ep, how):
+    """The four experts spread over E of the 4 context devices (usp: its ring axis, the experts gathered over its
+    all-to-all axis), the pairs moved by either exchange (ragged: its CPU emulation): the loss, aux terms and
+    every gradient of C = 1."""
+    loss_1, terms_1, grads_1 = _one_device(mixtral)
+    loss, terms, grads = _loss_and_grads(mixtral, 4, *config_args(strategy, 4), f"expert_parallelism={ep}",
+                                         f"expert_dispatch={how}")
+    assert loss == pytest.approx(loss_1, rel=1e-5)
+    assert terms["load_balance_loss"] == pytest.approx(terms_1["load_balance_loss"], rel=1e-5)
+    for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
