@@ -113,3 +113,10 @@ def test_the_planner_prices_the_experts_as_the_compiled_program_moves_them():
     remat = roofline.expert_traffic(layer, sizes, forward_passes=2)[1]  # the gather again under remat
     assert remat == moved + 3 * got["all-gather"] * (group - 1) / group
     assert roofline.expert_traffic(types.SimpleNamespace(num_layers=2), sizes, 1) == (0.0, 0.0)  # a dense model
+    # Expert parallelism over all 8 devices (padded, as compiled on CPU): the router's gather and scatter and the
+    # tokens' all-to-alls, every one over the 8, on the wire.
+    ep = compiled(MoeBlock, options, mesh_shape, 64, 8)
+    wire = sum(ep[k] for k in ("all-gather", "reduce-scatter", "all-to-all")) * (group - 1) / group
+    layer.top_k = K
+    tokens = B * 64 / group
+    assert roofline.expert_traffic(layer, sizes, 1, 8, "padded", tokens)[1] == pytest.approx(3 * wire)

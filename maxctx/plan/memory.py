@@ -5,11 +5,12 @@ remat_policy=auto's host budget read (no JAX).
             always   the optimizer state and weights XLA takes as arguments (none of what is offloaded to the
                      host), the fp32 gradient they accumulate, and what the remat policy keeps for the backward:
                      the layer inputs and every other kept tensor (at KEPT_ON_DEVICE x their bytes)
-            layer    the top layer's backward: its gathered weights and their fp32 gradient, the residual
+            layer    the top layer's backward: its gathered weights (under expert parallelism E, X / E of the
+                     experts) and their fp32 gradient, the residual
                      stream's working set (the family's LayerWork), a strided run's extra inputs, the offloaded
                      tensors brought back, and the larger of one head group's attention (the strategy's saved
                      and transient bytes with the projections' gradients, / attention_head_chunks) and the MLP
-                     chunk's tile and its gradient
+                     chunk's tile and its gradient (E times under expert parallelism: the dropless buffers)
             loss     the loss over one vocab tile: its fp32 logits and their bf16 copy, the gathered output
                      weights (twice when tiled) and their fp32 gradient
           the peak is `always` + the larger of `layer` and `loss`
@@ -109,6 +110,9 @@ def device_bytes(config: Config, tp: int, shards: int, attention_bytes: float) -
     always = args + 4 * params / shards + KEPT_ON_DEVICE * (inputs + kept)
     output_params = shape.vocab_size * dim
     layer_params = (params - output_params * (1 if shape.tied_embedding else 2)) / layers
+    if _expert_degree(config, shape) > 1:  # an EP rank gathers its X / E experts only (maxctx.model.moe.dispatch)
+        experts = 3 * shape.num_experts * shape.emb_dim * shape.moe_mlp_dim * shape.moe_layers / layers
+        layer_params -= experts * (1 - 1 / config.expert_parallelism)
     return Peak(always, _layer_bytes(config, family, shape, tp, tokens, attention_bytes, layer_params),
                 _loss_bytes(config, shape, tp, tokens))
 
@@ -143,5 +147,11 @@ def _layer_bytes(config: Config, family, shape, tp: int, tokens: float, attentio
     # the projections' gradients: dq, dk, dv and the attention output's (q's width)
     grads = tokens * (2 * per["query_proj"] + per["key_proj"] + per["value_proj"])
     heads = (attention_bytes + grads) / config.attention_head_chunks
-    mlp = 2 * tokens / config.mlp_sequence_chunks * family.tile(shape, tp)  # the tile and its gradient
+    # the tile and its gradient; under expert parallelism a rank's buffers hold E times its pairs (dropless)
+    mlp = 2 * tokens / config.mlp_sequence_chunks * family.tile(shape, tp) * _expert_degree(config, shape)
     return layer_params / tp * (b + 4) + work + max(heads, mlp)
+
+
+def _expert_degree(config: Config, shape) -> int:
+    """Expert parallelism's E for a shape with experts, else 1."""
+    return config.expert_parallelism if getattr(shape, "num_experts", 1) > 1 else 1
