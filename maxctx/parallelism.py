@@ -156,6 +156,35 @@ class MeshPlan:
         return self.dcn[RING_AXIS]
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry's mesh axes (None, a name or a tuple), the tensor axis left out."""
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return tuple(a for a in axes if a != TENSOR_AXIS)
+
+
+def ep_axes(entry, sizes: Mapping[str, int], degree: int) -> tuple[str, ...]:
+    """The leading mesh axes of the experts' dimension (its PartitionSpec `entry` in the stored layout) whose
+    `sizes` multiply to the expert-parallel `degree`; () for degree 1."""
+    axes, run = entry_axes(entry), 1
+    degrees = [1]
+    for a in axes:
+        run *= sizes[a]
+        degrees.append(run)
+    if degree in degrees:
+        return axes[:degrees.index(degree)]
+    shown = ", ".join(f"{a}={sizes[a]}" for a in axes) or "none"
+    raise ConfigError(f"expert_parallelism={degree} is not a product of the leading axes the experts are sharded "
+                      f"over ({shown}, in that order, of {', '.join(EXPERT_AXES)}); choose one of "
+                      f"{', '.join(map(str, degrees))}")
+
+
+def check_expert_mesh(config: Config, sizes: Mapping[str, int]) -> None:
+    """Refuses an expert_parallelism that the mesh axes' `sizes` cannot make (`ep_axes` of the experts' dimension
+    as resolve_axes splits num_experts), before JAX: the planner's candidates and maxctx.validate."""
+    if config.expert_parallelism > 1 and config.num_experts % config.expert_parallelism == 0:
+        ep_axes(resolve_axes(("expert",), (config.num_experts,), sizes)[0], sizes, config.expert_parallelism)
+
+
 def num_slices(config: Config) -> int:
     """Slices the job spans: `compile_topology_num_slices` when compiling for a topology; else 1 (every CPU and
     GPU run, and one TPU slice)."""

@@ -20,7 +20,7 @@ from maxctx.datasets import DATASETS
 from maxctx.files import REMOTE_KEYS, check_tokenizer_path, expand_files
 from maxctx.model import families
 from maxctx.model.moe import family as moe_family
-from maxctx.parallelism import BATCH_AXES, RING_AXIS, TENSOR_AXIS, configured_sizes
+from maxctx.parallelism import A2A_AXIS, BATCH_AXES, RING_AXIS, TENSOR_AXIS, check_expert_mesh, configured_sizes
 from maxctx.plan import topology
 
 
@@ -87,6 +87,7 @@ def check_devices(config: Config, num_devices: int) -> None:
     _check_head_chunks(config, tp, strategies.for_config(config).a2a_degree(config, cp) if cp > 1 else 1)
     moe_family.check_keys(config, cp)  # MoE placement keys for another family; a capacity that drops by design
     moe_family.check_expert_parallelism(config, axis)
+    check_expert_mesh(config, strategies.mesh_plan(config, num_devices).sizes if cp > 1 else {**axis, A2A_AXIS: 1})
     _check_host_layers(config)
     # splash: asked for, or what auto/flash pick when compiling for a TPU topology
     if config.attention == "splash" or config.attention in ("auto", "flash") and config.compile_topology:

@@ -27,6 +27,7 @@ from maxctx.model.moe import dispatch
 from maxctx.model.moe.family import MoeOptions
 from maxctx.model.moe.layers import MoeBlock
 from maxctx.parallelism import MESH_AXES
+from maxctx.plan import planner
 from maxctx.validate import check_devices
 
 D, X, M, K, B, S = 16, 8, 24, 2, 2, 32
@@ -132,7 +133,21 @@ def test_an_expert_degree_the_mesh_cannot_take_is_refused_in_one_line(keys, matc
     config = load_config(["configs/base.yml", "decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2",
                           "norm_topk_prob=true", "max_target_length=64", *keys])
     with pytest.raises(ConfigError, match=match) as error:
-        check_devices(config, 8)  # the counts; which axes make E, when the layer is built on the mesh:
-        shape = (1, config.ici_fsdp_parallelism, config.ici_context_parallelism, 1, config.ici_tensor_parallelism)
-        _block(MoeBlock, MOE, shape, config.expert_parallelism, "auto", 1, False)
+        check_devices(config, 8)  # before JAX, as the layer built on the mesh would refuse it
     assert "\n" not in str(error.value)
+    if "product" in match:
+        shape = (1, config.ici_fsdp_parallelism, config.ici_context_parallelism, 1, config.ici_tensor_parallelism)
+        with pytest.raises(ConfigError, match=match):
+            _block(MoeBlock, MOE, shape, config.expert_parallelism, "auto", 1, False)
+
+
+def test_auto_drops_the_splits_whose_axes_cannot_make_the_expert_degree():
+    """E = 4 on fsdp 1 x C = 8 takes the ring axis of usp 4 x 2; a ring of 8 (p2p, all_gather), usp 2 x 4 and a2a
+    (the experts' leading axes make 2 and 8, or 8) cannot."""
+    config = load_config(["configs/base.yml", "model_name=qwen3-30b-a3b", "compile_topology=v5p-16",
+                          "ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=65536",
+                          "per_device_batch_size=0.125", "context_parallel_strategy=auto", "expert_parallelism=4"])
+    table = planner.plan(config)
+    kept = {(c.strategy, c.a2a) for c in table.ranked if c.valid}
+    assert kept and all(8 // u == 4 for _, u in kept), kept
+    assert any("expert_parallelism=4 is not a product" in c.dropped for c in table.ranked if not c.valid)

@@ -63,6 +63,7 @@ from maxctx.parallelism import (
     RING_AXIS,
     TENSOR_AXIS,
     MeshPlan,
+    check_expert_mesh,
     mesh_sizes,
 )
 from maxctx.plan import documents, memory, remat, step_time, topology
@@ -220,6 +221,7 @@ def plan(config: Config, check: Callable[[Config], None] | None = None,
                 if base.ici[RING_AXIS] % u:
                     raise ConfigError(f"the A2A degree {u} does not divide ici_context_parallelism="
                                       f"{base.ici[RING_AXIS]}; all-to-all runs inside a slice")
+            check_expert_mesh(cand, dataclasses.replace(base, a2a=u).sizes)  # E from this split's axes
         except ConfigError as e:
             out.append(Candidate(name, u, cp, dropped=str(e), valid=False))
             continue

@@ -1,9 +1,9 @@
 """Expert parallelism (`expert_parallelism` E > 1): each device keeps X / E whole experts and the (token, slot)
 pairs travel to them by all-to-all, instead of every device gathering every expert (`gathered`,
 maxctx.model.moe.layers). The E devices are the leading mesh axes of the experts' dimension (fsdp, then the context
-axes: maxctx.parallelism.EXPERT_AXES) whose sizes multiply to E (`ep_axes`); the experts' remaining axes still
-gather, so each device holds experts [e X / E, (e + 1) X / E) of its EP rank e, and the stored layout (and so every
-checkpoint) is the same at any E.
+axes: maxctx.parallelism.EXPERT_AXES) whose sizes multiply to E (maxctx.parallelism.ep_axes); the experts' other
+axes still gather, so each device holds experts [e X / E, (e + 1) X / E) of its EP rank e, and the stored layout
+(and so every checkpoint) is the same at any E.
 
 Legend (per device, one chunk): T tokens, k experts per token, R = T k pairs, X experts, L = X / E local experts,
 D model width.
@@ -38,31 +38,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.errors import ConfigError
-from maxctx.parallelism import EXPERT_AXES, TENSOR_AXIS
 
 DISPATCHES = ("auto", "padded", "ragged")
-
-
-def entry_axes(entry) -> tuple[str, ...]:
-    """A PartitionSpec entry's mesh axes (None, a name or a tuple), the tensor axis left out."""
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    return tuple(a for a in axes if a != TENSOR_AXIS)
-
-
-def ep_axes(entry, sizes, degree: int) -> tuple[str, ...]:
-    """The leading mesh axes of the experts' dimension (its PartitionSpec `entry` in the stored layout) whose
-    `sizes` multiply to the expert-parallel `degree`; () for degree 1."""
-    axes, run = entry_axes(entry), 1
-    degrees = [1]
-    for a in axes:
-        run *= sizes[a]
-        degrees.append(run)
-    if degree in degrees:
-        return axes[:degrees.index(degree)]
-    shown = ", ".join(f"{a}={sizes[a]}" for a in axes) or "none"
-    raise ConfigError(f"expert_parallelism={degree} is not a product of the leading axes the experts are sharded "
-                      f"over ({shown}, in that order, of {', '.join(EXPERT_AXES)}); choose one of "
-                      f"{', '.join(map(str, degrees))}")
 
 
 def resolve(name: str, platform: str) -> str:

@@ -47,7 +47,7 @@ from maxctx.model.layers import Attention, ModelConfig, RMSNorm, param
 from maxctx.model.moe import capacity, dispatch, kernels
 from maxctx.model.qwen.layers import QwenAttention
 from maxctx.model.tiling import map_chunks, sum_chunks
-from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, EXPERT_AXES, TENSOR_AXIS
+from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, EXPERT_AXES, TENSOR_AXIS, entry_axes, ep_axes
 
 
 def router_logits(x_TD, router_DX, dtype, bias_X=None):
@@ -158,7 +158,7 @@ def copy_spec(spec: P) -> P:
 
 def _gather(value, spec, keep=()):
     for dim, entry in enumerate(spec):
-        axes = dispatch.entry_axes(entry)
+        axes = entry_axes(entry)
         if dim == 0 and keep:  # the EP rank's experts: the leading axes stay split
             axes = axes[len(keep):]
         if axes:
@@ -194,7 +194,7 @@ def expert_axes(cfg: ModelConfig, mesh, w_gate) -> tuple[str, ...]:
         raise ConfigError(f"expert_parallelism={degree} needs a mesh of at least {degree} devices; set 1")
     dispatch.local_experts(cfg.options.num_experts, degree)
     spec = logical_to_spec(tuple(w_gate.get_metadata()["axes"]), w_gate.shape, mesh)
-    return dispatch.ep_axes(spec[0], dict(mesh.shape), degree)
+    return ep_axes(spec[0], dict(mesh.shape), degree)
 
 
 class MoeBlock(nnx.Module):
