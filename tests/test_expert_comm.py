@@ -77,18 +77,24 @@ def test_the_experts_collectives_are_the_formulas(family, mesh_shape):
         assert compiled(block, options, mesh_shape, 128) == got  # nothing grows with the sequence
 
 
-@pytest.mark.parametrize("mesh_shape,ep,chunks", [((1, 2, 4, 1, 1), 8, 1), ((1, 2, 4, 1, 1), 2, 2),
-                                                   ((1, 2, 2, 1, 2), 4, 1)])
-def test_expert_parallelism_moves_what_its_formulas_say(mesh_shape, ep, chunks):
+@pytest.mark.parametrize("family,mesh_shape,ep,chunks", [("moe", (1, 2, 4, 1, 1), 8, 1), ("moe", (1, 2, 4, 1, 1), 2, 2),
+                                                          ("moe", (1, 2, 2, 1, 2), 4, 1),
+                                                          ("gpt_oss", (1, 2, 4, 1, 1), 2, 1)])
+def test_expert_parallelism_moves_what_its_formulas_say(family, mesh_shape, ep, chunks):
     """Each EP rank gathers its X / E experts over the axes left (none at E = fsdp x C), the router whole; the
     tokens go there and back by all-to-all ([E R, D] each way and the rows' experts forward, transposed in the
     backward; a chunk's forward runs again in the backward, maxctx.model.tiling)."""
     sizes = dict(zip(MESH_AXES, mesh_shape))
-    options = MoeOptions(num_experts=X, top_k=K, mlp_dim=M, renormalize=True, load_balance_loss_weight=0.01)
+    if family == "moe":
+        options = MoeOptions(num_experts=X, top_k=K, mlp_dim=M, renormalize=True, load_balance_loss_weight=0.01)
+        block, params = MoeBlock, experts.routed_params(X, D, M, 4)
+    else:  # the router, its bias and b_down gathered whole, the rest by EP rank
+        options = GptOssOptions(num_experts=X, top_k=K, mlp_dim=M, load_balance_loss_weight=0.01)
+        block, params = GptOssExperts, experts.gpt_oss_params(X, D, M, 4, 4)
     seq = 64
-    got = compiled(MoeBlock, options, mesh_shape, seq, ep, chunks)
+    got = compiled(block, options, mesh_shape, seq, ep, chunks)
     pairs = B * seq // (sizes["data"] * sizes["fsdp"] * sizes["context"] * sizes["context_a2a"]) * K
-    weights = experts.comm_volume(experts.routed_params(X, D, M, 4), sizes, degree=ep)
+    weights = experts.comm_volume(params, sizes, degree=ep)
     tokens = experts.dispatch_volume(pairs, D, 4, X, ep, "padded", chunks, forward_passes=1 + (chunks > 1))
     want = by_kind(weights[0] + weights[1] + tokens[0] + tokens[1])
     assert {k: got.get(k, 0) for k in want} == want

@@ -2,9 +2,10 @@
 ranks and the (token, slot) pairs moved to them gives the gathered block's outputs and every gradient, with either
 exchange (padded all-to-all; the ragged all-to-all's offsets through its all-gather emulation), with a router
 that sends nearly every token to one expert, across fsdp, ring and all-to-all context axes and tensor
-parallelism, chunked or not; DeepSeek's router and shared experts too. The emulation is checked against the
-collective's documented semantics directly. E that is not a product of the experts' leading axes is refused in
-one line. tests/test_expert_comm.py checks the bytes; tests/test_moe.py trains the Mixtral fixture under EP."""
+parallelism, chunked or not; DeepSeek's router and shared experts, GPT-OSS's biases and clamped GLU too. The
+emulation is checked against the collective's documented semantics directly. E that is not a product of the
+experts' leading axes is refused in one line, and `auto` drops the splits that cannot make it.
+tests/test_expert_comm.py checks the bytes; tests/test_moe.py trains the Mixtral fixture under EP."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from maxctx.config import ConfigError
 from maxctx.loader import load_config
 from maxctx.model.deepseek.family import DeepseekOptions
 from maxctx.model.deepseek.layers import DeepseekMoe
+from maxctx.model.gpt_oss.family import GptOssOptions
+from maxctx.model.gpt_oss.layers import GptOssExperts
 from maxctx.model.layers import ModelConfig
 from maxctx.model.moe import dispatch
 from maxctx.model.moe.family import MoeOptions
@@ -84,12 +87,20 @@ def test_expert_parallelism_is_the_gathered_block(mesh_shape, ep, how, chunks, s
     _same(grads, grads_0)
 
 
-def test_deepseeks_router_and_shared_experts_under_expert_parallelism():
-    options = DeepseekOptions(num_experts=X, top_k=K, mlp_dim=M, renormalize=True, load_balance_loss_weight=0.01,
-                              sigmoid=True, routed_bias=True, groups=4, top_groups=2, shared_experts=1,
-                              routed_scaling_factor=2.5)
-    loss, grads = _run(DeepseekMoe, options, (1, 2, 4, 1, 1), 8, "ragged")
-    loss_0, grads_0 = _run(DeepseekMoe, options, (1, 2, 4, 1, 1))
+DEEPSEEK = DeepseekOptions(num_experts=X, top_k=K, mlp_dim=M, renormalize=True, load_balance_loss_weight=0.01,
+                           sigmoid=True, routed_bias=True, groups=4, top_groups=2, shared_experts=1,
+                           routed_scaling_factor=2.5)
+GPT_OSS = GptOssOptions(num_experts=X, top_k=K, mlp_dim=M, load_balance_loss_weight=0.01)
+
+
+@pytest.mark.parametrize("block,options,mesh_shape,ep,how", [
+    (DeepseekMoe, DEEPSEEK, (1, 2, 4, 1, 1), 8, "ragged"),  # V3's router and the shared expert
+    (GptOssExperts, GPT_OSS, (1, 2, 4, 1, 1), 8, "ragged"),  # biases, clamped GLU
+    (GptOssExperts, GPT_OSS, (1, 2, 2, 1, 2), 2, "padded"),  # ... with tensor parallelism, experts gathered over C
+])
+def test_every_moe_familys_block_under_expert_parallelism(block, options, mesh_shape, ep, how):
+    loss, grads = _run(block, options, mesh_shape, ep, how)
+    loss_0, grads_0 = _run(block, options, mesh_shape)
     assert loss == pytest.approx(loss_0, rel=1e-6)
     _same(grads, grads_0)
 
@@ -126,8 +137,8 @@ def test_the_emulated_ragged_all_to_all_is_the_documented_collective():
     (["ici_context_parallelism=8", "expert_parallelism=3"], "does not divide num_experts=8"),
     (["ici_fsdp_parallelism=2", "ici_context_parallelism=2", "ici_tensor_parallelism=2", "num_experts=16",
       "expert_parallelism=8"], r"does not divide fsdp x context = 2 x 2 = 4"),
-    (["decoder_block=gpt_oss", "expert_parallelism=2", "ici_context_parallelism=8"],
-     "decoder_block=gpt_oss has no expert-parallel layer"),
+    (["decoder_block=llama2", "num_experts=1", "expert_parallelism=2", "ici_context_parallelism=8"],
+     "decoder_block=llama2 with num_experts=1 has no experts to spread"),
 ])
 def test_an_expert_degree_the_mesh_cannot_take_is_refused_in_one_line(keys, match):
     config = load_config(["configs/base.yml", "decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2",

@@ -33,7 +33,15 @@ from maxctx.attention.cp.sharded import shard_map
 from maxctx.attention.dispatch import attend
 from maxctx.model.layers import ModelConfig, param
 from maxctx.model.moe import kernels
-from maxctx.model.moe.layers import MoeLayer, device_sums, gathered, grouped_swiglu, load_sums, router_logits
+from maxctx.model.moe.layers import (
+    MoeLayer,
+    device_sums,
+    expert_axes,
+    gathered,
+    load_sums,
+    router_logits,
+    swiglu_for,
+)
 from maxctx.model.qwen.layers import QwenAttention, zeros
 from maxctx.model.tiling import map_chunks, sum_chunks
 from maxctx.parallelism import BATCH_AXES, CONTEXT_AXES, EXPERT_AXES, TENSOR_AXIS
@@ -91,12 +99,15 @@ class GptOssExperts(nnx.Module):
         self.w_down = param(rngs, (x, m, d), ("expert", "mlp", "embed"), wd, scale=m**-0.5)
         self.b_down = zeros((x, d), ("expert", "embed"), wd)
         self.cfg, self.mesh = cfg, mesh
+        self.ep_axes = expert_axes(cfg, mesh, self.w_gate_up)
 
     def __call__(self, x_BSD, segment_ids_BS):
-        cfg, opts = self.cfg, self.cfg.options
+        cfg, opts, keep = self.cfg, self.cfg.options, self.ep_axes
         chunked = cfg.mlp_sequence_chunks > 1
-        router, w_gate_up, w_down = gathered(self.mesh, cfg.dtype, chunked, self.router, self.w_gate_up, self.w_down)
-        bias, b_gate_up, b_down = gathered(self.mesh, None, chunked, self.router_bias, self.b_gate_up, self.b_down)
+        router, = gathered(self.mesh, cfg.dtype, chunked, self.router)
+        w_gate_up, w_down = gathered(self.mesh, cfg.dtype, chunked, self.w_gate_up, self.w_down, keep=keep)
+        bias, b_down = gathered(self.mesh, None, chunked, self.router_bias, self.b_down)  # whole: the combine's
+        b_gate_up, = gathered(self.mesh, None, chunked, self.b_gate_up, keep=keep)
         weights = (w_gate_up, w_down, b_gate_up, b_down)
         y = map_chunks(lambda x: self._experts(x, router, bias, *weights), cfg.mlp_sequence_chunks, self.mesh,
                        x_BSD)
@@ -124,8 +135,9 @@ class GptOssExperts(nnx.Module):
             b, s, d = x.shape
             x_TD = x.reshape(b * s, d)
             weights, experts = route(x_TD, router, bias, opts.top_k, dt)
-            y = grouped_swiglu(x_TD, weights, experts, w_gate_up[..., 0], w_gate_up[..., 1], w_down, glu=glu,
-                               gate_up_bias=(b_gate_up[..., 0], b_gate_up[..., 1]), matmul=matmul)
+            y = swiglu_for(self.cfg, mesh, self.ep_axes, matmul)(
+                x_TD, weights, experts, w_gate_up[..., 0], w_gate_up[..., 1], w_down, glu=glu,
+                gate_up_bias=(b_gate_up[..., 0], b_gate_up[..., 1]))
             if split:  # each tensor shard ran M / T of every expert: its down projection is a partial sum
                 y = jax.lax.psum(y, TENSOR_AXIS)
             # The down projection's bias after the sum over tensor shards, so that it is added once.

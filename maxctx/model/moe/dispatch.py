@@ -56,10 +56,11 @@ def exchange_for(platform: str):
     return emulated_ragged_all_to_all if platform == "cpu" else jax.lax.ragged_all_to_all
 
 
-def dispatched_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *, axes: tuple[str, ...],
-                      dispatch: str, platform: str, matmul=jax.lax.ragged_dot):
+def dispatched_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, glu=None, gate_up_bias=None, *,
+                      axes: tuple[str, ...], dispatch: str, platform: str, matmul=jax.lax.ragged_dot):
     """maxctx.model.moe.layers.grouped_swiglu with the experts spread over the EP ranks of mesh `axes` (inside a
-    shard_map): w_gate, w_up [L, D, M], w_down [L, M, D] this rank's experts; `dispatch` padded or ragged."""
+    shard_map): w_gate, w_up [L, D, M], w_down [L, M, D] (and the hook's biases [L, M]) this rank's experts;
+    `dispatch` padded or ragged; `glu`, `gate_up_bias` grouped_swiglu's hooks (GPT-OSS)."""
     t, k = experts_TK.shape
     local = w_gate.shape[0]
     degree = jax.lax.axis_size(axes)
@@ -68,7 +69,8 @@ def dispatched_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *, axe
     experts = jnp.take(flat, order)
     xs = jnp.take(x_TD, order // k, axis=0)  # [R, D], grouped by expert and so by destination rank
     counts = jnp.bincount(flat, length=local * degree).astype(jnp.int32)
-    run = functools.partial(_local_experts, w_gate=w_gate, w_up=w_up, w_down=w_down, matmul=matmul)
+    run = functools.partial(_local_experts, w_gate=w_gate, w_up=w_up, w_down=w_down, matmul=matmul, glu=glu,
+                            gate_up_bias=gate_up_bias)
     if dispatch == "padded":
         ys = _padded(xs, experts, counts, axes, degree, run)
     else:
@@ -77,17 +79,21 @@ def dispatched_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, *, axe
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(ys.dtype), preferred_element_type=jnp.float32)
 
 
-def _local_experts(rows, ids, *, w_gate, w_up, w_down, matmul):
+def _local_experts(rows, ids, *, w_gate, w_up, w_down, matmul, glu, gate_up_bias):
     """This rank's SwiGLU experts over received rows [N, D] whose local expert is ids[N] (L: an empty slot, whose
     output is 0)."""
     local = w_gate.shape[0]
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)
     xs = jnp.take(rows, order, axis=0)
+    row_experts = jnp.take(ids, order)
     gate = checkpoint_name(matmul(xs, w_gate, sizes), "mlpwi")
     up = checkpoint_name(matmul(xs, w_up, sizes), "mlpwi")
-    ys = matmul(jax.nn.silu(gate) * up, w_down, sizes)
-    ys = jnp.where((jnp.take(ids, order) < local)[:, None], ys, jnp.zeros((), ys.dtype))
+    if gate_up_bias is not None:
+        owner = jnp.minimum(row_experts, local - 1)  # an empty slot's output is zeroed below
+        gate, up = (h + jnp.take(b.astype(h.dtype), owner, axis=0) for h, b in zip((gate, up), gate_up_bias))
+    ys = matmul(glu(gate, up) if glu is not None else jax.nn.silu(gate) * up, w_down, sizes)
+    ys = jnp.where((row_experts < local)[:, None], ys, jnp.zeros((), ys.dtype))
     return jnp.take(ys, jnp.argsort(order), axis=0)
 
 

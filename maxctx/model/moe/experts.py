@@ -40,6 +40,7 @@ class ExpertParam:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     itemsize: int
+    spread: bool = True  # expert parallelism splits its experts over the EP ranks (else gathered whole)
 
     def gathered_bytes(self, sizes: Mapping[str, int], degree: int = 1) -> float:
         """Bytes of one device's copy: the whole parameter, less the tensor split (and an expert-parallel
@@ -54,13 +55,13 @@ class ExpertParam:
         return math.prod(sizes[a] for dim in split for a in dim if a != TENSOR_AXIS) // self._ep(degree)
 
     def _ep(self, degree: int) -> int:
-        return degree if self.axes[0] == "expert" else 1  # the router's experts are its columns: gathered whole
+        return degree if self.spread else 1
 
 
 def routed_params(experts: int, emb_dim: int, mlp_dim: int, itemsize: int) -> tuple[ExpertParam, ...]:
     """maxctx.model.moe.layers.MoeBlock's: the router [D, X] and w_gate, w_up [X, D, M], w_down [X, M, D]."""
     x, d, m = experts, emb_dim, mlp_dim
-    return (ExpertParam((d, x), ("embed", "expert"), itemsize),
+    return (ExpertParam((d, x), ("embed", "expert"), itemsize, spread=False),
             ExpertParam((x, d, m), ("expert", "embed", "mlp"), itemsize),
             ExpertParam((x, d, m), ("expert", "embed", "mlp"), itemsize),
             ExpertParam((x, m, d), ("expert", "mlp", "embed"), itemsize))
@@ -115,11 +116,12 @@ def activation_bytes(params: tuple[ExpertParam, ...], sizes: Mapping[str, int], 
 def gpt_oss_params(experts: int, emb_dim: int, mlp_dim: int, itemsize: int,
                    bias_itemsize: int) -> tuple[ExpertParam, ...]:
     """maxctx.model.gpt_oss.layers.GptOssExperts': the router [D, X] and its bias [X], w_gate_up [X, D, M, 2],
-    w_down [X, M, D], and the experts' biases b_gate_up [X, M, 2], b_down [X, D] in their own dtype."""
+    w_down [X, M, D], and the experts' biases b_gate_up [X, M, 2], b_down [X, D] in their own dtype (the router,
+    its bias and b_down, which the combine reads, gathered whole under expert parallelism)."""
     x, d, m = experts, emb_dim, mlp_dim
-    return (ExpertParam((d, x), ("embed", "expert"), itemsize),
+    return (ExpertParam((d, x), ("embed", "expert"), itemsize, spread=False),
             ExpertParam((x, d, m, 2), ("expert", "embed", "mlp", None), itemsize),
             ExpertParam((x, m, d), ("expert", "mlp", "embed"), itemsize),
-            ExpertParam((x,), ("expert",), bias_itemsize),
+            ExpertParam((x,), ("expert",), bias_itemsize, spread=False),
             ExpertParam((x, m, 2), ("expert", "mlp", None), bias_itemsize),
-            ExpertParam((x, d), ("expert", "embed"), bias_itemsize))
+            ExpertParam((x, d), ("expert", "embed"), bias_itemsize, spread=False))

@@ -213,21 +213,17 @@ def check_keys(config: Config, cp: int) -> None:
                           f"hold each sequence on one device (context parallelism 1, mlp_sequence_chunks=1)")
 
 
-EP_BLOCKS = ("mixtral", "qwen3_moe", "deepseek", "qwen3_next")  # whose MoE layer is MoeBlock's (expert parallelism)
-
-
 def check_expert_parallelism(config: Config, sizes: dict) -> None:
-    """expert_parallelism E: a MoeBlock family's, dividing num_experts and the devices experts borrow (fsdp x the
-    context axes, mesh axis `sizes`); which leading axes make E is checked when the layer is built
-    (maxctx.model.moe.dispatch.ep_axes)."""
+    """expert_parallelism E: a mixture of experts', dividing num_experts and the devices experts borrow (fsdp x the
+    context axes, mesh axis `sizes`); which leading axes make E, maxctx.parallelism.check_expert_mesh."""
     degree = config.expert_parallelism
     if degree == 1:
         return
     if degree < 1:
         raise ConfigError(f"expert_parallelism={degree} must be >= 1 (1: every device gathers every expert)")
-    if config.decoder_block not in EP_BLOCKS:
-        raise ConfigError(f"expert_parallelism={degree}: decoder_block={config.decoder_block} has no expert-parallel "
-                          f"layer (only {', '.join(EP_BLOCKS)} do); set expert_parallelism=1")
+    if config.num_experts < 2:
+        raise ConfigError(f"expert_parallelism={degree}: decoder_block={config.decoder_block} with num_experts="
+                          f"{config.num_experts} has no experts to spread; set expert_parallelism=1")
     if config.num_experts % degree:
         raise ConfigError(f"expert_parallelism={degree} does not divide num_experts={config.num_experts}: each EP "
                           f"rank holds whole experts; choose a divisor of {config.num_experts}")

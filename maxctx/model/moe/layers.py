@@ -197,6 +197,16 @@ def expert_axes(cfg: ModelConfig, mesh, w_gate) -> tuple[str, ...]:
     return ep_axes(spec[0], dict(mesh.shape), degree)
 
 
+def swiglu_for(cfg: ModelConfig, mesh, axes: tuple[str, ...], matmul):
+    """grouped_swiglu over a device's copy of every expert, or under expert parallelism (EP mesh `axes`) over its
+    rank's experts with the pairs dispatched to them (maxctx.model.moe.dispatch)."""
+    if not axes:
+        return functools.partial(grouped_swiglu, matmul=matmul)
+    platform = mesh.devices.flat[0].platform
+    return functools.partial(dispatch.dispatched_swiglu, axes=axes, matmul=matmul, platform=platform,
+                             dispatch=dispatch.resolve(cfg.expert_dispatch, platform))
+
+
 class MoeBlock(nnx.Module):
     """router [D, X], w_gate, w_up [X, D, M], w_down [X, M, D]; returns (y[B, S, D], `load_sums`)."""
 
@@ -229,13 +239,7 @@ class MoeBlock(nnx.Module):
         return checkpoint_name(y, "mlpwo"), self.more_sums(x_BSD, segment_ids_BS, router, sums)
 
     def swiglu(self, matmul):
-        """grouped_swiglu over this device's copy of every expert, or under expert parallelism over its EP rank's
-        experts with the pairs dispatched to them (maxctx.model.moe.dispatch)."""
-        if not self.ep_axes:
-            return functools.partial(grouped_swiglu, matmul=matmul)
-        platform = self.mesh.devices.flat[0].platform
-        return functools.partial(dispatch.dispatched_swiglu, axes=self.ep_axes, matmul=matmul, platform=platform,
-                                 dispatch=dispatch.resolve(self.cfg.expert_dispatch, platform))
+        return swiglu_for(self.cfg, self.mesh, self.ep_axes, matmul)
 
     def more_sums(self, x_BSD, segment_ids_BS, router, sums: dict) -> dict:
         """A family's sums besides the load counts, from the gathered router (DeepSeek's router: its own)."""
