@@ -91,24 +91,35 @@ def cp_dcn_bytes_per_layer(config: Config, mesh: dict[str, int], t: float, b: in
             sum(crossing(bwd) for _, bwd in layers) / len(layers))
 
 
-def expert_traffic(model, mesh: dict[str, int], forward_passes: int, degree: int = 1, dispatch: str = "ragged",
-                   tokens: float = 0.0, chunks: int = 1) -> tuple[float, float]:
+def expert_traffic(model, mesh: dict[str, int], forward_passes: int, degree: int = 1) -> tuple[float, float]:
     """(parameters, wire bytes per step and device) of a mixture of experts' routers and routed experts, over its
-    MoE layers: maxctx.model.moe.experts.comm_volume's collectives, and under expert parallelism (`degree` > 1)
-    dispatch_volume's token exchanges for `tokens` per device over `chunks` chunks, each counted on the wire;
-    (0, 0) for a shape with no experts."""
-    layers = getattr(model, "moe_layers", 0) if getattr(model, "num_experts", 1) > 1 else 0
+    MoE layers: maxctx.model.moe.experts.comm_volume's collectives (under expert parallelism of `degree`, each rank
+    gathers its experts only), each counted on the wire; (0, 0) for a shape with no experts."""
+    layers = _moe_layers(model)
     if not layers:
         return 0.0, 0.0
     x, d, m = model.num_experts, model.emb_dim, model.moe_mlp_dim
     forward, backward = experts.comm_volume(experts.routed_params(x, d, m, model.itemsize), mesh, forward_passes,
                                             degree)
-    if degree > 1:
-        passes = 2 if chunks > 1 else forward_passes  # a chunk's forward runs again (maxctx.model.tiling)
-        there, back = experts.dispatch_volume(round(tokens * model.top_k), d, model.itemsize, x, degree, dispatch,
-                                              chunks, passes)
-        forward, backward = forward + there, backward + back
     return layers * (d * x + 3 * x * d * m), layers * sum(c.sent_bytes for c in forward + backward)
+
+
+def dispatch_exchanges(config: Config, model, tokens: float, forward_passes: int) -> list[Collective]:
+    """Expert parallelism's token exchanges per step and device for `tokens` per device (experts.dispatch_volume
+    of each MoE layer, ragged on the accelerators unless expert_dispatch=padded): [] without it."""
+    layers, degree = _moe_layers(model), config.expert_parallelism
+    if degree == 1 or not layers:
+        return []
+    how = "padded" if config.expert_dispatch == "padded" else "ragged"
+    chunks = config.mlp_sequence_chunks
+    passes = 2 if chunks > 1 else forward_passes  # a chunk's forward runs again (maxctx.model.tiling)
+    there, back = experts.dispatch_volume(round(tokens * model.top_k), model.emb_dim, model.itemsize,
+                                          model.num_experts, degree, how, chunks, passes)
+    return (there + back) * layers
+
+
+def _moe_layers(model) -> int:
+    return getattr(model, "moe_layers", 0) if getattr(model, "num_experts", 1) > 1 else 0
 
 
 def traffic(config: Config, mesh: dict[str, int], global_batch: float, forward_passes: int) -> dict[str, float]:
@@ -123,10 +134,7 @@ def traffic(config: Config, mesh: dict[str, int], global_batch: float, forward_p
     layers, dim, tp, dp = model.num_layers, model.emb_dim, mesh[TENSOR_AXIS], mesh[DATA_AXIS]
     t = global_batch * config.max_target_length / n  # tokens per device per step
 
-    dispatch = "padded" if config.expert_dispatch == "padded" else "ragged"  # the accelerators' auto
-    expert_params, expert_bytes = expert_traffic(model, mesh, forward_passes, config.expert_parallelism, dispatch,
-                                                 global_batch * config.max_target_length / n,
-                                                 config.mlp_sequence_chunks)
+    expert_params, expert_bytes = expert_traffic(model, mesh, forward_passes, config.expert_parallelism)
     weights = num_params / tp  # a device's slice of every weight, once gathered
     shards = max(1, n // (dp * tp))  # devices each weight is sharded across (fsdp and context axes)
     layer_act = family.activation(model, tp)  # per token, one forward

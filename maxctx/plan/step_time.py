@@ -33,7 +33,8 @@ calibrated on MaxText's measured v5p rows (docs/step_time_model.md: the sources,
                  of the block it carries, at the attention's calibrated rate; all-gather, reduce-scatter and
                  all-to-all wait), and the weights' gathers, gradients' reductions and tensor-parallel traffic
                  (roofline.traffic's ICI and DCN bytes), which XLA runs asynchronously beside the layers' compute:
-                 exposed by what exceeds that compute. A hybrid family's linear layers (ModelShape.attention_layers
+                 exposed by what exceeds that compute; expert parallelism's token exchanges, exposed in full
+                 (expert_dispatch_seconds). A hybrid family's linear layers (ModelShape.attention_layers
                  fewer than its layers) have the prefix scan's instead: linear_exchange_s, exposed in full; their
                  delta rule's FLOPs (ModelShape.linear_flops) join the matmul term at its rate
     host         bytes to and from pinned host memory (the compiled program's when given, else the offloaded
@@ -69,7 +70,7 @@ from maxctx.plan.hardware import (  # noqa: F401  (the device and the collective
     _collective_s,
     hardware,
 )
-from maxctx.plan.roofline import attention_shape, traffic
+from maxctx.plan.roofline import attention_shape, dispatch_exchanges, traffic
 
 GIB = 1024 ** 3
 # Calibrated on MaxText's measured v5p-128 rows (benchmarks/step_time_model.py --fit; docs/step_time_model.md).
@@ -295,14 +296,24 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     cp_total, cp_exposed = _cp_seconds(config, plan, hw, attention_rate, forwards_per_layer)
     scan_s = linear_exchange_s(config, plan, hw, forwards_per_layer)
     other = moved["ici"] / hw.ici_bytes_per_s + moved["dcn"] / hw.dcn_bytes_per_s
-    exposed = shape.attention_layers * cp_exposed + scan_s + max(0.0, other - compute_s)
+    dispatch_s = expert_dispatch_seconds(config, plan, hw, t, 2 if redone else 1)
+    exposed = shape.attention_layers * cp_exposed + scan_s + dispatch_s + max(0.0, other - compute_s)
     if host_bytes is None:
         host_bytes = 2 * t * sum(per["bytes"][name] * offloading_layers(config, name)
                                  for name, w in where.items() if w == "offload")
     host_s = host_bytes / 2 / hw.host_bytes_per_s  # one way: to the host in the forward, back in the backward
     return StepTime(matmul_s, attention_s, recompute_s, memory_s,
-                    shape.attention_layers * cp_total + scan_s + other, exposed, host_s,
+                    shape.attention_layers * cp_total + scan_s + dispatch_s + other, exposed, host_s,
                     max(0.0, host_s - compute_s / 3), model_flops, forwards_per_layer, host_bytes)
+
+
+def expert_dispatch_seconds(config: Config, plan: MeshPlan, hw: Hardware, tokens: float, forward_passes: int) -> float:
+    """Expert parallelism's token exchanges per step (maxctx.plan.roofline.dispatch_exchanges), each waited for in
+    full (the experts need their rows; the return, the combine), a ragged all-to-all priced as an all-to-all."""
+    inside = math.prod(plan.ici.values())  # devices of one slice
+    return sum(_collective_s(dataclasses.replace(c, kind="all-to-all") if c.kind == "ragged-all-to-all" else c, hw,
+                             inside)
+               for c in dispatch_exchanges(config, families.shape(config), tokens, forward_passes))
 
 
 def rebuild_flops(config: Config, plan: MeshPlan, forwards: float) -> float:
