@@ -39,13 +39,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxctx.errors import ConfigError
 
-DISPATCHES = ("auto", "padded", "ragged")
-
 
 def resolve(name: str, platform: str) -> str:
     """`auto` -> ragged on TPU and GPU, padded on CPU."""
-    if name not in DISPATCHES:
-        raise ConfigError(f"expert_dispatch='{name}' is not one of {', '.join(DISPATCHES)}")
+    if name != "auto" and name not in EXCHANGES:
+        raise ConfigError(f"expert_dispatch='{name}' is not one of auto, {', '.join(EXCHANGES)}")
     if name == "auto":
         return "padded" if platform == "cpu" else "ragged"
     return name
@@ -71,10 +69,7 @@ def dispatched_swiglu(x_TD, weights_TK, experts_TK, w_gate, w_up, w_down, glu=No
     counts = jnp.bincount(flat, length=local * degree).astype(jnp.int32)
     run = functools.partial(_local_experts, w_gate=w_gate, w_up=w_up, w_down=w_down, matmul=matmul, glu=glu,
                             gate_up_bias=gate_up_bias)
-    if dispatch == "padded":
-        ys = _padded(xs, experts, counts, axes, degree, run)
-    else:
-        ys = _ragged(xs, counts, axes, degree, run, exchange_for(platform))
+    ys = EXCHANGES[dispatch](xs, experts, counts, axes, degree, run, platform)
     y_TKD = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)
     return jnp.einsum("TKD,TK->TD", y_TKD, weights_TK.astype(ys.dtype), preferred_element_type=jnp.float32)
 
@@ -97,8 +92,9 @@ def _local_experts(rows, ids, *, w_gate, w_up, w_down, matmul, glu, gate_up_bias
     return jnp.take(ys, jnp.argsort(order), axis=0)
 
 
-def _padded(xs, experts, counts, axes, degree: int, run):
+def _padded(xs, experts, counts, axes, degree: int, run, platform: str):
     """The sorted rows xs[R, D] (global experts `experts` [R]) through an [E, R, D] all-to-all and back."""
+    del platform  # every platform's
     rows, width = xs.shape
     local = counts.shape[0] // degree
     send = counts.reshape(degree, local).sum(axis=1)
@@ -115,9 +111,11 @@ def _exclusive(v, axis=-1):
     return jnp.cumsum(v, axis=axis) - v
 
 
-def _ragged(xs, counts, axes, degree: int, run, exchange):
-    """The sorted rows xs[R, D] to their ranks by a ragged all-to-all (`exchange`, jax.lax.ragged_all_to_all's
-    signature) into an [E R, D] buffer, and back into [R, D]."""
+def _ragged(xs, experts, counts, axes, degree: int, run, platform: str):
+    """The sorted rows xs[R, D] to their ranks by a ragged all-to-all (the platform's: `exchange_for`) into an
+    [E R, D] buffer, and back into [R, D]."""
+    del experts  # the counts place the rows
+    exchange = exchange_for(platform)
     rows, width = xs.shape
     local = counts.shape[0] // degree
     me = jax.lax.axis_index(axes)
@@ -134,6 +132,10 @@ def _ragged(xs, counts, axes, degree: int, run, exchange):
     out = run(buffer, ids)
     back = _exclusive(pairs, axis=1)[:, me]  # where each sender's rows to this rank start in its own rows
     return exchange(out, jnp.zeros((rows, width), out.dtype), _exclusive(recv), recv, back, send, axis_name=axes)
+
+
+# The exchanges by `expert_dispatch` name (their bytes: maxctx.model.moe.experts.dispatch_volume).
+EXCHANGES = {"padded": _padded, "ragged": _ragged}
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,

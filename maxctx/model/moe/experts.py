@@ -1,9 +1,12 @@
-"""What the experts' layout costs: the expert strategy as formulas (no JAX), the way maxctx.attention.cp.cost states
-a CP strategy's. One strategy today, `gathered` (maxctx.model.moe.layers.gathered): every expert-block parameter
-sharded over the devices experts borrow (fsdp and the context axes, maxctx.parallelism.EXPERT_AXES) is gathered
-once per layer by an explicit all-gather into one copy per device, and its gradient leaves the layer by the
-gather's transpose, one reduce-scatter; the tokens never move. MaxText's Ironwood MoE recipes shard experts the
-same way (FSDP-style) rather than run expert parallelism.
+"""What the experts' layout costs: the expert strategies as formulas (no JAX), the way maxctx.attention.cp.cost
+states a CP strategy's. `gathered` (expert_parallelism=1, maxctx.model.moe.layers.gathered): every expert-block
+parameter sharded over the devices experts borrow (fsdp and the context axes, maxctx.parallelism.EXPERT_AXES) is
+gathered once per layer by an explicit all-gather into one copy per device, and its gradient leaves the layer by
+the gather's transpose, one reduce-scatter; the tokens never move. MaxText's Ironwood MoE recipes shard experts the
+same way (FSDP-style) rather than run expert parallelism. Expert parallelism of degree E
+(maxctx.model.moe.dispatch): each EP rank gathers its X / E experts only (`comm_volume` with `degree`; the router
+and what the combine reads whole, ExpertParam.spread), and the tokens move by one of the exchanges
+(`dispatch_volume`).
 
 Legend (per MoE layer and device): X experts, D model width, M an expert's width, T tensor parallelism (M split
 over it), G the devices a parameter is gathered from, b bytes per number as gathered (the compute dtype for the
