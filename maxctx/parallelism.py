@@ -178,11 +178,19 @@ def ep_axes(entry, sizes: Mapping[str, int], degree: int) -> tuple[str, ...]:
                       f"{', '.join(map(str, degrees))}")
 
 
+def expert_parallel_axes(config: Config, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes of expert_parallelism (`ep_axes` of the experts' dimension as resolve_axes splits
+    num_experts over the axes' `sizes`), refusing a degree they cannot make; () without it."""
+    if config.expert_parallelism == 1:
+        return ()
+    return ep_axes(resolve_axes(("expert",), (config.num_experts,), sizes)[0], sizes, config.expert_parallelism)
+
+
 def check_expert_mesh(config: Config, sizes: Mapping[str, int]) -> None:
-    """Refuses an expert_parallelism that the mesh axes' `sizes` cannot make (`ep_axes` of the experts' dimension
-    as resolve_axes splits num_experts), before JAX: the planner's candidates and maxctx.validate."""
-    if config.expert_parallelism > 1 and config.num_experts % config.expert_parallelism == 0:
-        ep_axes(resolve_axes(("expert",), (config.num_experts,), sizes)[0], sizes, config.expert_parallelism)
+    """Refuses an expert_parallelism that the mesh axes' `sizes` cannot make, before JAX: the planner's candidates
+    and maxctx.validate (a degree that does not divide num_experts: maxctx.model.moe.family's message)."""
+    if config.num_experts % config.expert_parallelism == 0:
+        expert_parallel_axes(config, sizes)
 
 
 def num_slices(config: Config) -> int:

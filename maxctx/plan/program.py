@@ -265,7 +265,8 @@ class Program:
             if kind == "reduce-scatter":
                 size = sum(shape_bytes(self.defs[o].result) for o in ins.operands if o in self.defs)
             elif kind == "ragged-all-to-all":  # what one device sends when balanced (maxctx.model.moe.experts)
-                size = min(shape_bytes(ins.result), shape_bytes(self.defs[ins.operands[0]].result))
+                operand = self.defs.get(ins.operands[0]) if ins.operands else None
+                size = min(shape_bytes(ins.result), shape_bytes(operand.result)) if operand else shape_bytes(ins.result)
             elif ins.op.endswith("-start") and kind == "collective-permute":
                 size = shape_bytes(_output(ins))
             else:

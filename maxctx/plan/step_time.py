@@ -55,7 +55,7 @@ from maxctx.attention.cp import strategies
 from maxctx.attention.cp.cost import AttentionShape, Collective, replicated_kv_heads
 from maxctx.config import REMAT_NAMES, Config, layer_windows
 from maxctx.model import families
-from maxctx.parallelism import RING_AXIS, TENSOR_AXIS, MeshPlan, mesh_context_degree
+from maxctx.parallelism import RING_AXIS, TENSOR_AXIS, MeshPlan, expert_parallel_axes, mesh_context_degree
 from maxctx.plan import topology
 from maxctx.plan.documents import attention_pairs_per_token, causal_keys
 from maxctx.plan.hardware import (  # noqa: F401  (the device and the collectives' timing, named here for readers)
@@ -141,8 +141,12 @@ def per_token(config: Config, tp: int) -> dict[str, float]:
     # offloaded, 2 x 40.0 + 0.31 + 40.0 (docs/long_context.md); p2p's ring output is the layer's (80.31 GiB).
     outputs = strategies.for_config(config).output_copies
     family = families.for_config(config)
-    tensors = family.tensors(family.shape(config), tp, outputs)
-    return {"bytes": {name: t.bytes for name, t in tensors.items()},
+    shape = family.shape(config)
+    tensors = family.tensors(shape, tp, outputs)
+    # Under expert parallelism the experts' gate and up rows ([E R, M / T], maxctx.model.moe.dispatch) are E times
+    # a token's pairs (dropless buffers).
+    grown = {"mlpwi": config.expert_parallelism} if getattr(shape, "num_experts", 1) > 1 else {}
+    return {"bytes": {name: t.bytes * grown.get(name, 1) for name, t in tensors.items()},
             "flops": {name: t.flops for name, t in tensors.items() if t.flops}}
 
 
@@ -296,7 +300,7 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
     cp_total, cp_exposed = _cp_seconds(config, plan, hw, attention_rate, forwards_per_layer)
     scan_s = linear_exchange_s(config, plan, hw, forwards_per_layer)
     other = moved["ici"] / hw.ici_bytes_per_s + moved["dcn"] / hw.dcn_bytes_per_s
-    dispatch_s = expert_dispatch_seconds(config, plan, hw, t, 2 if redone else 1)
+    dispatch_s = expert_dispatch_seconds(config, plan, hw, t * tp, 2 if redone else 1)  # every tensor shard's
     exposed = shape.attention_layers * cp_exposed + scan_s + dispatch_s + max(0.0, other - compute_s)
     if host_bytes is None:
         host_bytes = 2 * t * sum(per["bytes"][name] * offloading_layers(config, name)
@@ -308,9 +312,12 @@ def estimate(config: Config, plan: MeshPlan, global_batch: float, hw: Hardware, 
 
 
 def expert_dispatch_seconds(config: Config, plan: MeshPlan, hw: Hardware, tokens: float, forward_passes: int) -> float:
-    """Expert parallelism's token exchanges per step (maxctx.plan.roofline.dispatch_exchanges), each waited for in
-    full (the experts need their rows; the return, the combine), a ragged all-to-all priced as an all-to-all."""
-    inside = math.prod(plan.ici.values())  # devices of one slice
+    """Expert parallelism's token exchanges per step (maxctx.plan.roofline.dispatch_exchanges) for `tokens` per
+    device (its batch and context shard, which each tensor shard holds), each waited for in full (the experts need
+    their rows; the return, the combine), a ragged all-to-all priced as an all-to-all. The EP group spans the
+    slices its leading axes cross on DCN."""
+    axes = expert_parallel_axes(config, plan.sizes)
+    inside = config.expert_parallelism // math.prod(plan.dcn.get(a, 1) for a in axes)  # of its devices, per slice
     return sum(_collective_s(dataclasses.replace(c, kind="all-to-all") if c.kind == "ragged-all-to-all" else c, hw,
                              inside)
                for c in dispatch_exchanges(config, families.shape(config), tokens, forward_passes))

@@ -84,9 +84,9 @@ def _local_experts(rows, ids, *, w_gate, w_up, w_down, matmul, glu, gate_up_bias
     row_experts = jnp.take(ids, order)
     gate = checkpoint_name(matmul(xs, w_gate, sizes), "mlpwi")
     up = checkpoint_name(matmul(xs, w_up, sizes), "mlpwi")
-    if gate_up_bias is not None:
-        owner = jnp.minimum(row_experts, local - 1)  # an empty slot's output is zeroed below
-        gate, up = (h + jnp.take(b.astype(h.dtype), owner, axis=0) for h, b in zip((gate, up), gate_up_bias))
+    if gate_up_bias is not None:  # an empty slot takes no bias, nor gives its (unwritten) rows' gradient to one
+        gate, up = (h + jnp.take(b.astype(h.dtype), row_experts, axis=0, mode="fill", fill_value=0)
+                    for h, b in zip((gate, up), gate_up_bias))
     ys = matmul(glu(gate, up) if glu is not None else jax.nn.silu(gate) * up, w_down, sizes)
     ys = jnp.where((row_experts < local)[:, None], ys, jnp.zeros((), ys.dtype))
     return jnp.take(ys, jnp.argsort(order), axis=0)
