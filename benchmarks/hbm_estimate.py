@@ -51,6 +51,9 @@ RESOLVED = {
                     "decoder_layer_input=offload", "context=offload", "mlpwo=offload"],
     "deepseek2-16b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=16", "remat_policy=custom",
                       "decoder_layer_input=offload", "context=offload"],
+    # qwen3.5-9b at 4,194,304 tokens (docs/linear_attention.md): auto's usp 16x4, input and context offloaded.
+    "qwen3.5-9b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=4", "remat_policy=custom",
+                   "decoder_layer_input=offload", "context=offload"],
     # deepseek3-671b at 128K on v5p-1024 (docs/mixture_of_experts.md): auto's first candidate compiled.
     "deepseek3-671b": ["context_parallel_strategy=usp", "context_parallel_a2a_degree=32", "remat_policy=custom",
                        "decoder_layer_input=offload", "context=offload"],

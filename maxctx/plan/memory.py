@@ -144,6 +144,11 @@ def _layer_bytes(config: Config, family, shape, tp: int, tokens: float, attentio
     step = len(layer_windows(config)) * config.decoder_layer_input_stride
     back = [name for name, w in where.items() if w == "offload" and name != "decoder_layer_input"]
     work += PREFETCHED * step * tokens * sum(per[name] for name in back)
+    # a family whose layer kind is a period of layers (qwen3_5: 3 linear + 1 full) recomputes the whole period's
+    # forward before its backward, holding the lower layers' recomputed tensors meanwhile (qwen3.5-9b at
+    # 4,194,304 tokens: 4 layers' gate and up projections at once, docs/linear_attention.md)
+    redone = [name for name, w in where.items() if w == "remat" and name != "decoder_layer_input"]
+    work += (_period_layers(config, family, shape) - 1) * tokens * sum(per[name] for name in redone)
     # the projections' gradients: dq, dk, dv and the attention output's (q's width)
     grads = tokens * (2 * per["query_proj"] + per["key_proj"] + per["value_proj"])
     heads = (attention_bytes + grads) / config.attention_head_chunks
@@ -155,3 +160,9 @@ def _layer_bytes(config: Config, family, shape, tp: int, tokens: float, attentio
 def _expert_degree(config: Config, shape) -> int:
     """Expert parallelism's E for a shape with experts, else 1."""
     return config.expert_parallelism if getattr(shape, "num_experts", 1) > 1 else 1
+
+
+def _period_layers(config: Config, family, shape) -> int:
+    """Layers one scan step of the family's stacks runs (a layer kind that is a period of layers: its length)."""
+    steps = sum(stack.count for stack in family.stacks(config)) or shape.num_layers
+    return max(1, round(shape.num_layers / steps))
