@@ -10,7 +10,7 @@ this module only does the arithmetic.
 
 Experts have no axis of their own: they borrow the devices of fsdp and context (EXPERT_AXES), as torchtitan's
 expert parallelism borrows all of context parallelism and some of data-parallel sharding: an expert degree E is
-a product of the leading axes the experts are sharded over (maxctx.model.moe.dispatch.ep_axes).
+a product of the leading axes the experts are sharded over (`ep_axes`).
 """
 
 from __future__ import annotations

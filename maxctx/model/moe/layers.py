@@ -185,7 +185,7 @@ def device_sums(fn, mesh, x_BSD, segment_ids_BS, *copies, rows: bool = False) ->
 
 
 def expert_axes(cfg: ModelConfig, mesh, w_gate) -> tuple[str, ...]:
-    """The mesh axes of expert parallelism (maxctx.model.moe.dispatch.ep_axes) for the experts' weight `w_gate`
+    """The mesh axes of expert parallelism (maxctx.parallelism.ep_axes) for the experts' weight `w_gate`
     [X, D, M] as stored; () without it."""
     degree = cfg.expert_parallelism
     if degree == 1:
