@@ -113,3 +113,7 @@ class ModelFamily:
     # config -> the family's own frozen layer settings (QK-norm, biases, soft-caps, ...), which its layer kinds
     # read as cfg.options (a DecoderOptions, or a subclass, for the decoder too); None for a family that needs none.
     options: Callable[[Config], Any] = lambda config: None
+    # (shape, T, tensors) -> the tensors when the CP strategy moves MLA's latent (Strategy.moves, e.g.
+    # latent_all_gather): the layer hands the strategy its latent and forms no per-head K or V; None for a family
+    # without MLA.
+    latent_tensors: Callable[[ModelShape, int, dict[str, Tensor]], dict[str, Tensor]] | None = None

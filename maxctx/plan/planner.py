@@ -5,8 +5,8 @@ strategy costed at every placement within the HBM and host budgets.
 
 Candidates: every registered strategy (maxctx.attention.cp.strategies) at each A2A degree its `planner_degrees`
 gives (all_gather and p2p U = 1, a2a U = C, usp every divisor 1 < U < C of the CP degree C; a strategy that moves
-MLA's latent, latent_all_gather, for a model with MLA only, its rebuild of K and V priced at the matmul rate:
-step_time.rebuild_flops). Each is checked
+MLA's latent, latent_all_gather and latent_p2p, for a model with MLA only, its rebuild of K and V priced at the
+matmul rate: step_time.rebuild_flops). Each is checked
 with the same rules as a hand-written config (the strategy's `check`, the mesh split, splash's 128 rows);
 an invalid one is dropped with the rule's message. For each valid one, per device:
 

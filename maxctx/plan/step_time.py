@@ -102,6 +102,8 @@ def exposed_per_layer(strategy: str, s: AttentionShape, hw: Hardware, ici_cp: in
     # forward; dq and the travelling dK/dV in the backward. Not overlapped: the merge waits for the block.
     acc = s.batch * (s.seq / r) * s.head_dim * 4 * s.heads / s.a2a
     kv_acc = 2 * s.batch * (s.seq / r) * s.head_dim * 4 * replicated_kv_heads(s.kv_heads, s.a2a) / s.a2a
+    if unit.moves == "latent" and s.latent_width:  # the travelling accumulator is d latent (latent_p2p)
+        kv_acc = s.batch * (s.seq / r) * s.latent_width * 4
 
     def ring_s(ops: list[Collective], compute: float, hops: int, merged: float, overlap: bool) -> float:
         sent = sum(c.sent_bytes for c in ops if c.kind == "collective-permute")
@@ -139,10 +141,12 @@ def per_token(config: Config, tp: int) -> dict[str, float]:
     # it keeps all: for usp, the program compiled for
     # v5p-128 at 10,485,760 tokens moves 120.31 GiB per chip to the host with context and the layer input
     # offloaded, 2 x 40.0 + 0.31 + 40.0 (docs/long_context.md); p2p's ring output is the layer's (80.31 GiB).
-    outputs = strategies.for_config(config).output_copies
+    strategy = strategies.for_config(config)
     family = families.for_config(config)
     shape = family.shape(config)
-    tensors = family.tensors(shape, tp, outputs)
+    tensors = family.tensors(shape, tp, strategy.output_copies)
+    if strategy.moves == "latent" and family.latent_tensors is not None:  # MLA's latent, K and V never formed
+        tensors = family.latent_tensors(shape, tp, tensors)
     # Under expert parallelism the experts' gate and up rows ([E R, M / T], maxctx.model.moe.dispatch) are E times
     # a token's pairs (dropless buffers).
     grown = {"mlpwi": config.expert_parallelism} if getattr(shape, "num_experts", 1) > 1 else {}

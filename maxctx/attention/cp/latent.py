@@ -95,20 +95,11 @@ class LatentAllGather(AllGather):
         (U = N + V; N is Q - P, P = L - R)."""
         from jax.sharding import PartitionSpec as P
 
-        from maxctx.attention.cp.load_balance import stored_order
-        from maxctx.attention.cp.ring import check_ring_local
         from maxctx.attention.cp.sharded import BATCH, CONTEXT, TENSOR_AXIS, shard_map
-        from maxctx.attention.kernels.local import make_local
 
         cp = mesh_context_degree(mesh.shape)
-        seq, rank = q_BSHQ.shape[1], wkv_b_RHU.shape[0]
-        nope = q_BSHQ.shape[-1] - (latent_BSL.shape[-1] - rank)
-        # The kernels of a ring over C blocks: each key block is attended as the ring hop that holds it would.
-        local = make_local(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh,
-                           order=stored_order(seq, cp, spec.load_balance), q_shards=cp, kv_blocks=cp,
-                           q_axes=CONTEXT, ring=True, window=spec.window, splash_blocks=spec.splash_blocks,
-                           documents=spec.load_balance == "documents" and cp > 1, softcap=spec.logit_softcap)
-        check_ring_local(local, self.name)
+        local = local_kernel(spec, mesh, q_BSHQ.shape[1], self.name)
+        nope = q_BSHQ.shape[-1] - (latent_BSL.shape[-1] - wkv_b_RHU.shape[0])
 
         def body(q, latent, w, pos, seg):
             import jax
@@ -120,6 +111,23 @@ class LatentAllGather(AllGather):
         q_spec = P(BATCH, CONTEXT, TENSOR_AXIS, None)
         specs = (q_spec, P(BATCH, CONTEXT, None), P(None, TENSOR_AXIS, None), P(BATCH, CONTEXT), P(BATCH, CONTEXT))
         return shard_map(body, mesh, specs, q_spec)(q_BSHQ, latent_BSL, wkv_b_RHU, positions_BS, segment_ids_BS)
+
+
+def local_kernel(spec, mesh, seq: int, strategy: str):
+    """The kernels of a ring over C key blocks (each block attended as the ring hop that holds it would), for a
+    strategy that rebuilds K and V from the latent block by block."""
+    from maxctx.attention.cp.load_balance import stored_order
+    from maxctx.attention.cp.ring import check_ring_local
+    from maxctx.attention.cp.sharded import CONTEXT
+    from maxctx.attention.kernels.local import make_local
+
+    cp = mesh_context_degree(mesh.shape)
+    local = make_local(spec.kernel, spec.block_q, spec.block_kv, mesh=mesh,
+                       order=stored_order(seq, cp, spec.load_balance), q_shards=cp, kv_blocks=cp,
+                       q_axes=CONTEXT, ring=True, window=spec.window, splash_blocks=spec.splash_blocks,
+                       documents=spec.load_balance == "documents" and cp > 1, softcap=spec.logit_softcap)
+    check_ring_local(local, strategy)
+    return local
 
 
 def rebuild(latent_BSL, wkv_b_RHU, nope: int):

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 
 from maxctx import parallelism
-from maxctx.attention.cp import a2a, all_gather, latent, p2p, usp
+from maxctx.attention.cp import a2a, all_gather, latent, latent_ring, p2p, usp
 from maxctx.attention.cp.base import Strategy
 from maxctx.config import Config
 from maxctx.errors import ConfigError, did_you_mean
@@ -84,3 +84,4 @@ register(a2a.STRATEGY)
 register(p2p.STRATEGY)
 register(usp.STRATEGY)
 register(latent.STRATEGY)
+register(latent_ring.STRATEGY)

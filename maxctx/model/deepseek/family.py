@@ -146,6 +146,15 @@ def tensors(shape: DeepseekShape, tp: int, context_copies: int) -> dict[str, Ten
             "mlpwo": Tensor(d * b, 2 * k * m * d + 2 * shape.top_k * d)}
 
 
+def latent_tensors(shape: DeepseekShape, tp: int, named: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Under a strategy that moves the latent (maxctx.attention.cp.latent): `key_proj` names the latent and the
+    rotated RoPE key [t, Rkv + Dr] (its down projection's FLOPs; the strategy's rebuild of K and V is its own,
+    Strategy.rebuild_flops) and `value_proj` is not formed."""
+    width = shape.kv_lora_rank + shape.rope_dim
+    return {**named, "key_proj": Tensor(width * shape.itemsize, 2 * shape.emb_dim * width),
+            "value_proj": Tensor(0.0, 0.0)}
+
+
 def activation(shape: DeepseekShape, tp: int) -> float:
     """Bytes per token of one MoE layer's forward: six [t, D], the latent and RoPE key, q, k (Dq), v and the output
     (Dv), the experts' [k M / T] three times with the shared ones, the sorted copy and the slots' outputs [k D], the
@@ -222,5 +231,5 @@ def stacks(config: Config) -> tuple[Stack, ...]:
 
 DEEPSEEK = dataclasses.replace(
     llama.LLAMA, name="deepseek", shape=DeepseekShape.from_config, tensors=tensors, activation=activation, tile=tile,
-    check=check, stacks=stacks, hf_layout=hf_layout, options=options,
+    check=check, stacks=stacks, hf_layout=hf_layout, options=options, latent_tensors=latent_tensors,
     logical_axes=(*llama.LLAMA.logical_axes, "expert"))

@@ -11,8 +11,9 @@ interleaved pairs (dims 2i, 2i + 1, transformers' complex form, as the released 
 YaRN's frequencies and attention factor (maxctx.model.rope). With YaRN's `mscale` the softmax scale is
 Q^-1/2 (0.1 mscale ln(factor) + 1)^2: q is multiplied by the square, the kernels apply Q^-1/2. Then any kernel and
 CP strategy (maxctx.attention.attend) with V narrower than Q, and out [B, S, H, V] wo. Under a strategy that moves
-the latent (context_parallel_strategy=latent_all_gather, maxctx.attention.cp.latent) the layer hands it q, the
-normed latent and the rotated key [B, S, R + P] and wkv_b instead, and the strategy builds K and V after its gather.
+the latent (context_parallel_strategy=latent_all_gather or latent_p2p, maxctx.attention.cp.latent and latent_ring) the
+layer hands it q, the normed latent and the rotated key [B, S, R + P] and wkv_b instead, and the strategy builds K
+and V from the latent it gathers or receives.
 
 DeepSeek-V3's sequence-wise balance loss (sequence_balance_loss_weight > 0; off, the layer's program is unchanged):
 each MoE layer adds per-row sums over the global arrays (`row_sums`, the same under any mesh and sequence order)
@@ -84,7 +85,7 @@ class MlaAttention(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, window: int = 0):
         spec = dataclasses.replace(self.cfg.attention, window=window)
-        if moves_latent(spec, self.mesh):  # the strategy gathers the latent and rebuilds K and V itself
+        if moves_latent(spec, self.mesh):  # the strategy moves the latent and rebuilds K and V itself
             q, latent = self.q_and_latent(x_BSD, positions_BS)
             out_BSHV = attend_latent(q, latent, self.wkv_b[...].astype(self.cfg.dtype), positions_BS,
                                      segment_ids_BS, spec, self.mesh)
