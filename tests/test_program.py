@@ -67,9 +67,16 @@ def test_host_bytes_are_the_offloaded_tensors(reports):
 
 
 def test_collectives_and_flops_are_counted(reports):
+    from maxctx.attention.cp import strategies
+    from maxctx.attention.cp.cost import AttentionShape
+
     remat, device = reports["remat"][0], reports["device"][0]
-    # The ring's K/V permutes: the recompute runs the forward ring again.
-    assert remat["collective_bytes"]["collective-permute"] > device["collective_bytes"]["collective-permute"] > 0
+    # The ring's K/V permutes, p2p's formula exactly (bf16; an async permute's output counted, not its operand):
+    # the recompute runs the forward ring again.
+    shape = AttentionShape(batch=1, seq=4 * TOKENS, heads=HEADS, kv_heads=2, head_dim=HEAD_DIM, itemsize=2, cp=4)
+    fwd, bwd = (sum(c.bytes for c in ops) for ops in strategies.get("p2p").comm_volume(shape))
+    for report, forwards in ((remat, 2), (device, 1)):
+        assert report["collective_bytes"]["collective-permute"] == LAYERS * (forwards * fwd + bwd), forwards
     assert remat["uncounted_loops"] == 0 and remat["pallas_calls_uncounted"] == 0
     for report in (remat, device):
         assert report["executed_pallas_flops"] > 0 and report["executed_dot_flops"] > 0

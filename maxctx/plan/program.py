@@ -327,9 +327,12 @@ class Program:
 
 
 def _output(ins: Instruction) -> str:
-    """The result an async -start produces (the element after its operands' tuple), else the instruction's result."""
-    if not ins.op.endswith("-start") or not ins.result.startswith("(("):
+    """The result an async -start produces (the element after its operands' tuple, or after its one operand: a
+    collective-permute-start's (operand, output, u32[], u32[])), else the instruction's result."""
+    if not ins.op.endswith("-start") or not ins.result.startswith("("):
         return ins.result
+    if not ins.result.startswith("(("):
+        return _top_level(ins.result[1:-1])[1] if len(_top_level(ins.result[1:-1])) > 1 else ins.result
     depth = 0
     for i, ch in enumerate(ins.result[1:], 1):
         depth += ch == "("
@@ -337,6 +340,18 @@ def _output(ins: Instruction) -> str:
         if depth == 0:
             return ins.result[i + 1:].lstrip(", ").split(", ")[0]
     return ins.result
+
+
+def _top_level(text: str) -> list[str]:
+    """The comma-separated elements of a tuple's inside, nested tuples and layouts kept whole."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [*parts, text[start:].strip()]
 
 
 def _kernel_kind(ins: Instruction) -> str | None:

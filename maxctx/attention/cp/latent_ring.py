@@ -42,7 +42,8 @@ class LatentP2P(LatentAllGather):
 
     def global_comm_volume(self, s: AttentionShape) -> CommVolume:
         """p2p's ring (`ring_comm_volume`) with the latent as the travelling block, one 'kv head' L wide:
-        forward (C - 1) (B s L b + 2 B s 4); backward the same plus C B s L 4 of fp32 d latent."""
+        forward (C - 1) (B s L b + 2 B s 4); backward the same plus d latent, (C - 1) B s L 4 in fp32 from hop to
+        hop and B s L b home."""
         if not s.latent_width:
             return P2P().global_comm_volume(s)
         return ring_comm_volume(s.batch, s.seq / s.cp, 1, s.latent_width, s.itemsize, s.cp)
@@ -165,8 +166,8 @@ def _backward(local, nope, cp, res, dout):
             latent, ids)
     dq, dlat, dw, lat, ids = jax.lax.fori_loop(0, cp - 1, hop_with_send, init)
     dq, dlat, dw = hop(cp - 1, q, w, qp, qs, out, lse, dout, (dq, dlat, dw), lat, ids)
-    dlat = ring_shift(dlat, CONTEXT, cp)  # after C shifts: at the owner
-    return dq.astype(q.dtype), dlat.astype(latent.dtype), dw.astype(w.dtype), None, None
+    dlat = ring_shift(dlat.astype(latent.dtype), CONTEXT, cp)  # after C shifts: at the owner, in its dtype
+    return dq.astype(q.dtype), dlat, dw.astype(w.dtype), None, None
 
 
 def _make_vjp():

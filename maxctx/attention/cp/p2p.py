@@ -25,9 +25,11 @@ def ring_comm_volume(batch: float, rows: float, kv_heads: int, kv_width: int, it
     """A ring of R devices, each holding `rows` tokens of K/V (K heads, kv_width = D + Dv numbers each):
     collective-permute operands
     forward   (R - 1) x (B rows K (D + Dv) b + 2 B rows 4)                          K, V, positions, segment ids
-    backward  (R - 1) x (B rows K (D + Dv) b + 2 B rows 4) + R x B rows K (D + Dv) 4   re-sent K/V, fp32 dK/dV."""
+    backward  (R - 1) x (B rows K (D + Dv) b + 2 B rows 4)                          re-sent K/V
+              + (R - 1) x B rows K (D + Dv) 4 + B rows K (D + Dv) b                dK/dV: fp32 from hop to hop,
+                                                                                   the last shift home in b."""
     hop = batch * rows * kv_heads * kv_width * itemsize + 2 * batch * rows * 4
-    grads = ring * batch * rows * kv_heads * kv_width * 4
+    grads = batch * rows * kv_heads * kv_width * ((ring - 1) * 4 + itemsize)
     return ([Collective("collective-permute", (ring - 1) * hop, ring)],
             [Collective("collective-permute", (ring - 1) * hop + grads, ring)])
 

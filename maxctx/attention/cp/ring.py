@@ -168,7 +168,7 @@ def _ring_bwd(local, axis, size, overlap, res, dout):
         dq, dkv = compute(0, *zeros, vk, ids)
         dq, dkv, vk, ids = jax.lax.fori_loop(1, size - 1, hop_with_send, (dq, dkv, *following))
         dq, dkv = compute(size - 1, dq, ring_shift(dkv, axis, size), vk, ids)
-    dkv = ring_shift(dkv, axis, size)  # after R shifts: at the owner
+    dkv = ring_shift(dkv.astype(k.dtype), axis, size)  # after R shifts: at the owner, in K's dtype
     dv_all, dk_all = split_kv(dkv, dv, dk)
     dsinks = None if sinks is None else sink_grad(out, lse, dout, sinks)
     return dq.astype(q.dtype), dk_all.astype(k.dtype), dv_all.astype(v.dtype), None, None, None, None, dsinks
