@@ -3,8 +3,9 @@
 of K and V built from it, forward and gradients (q, the latent, wkv_b), in every token order, with the weight split
 over tensor shards; the bytes each moves are its formulas, below all_gather's (p2p's) by H (Q + V) / (R + P); its
 backward's temp bytes grow with S as its activation and transient formulas do, with no whole K or V; a model without
-MLA is refused in one line. The model under it (the deepseek fixtures against transformers' logits) is
-tests/test_family_matrix.py's.
+MLA is refused in one line. The models: the deepseek fixtures' loss and every gradient of a packed batch at C = 4
+equal one device's under every strategy that takes MLA (their logits against transformers' are
+tests/test_family_matrix.py's).
 
 Legend: B batch, S sequence, H heads, Q = N + P q/k head dim (N without RoPE, P the shared RoPE key), V value head
 dim, R latent rank, L = R + P.
@@ -249,13 +250,15 @@ def packed_batch(tokens: np.ndarray) -> dict:
             "weights": (~np.isin(np.arange(tokens.shape[1]), last)).astype(np.float32)[None]}
 
 
-def _loss_and_grads(checkpoint, batch, cp: int, strategy: str):
+def _loss_and_grads(checkpoint, batch, cp: int, strategy: str, load_balance: str = "true"):
     """(loss, {path: gradient}) of the packed batch under `strategy` at C = `cp` (the batch stored as given)."""
     from maxctx.mesh import batch_sharding
     from maxctx.train_step import loss_terms
     from tests.support.hf import setup
+    from tests.support.strategies import config_args
 
-    _, made, state = setup(checkpoint, cp, f"ici_context_parallelism={cp}", f"context_parallel_strategy={strategy}")
+    _, made, state = setup(checkpoint, cp, f"ici_context_parallelism={cp}", *config_args(strategy, cp),
+                           f"context_parallel_load_balance={load_balance}")
     placed = {k: jax.device_put(v, batch_sharding(made.mesh)) for k, v in batch.items()}
     fn = jax.jit(jax.value_and_grad(lambda p, b, g=made.graphdef: loss_terms(g, p, b)[0]))
     loss, grads = fn.lower(state["params"], placed).compile(FAST_COMPILE)(state["params"], placed)
@@ -263,23 +266,39 @@ def _loss_and_grads(checkpoint, batch, cp: int, strategy: str):
 
 
 @pytest.fixture(scope="module")
-def deepseek3(tmp_path_factory):
-    """The deepseek3 fixture's checkpoint, its tokens as a packed batch, and one device's loss and gradients."""
+def one_device(tmp_path_factory):
+    """fixture name -> (checkpoint, its tokens as a packed batch, one device's loss and gradients), made once."""
     from tests.support.hf import FIXTURES, import_fixtures
 
-    checkpoint = import_fixtures(tmp_path_factory.mktemp("ds3"), ["deepseek3"])["deepseek3"]
-    batch = packed_batch(np.load(FIXTURES / "deepseek3" / "tokens.npy"))
-    return checkpoint, batch, _loss_and_grads(checkpoint, batch, 1, NAME)
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            checkpoint = import_fixtures(tmp_path_factory.mktemp(name), [name])[name]
+            batch = packed_batch(np.load(FIXTURES / name / "tokens.npy"))
+            made[name] = checkpoint, batch, _loss_and_grads(checkpoint, batch, 1, "all_gather")
+        return made[name]
+
+    return get
 
 
-@pytest.mark.parametrize("name", LATENT)
-def test_deepseek3_loss_and_gradients_at_c4_are_one_devices(deepseek3, name):
-    # The model's path (MlaAttention hands the strategy q, the normed latent with the rotated key, and wkv_b): the
-    # loss and every parameter's gradient of a packed batch stored in the zig-zag order equal one device's.
+# deepseek3 (query LoRA, sigmoid router with its correction bias, groups) under every strategy that takes MLA, in
+# the zig-zag order; deepseek2 (plain query projection, softmax router, a dense first layer) under a K/V ring and the
+# latent's in the documents order (each document's pieces spread over the ranks).
+TRAINED = [("deepseek3", s, "true") for s in ("all_gather", "a2a", "p2p", "usp", *LATENT)] + [
+    ("deepseek2", s, "documents") for s in ("p2p", RING)]
+
+
+@pytest.mark.parametrize("fixture,name,load_balance", TRAINED)
+def test_deepseek_loss_and_gradients_at_c4_are_one_devices(one_device, fixture, name, load_balance):
+    # The model's path (MlaAttention hands a latent strategy q, the normed latent with the rotated key, and wkv_b;
+    # a K/V strategy the rebuilt K and V): the loss and every parameter's gradient of a packed batch stored in the
+    # load balance's order equal one device's.
     from maxctx.attention.cp.load_balance import reorder_batch
 
-    checkpoint, batch, (loss1, grads1) = deepseek3
-    loss4, grads4 = _loss_and_grads(checkpoint, reorder_batch(batch, 4), 4, name)
+    checkpoint, batch, (loss1, grads1) = one_device(fixture)
+    stored = reorder_batch(batch, 4, {"true": True}.get(load_balance, load_balance))
+    loss4, grads4 = _loss_and_grads(checkpoint, stored, 4, name, load_balance)
     assert abs(loss4 / loss1 - 1) < 1e-5, (loss1, loss4)
     errors = {jax.tree_util.keystr(p): np.abs(grads4[p] - g).max() / max(np.abs(g).max(), 1e-30)
               for p, g in grads1.items()}
