@@ -123,11 +123,12 @@ def test_step_time_terms():
     # the compiled program's count replaces the policy's: one forward, no attention recompute
     once = step_time.estimate(config, MeshPlan.one_slice(mesh), 4, hw, forwards_per_layer=1)
     assert once.step_s < est.step_s and once.host_bytes == 0
-    # p2p per layer: (C-1) hops of K/V (8 kv heads x 128, bf16) + ids forward; backward adds fp32 dK/dV.
+    # p2p per layer: (C-1) hops of K/V (8 kv heads x 128, bf16) + ids forward; backward adds dK/dV: fp32 over the
+    # C-1 hops, and the last shift home in K's dtype (bf16)
     t = 4096
     fwd, bwd = cp_bytes_per_layer(config, mesh, t, 2)
     assert fwd == 7 * (2 * t * 8 * 128 * 2 + 8 * t)
-    assert bwd == fwd + 8 * 2 * t * 8 * 128 * 4
+    assert bwd == fwd + 2 * t * 8 * 128 * (7 * 4 + 2)
 
 
 def test_a2a_moves_all_heads_and_all_gather_only_kv():
