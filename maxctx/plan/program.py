@@ -332,7 +332,8 @@ def _output(ins: Instruction) -> str:
     if not ins.op.endswith("-start") or not ins.result.startswith("("):
         return ins.result
     if not ins.result.startswith("(("):
-        return _top_level(ins.result[1:-1])[1] if len(_top_level(ins.result[1:-1])) > 1 else ins.result
+        parts = _top_level(ins.result[1:-1])
+        return parts[1] if len(parts) > 1 else ins.result
     depth = 0
     for i, ch in enumerate(ins.result[1:], 1):
         depth += ch == "("
