@@ -3,6 +3,7 @@ single compiles (benchmarks/fit_table_keys.jsonl): no compile, the estimate `pyt
 prints for that command's own strategy and remat placement.
 
     python3 benchmarks/hbm_estimate.py [--out benchmarks/hbm_estimate.md]
+    python3 benchmarks/hbm_estimate.py --leave-one-out   # maxctx.plan.memory.XLA_HEAP's fit, each row held out
 
 Compiled: XLA's memory analysis per device (argument + output - alias + temporaries: `total_size_in_bytes`);
 rows whose compile left no report (an abort) are left out. A row compiled with `auto` is estimated at what auto
@@ -117,11 +118,73 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def probe_rows() -> list[dict]:
+    """The fit table's searched rows that the working-set constant was calibrated on (llama3-8b on v5p-128, p2p
+    and usp, the blockwise kernel: tests/test_planner.py), as rows like compiled_rows' (keys, report)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fit_table", os.path.join(ROOT, "benchmarks", "fit_table.py"))
+    fit_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit_table)
+    rows = []
+    for (model, topo, strategy, offload, seq, kernel), probe in sorted(fit_table.load_results().items(), key=str):
+        report = probe.get("report") or {}
+        if ((model, topo) != ("llama3-8b", "v5p-128") or kernel == "splash" or strategy not in ("p2p", "usp")
+                or "total_size_in_bytes" not in report):
+            continue
+        a2a = [f"context_parallel_a2a_degree={report['mesh']['context_a2a']}"] if strategy == "usp" else []
+        rows.append({"keys": fit_table.command(model, topo, strategy, offload, seq, kernel)[4:] + a2a,
+                     "report": report, "status": "fits", "model": model})
+    return rows
+
+
+def heap_ratios(rows: list[dict]) -> list[tuple[dict, object, float]]:
+    """Per row: (row, the estimate's Peak, XLA's temporaries / the temporaries the estimate holds live)."""
+    out = []
+    for r in rows:
+        peak = estimate(compiled_keys(r))[1]
+        got = r["report"]["total_size_in_bytes"]
+        out.append((r, peak, (got - peak.args) / (peak.live - peak.args)))
+    return out
+
+
+def _fitted_on(r: dict) -> bool:
+    """The rows XLA_HEAP is fitted on: one generation's, v5p's."""
+    return dict(k.split("=", 1) for k in r["keys"])["compile_topology"].startswith("v5p-")
+
+
+def fit_heap(ratios: list[tuple[dict, object, float]], leave_out: dict | None = None) -> float:
+    """XLA_HEAP: the median of the v5p rows' ratios (heap_ratios), without `leave_out`."""
+    import statistics
+
+    return statistics.median(x for r, _, x in ratios if _fitted_on(r) and r is not leave_out)
+
+
+def leave_one_out() -> list[str]:
+    """Each row's estimate with XLA_HEAP fitted on the other v5p rows of both tables, beside the compiled figure
+    and beside what the estimate holds live (XLA_HEAP = 1)."""
+    ratios = heap_ratios(compiled_rows() + probe_rows())
+    lines = [f"XLA_HEAP fitted on all {sum(_fitted_on(r) for r, _, _ in ratios)} v5p rows: {fit_heap(ratios):.3f}",
+             "", "| keys | XLA_HEAP without the row | live / compiled | held-out estimate / compiled |",
+             "|---|---:|---:|---:|"]
+    within = [0, 0]
+    for r, peak, _ in ratios:
+        f = fit_heap(ratios, r)
+        got = r["report"]["total_size_in_bytes"]
+        held_out = (peak.args + f * (peak.live - peak.args)) / got
+        within = [within[0] + (abs(peak.live / got - 1) <= 0.05), within[1] + (abs(held_out - 1) <= 0.05)]
+        lines.append(f"| `{_short(r['keys'])}` | {f:.3f} | {peak.live / got:.3f} | {held_out:.3f} |")
+    lines.append(f"\nwithin 5% of the compiled figure: {within[0]} of {len(ratios)} rows with what is live, "
+                 f"{within[1]} held out")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--leave-one-out", action="store_true", help="XLA_HEAP's fit, each row held out")
     args = parser.parse_args()
-    lines = table(compiled_rows())
+    lines = leave_one_out() if args.leave_one_out else table(compiled_rows())
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

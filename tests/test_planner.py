@@ -290,9 +290,10 @@ def test_roofline_prices_the_layer_pattern_as_the_planner_does():
 def test_memory_estimate_against_the_fit_tables_compiles():
     # The working-set constants (planner.LAYER_WORK_BYTES*, one per place of the layer inputs) were calibrated on the
     # llama3-8b p2p and usp compiles for v5p-128 (benchmarks/fit_table.jsonl: XLA's memory for the TPU topology).
-    # There the estimate must stay within 6% of the compiled memory, and within 10% on the v6e-256 rows without
-    # offload, which were not used to fit (docs/choosing_a_strategy.md has every group, all_gather's under-estimate
-    # and the v6e offload rows XLA packs below a linear model).
+    # There the estimate (with memory.XLA_HEAP, fitted on these and the single compiles' v5p rows) must stay within
+    # 6.5% of the compiled memory, and within 13% on the v6e-256 rows without offload, which were not used to fit
+    # and which it overestimates (docs/choosing_a_strategy.md has every group, all_gather's under-estimate and the
+    # v6e offload rows XLA packs below a linear model).
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("fit_table", "benchmarks/fit_table.py")
@@ -304,9 +305,9 @@ def test_memory_estimate_against_the_fit_tables_compiles():
         if strategy not in ("p2p", "usp") or "total_size_in_bytes" not in report:
             continue
         if (model, topo) == ("llama3-8b", "v5p-128") and kernel != "splash":
-            group, tolerance = "calibrated", 0.06
+            group, tolerance = "calibrated", 0.065
         elif topo == "v6e-256" and not offload:
-            group, tolerance = "held out", 0.10
+            group, tolerance = "held out", 0.13
         else:
             continue
         argv = fit_table.command(model, topo, strategy, offload, seq)[3:]

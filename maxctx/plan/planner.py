@@ -81,7 +81,7 @@ from maxctx.plan.step_time import (  # noqa: F401
 )
 
 GIB = 1024 ** 3
-FIT_FRACTION = 0.9  # of HBM: room for what the memory model leaves out (XLA's own buffers, fragmentation)
+FIT_FRACTION = 0.9  # of HBM: room for the estimate's spread around the compiled figure (benchmarks/hbm_heap_fit.md)
 TIE = 0.01  # step times within 1% of the fastest count as equal; the most headroom wins among them
 PLACEMENTS_SHOWN = 3  # remat_policy=auto: each strategy's best placements kept in the table
 
