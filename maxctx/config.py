@@ -220,6 +220,10 @@ class Config:
     # libtpu's scoped VMEM limit for kernels (--xla_tpu_scoped_vmem_limit_kib), given to the TPU compile of every
     # step: -1 the generation's default (maxctx.plan.topology), 0 libtpu's own, > 0 this many KiB.
     tpu_scoped_vmem_limit_kib: int = -1
+    # TPU: let libtpu run gathers (the embedding lookup, splash's mask gathers) on the chip's SparseCores, its own
+    # default. Off unless set: libtpu 0.0.42.1 aborts (SIGABRT in its SparseCore gather lowering) compiling usp
+    # 32x4 at 16,777,216 tokens on tpu7x-128, which compiles with them on the TensorCores (docs/long_context.md).
+    tpu_sparse_core_gathers: bool = False
     # Mesh.
     ici_data_parallelism: int = 1
     ici_fsdp_parallelism: int = -1

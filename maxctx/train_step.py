@@ -204,10 +204,16 @@ def on_device(tree, shardings):
     return jax.tree.unflatten(treedef, moved)
 
 
+# libtpu's switch that moves gathers to the SparseCores (tpu_sparse_core_gathers=false turns it off; of libtpu's
+# two, the one that does: xla_tpu_enable_offloading_gather_to_sparsecore=false leaves an embedding lookup there)
+SPARSE_CORE_GATHERS = "xla_tpu_offload_gather_to_sparsecore"
+
+
 def compiler_options(config, mesh: Mesh) -> dict | None:
     """XLA options of the step's compile: on TPU, the scoped VMEM limit kernels may take (tpu_scoped_vmem_limit_kib;
-    -1: the generation's default in maxctx.plan.topology, 0: libtpu's own). The same options in an ahead-of-time
-    compile for a topology and in the run, so that what `maxctx.compile` says fits is what runs."""
+    -1: the generation's default in maxctx.plan.topology, 0: libtpu's own), and whether gathers may run on the
+    SparseCores (tpu_sparse_core_gathers). The same options in an ahead-of-time compile for a topology and in the
+    run, so that what `maxctx.compile` says fits is what runs."""
     device = mesh.devices.flat[0]
     if device.platform != "tpu":
         return None
@@ -217,7 +223,10 @@ def compiler_options(config, mesh: Mesh) -> dict | None:
 
         chip = next((c for c in topology.CHIPS.values() if c.device_kind == device.device_kind), None)
         limit = chip.scoped_vmem_kib if chip is not None else 0
-    return {"xla_tpu_scoped_vmem_limit_kib": limit} if limit > 0 else None
+    options = {} if config.tpu_sparse_core_gathers else {SPARSE_CORE_GATHERS: False}
+    if limit > 0:
+        options["xla_tpu_scoped_vmem_limit_kib"] = limit
+    return options or None
 
 
 def jit_train_step(setup: TrainSetup):

@@ -1,5 +1,5 @@
 """maxctx.plan.out_of_memory on a kernel's on-chip overflow: the verdict names the kernel, what it needs against
-which limit, and the key to change; and tpu_scoped_vmem_limit_kib reaches the TPU compile.
+which limit, and the key to change; tpu_scoped_vmem_limit_kib and tpu_sparse_core_gathers reach the TPU compile.
 
 tests/fixtures/libtpu/*.txt are libtpu 0.0.42.1's messages (jax 0.10.2) for splash's forward at 2048-token blocks,
 head_dim 256, printed whole: over the 16 MiB scoped limit (tpu_scoped_vmem_limit_kib=0), and over v5p's 63.94 MiB
@@ -69,3 +69,35 @@ def test_a_vmem_overflow_is_named_in_a_real_compile():
     assert "Ran out of memory in memory space vmem" in report["xla_error_text"]
     assert "DOES NOT COMPILE: on-chip VMEM overflowed, not HBM" in text and report["xla_overflow_op"] in text
     assert "set tpu_scoped_vmem_limit_kib=" in text
+
+
+GATHER = """
+import jax, jax.numpy as jnp, sys
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from maxctx.loader import load_config
+from maxctx.plan import topology
+from maxctx.train_step import compiler_options
+mesh = Mesh(topology.topology_devices(topology.parse("tpu7x-8"), 1)[:1], ("x",))
+whole = NamedSharding(mesh, P())
+take = jax.jit(lambda table, ids: jnp.take(table, ids, axis=0), in_shardings=(whole, whole), out_shardings=whole)
+lowered = take.lower(jax.ShapeDtypeStruct((128256, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((131072,), jnp.int32))
+for key in ("tpu_sparse_core_gathers=false", "tpu_sparse_core_gathers=true"):
+    options = compiler_options(load_config(["configs/base.yml", key]), mesh)
+    print(key, lowered.compile(options).as_text().count('execution_thread="sparsecore"'))
+"""
+
+
+def test_gathers_stay_on_the_tensor_cores_unless_the_key_lets_them_go():
+    # llama3-8b's embedding lookup of 131,072 tokens compiled for TPU7x: libtpu runs it on the SparseCores by
+    # default, which tpu_sparse_core_gathers (false by default, in the step's compile options) turns off
+    import subprocess
+    import sys
+
+    from tests.support.processes import ROOT, tpu_env
+
+    needs_libtpu()
+    done = subprocess.run([sys.executable, "-c", GATHER], cwd=ROOT, env=tpu_env(), capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = dict(line.split() for line in done.stdout.strip().splitlines())
+    assert counts["tpu_sparse_core_gathers=false"] == "0" and int(counts["tpu_sparse_core_gathers=true"]) > 0, counts
