@@ -160,10 +160,10 @@ def fit_heap(ratios: list[tuple[dict, object, float]], leave_out: dict | None = 
     return statistics.median(x for r, _, x in ratios if _fitted_on(r) and r is not leave_out)
 
 
-def leave_one_out() -> list[str]:
-    """Each row's estimate with XLA_HEAP fitted on the other v5p rows of both tables, beside the compiled figure
-    and beside what the estimate holds live (XLA_HEAP = 1)."""
-    ratios = heap_ratios(compiled_rows() + probe_rows())
+def leave_one_out(ratios: list[tuple[dict, object, float]] | None = None) -> list[str]:
+    """Each row's estimate with XLA_HEAP fitted on the other v5p rows of both tables (`ratios`: heap_ratios of
+    them, computed when not given), beside the compiled figure and beside what the estimate holds live."""
+    ratios = ratios or heap_ratios(compiled_rows() + probe_rows())
     lines = [f"XLA_HEAP fitted on all {sum(_fitted_on(r) for r, _, _ in ratios)} v5p rows: {fit_heap(ratios):.3f}",
              "", "| keys | XLA_HEAP without the row | live / compiled | held-out estimate / compiled |",
              "|---|---:|---:|---:|"]

@@ -206,7 +206,7 @@ def on_device(tree, shardings):
 
 # libtpu's switch that moves gathers to the SparseCores (tpu_sparse_core_gathers=false turns it off; of libtpu's
 # two, the one that does: xla_tpu_enable_offloading_gather_to_sparsecore=false leaves an embedding lookup there)
-SPARSE_CORE_GATHERS = "xla_tpu_offload_gather_to_sparsecore"
+SPARSE_CORE_GATHER_FLAG = "xla_tpu_offload_gather_to_sparsecore"
 
 
 def compiler_options(config, mesh: Mesh) -> dict | None:
@@ -223,7 +223,7 @@ def compiler_options(config, mesh: Mesh) -> dict | None:
 
         chip = next((c for c in topology.CHIPS.values() if c.device_kind == device.device_kind), None)
         limit = chip.scoped_vmem_kib if chip is not None else 0
-    options = {} if config.tpu_sparse_core_gathers else {SPARSE_CORE_GATHERS: False}
+    options = {} if config.tpu_sparse_core_gathers else {SPARSE_CORE_GATHER_FLAG: False}
     if limit > 0:
         options["xla_tpu_scoped_vmem_limit_kib"] = limit
     return options or None

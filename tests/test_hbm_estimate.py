@@ -67,7 +67,7 @@ def test_xla_heap_is_the_median_of_the_v5p_rows():
 
     ratios = hbm_estimate.heap_ratios(ROWS + hbm_estimate.probe_rows())
     assert memory.XLA_HEAP == round(hbm_estimate.fit_heap(ratios), 3)
-    lines = hbm_estimate.leave_one_out()
+    lines = hbm_estimate.leave_one_out(ratios)
     live, held_out = map(int, re.search(r"(\d+) of \d+ rows with what is live, (\d+) held out", lines[-1]).groups())
     assert held_out > live
 
