@@ -72,7 +72,7 @@ def test_a_vmem_overflow_is_named_in_a_real_compile():
 
 
 GATHER = """
-import jax, jax.numpy as jnp, sys
+import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from maxctx.loader import load_config
 from maxctx.plan import topology

@@ -77,7 +77,7 @@ class Peak:
     always: float  # arguments, fp32 gradient, kept tensors and layer inputs
     layer: float  # the top layer's backward
     loss: float  # one vocab tile of the loss
-    args: float = 0.0  # of `always`: the arguments (weights and optimizer state on the device)
+    args: float  # of `always`: the arguments (weights and optimizer state on the device)
 
     @property
     def live(self) -> float:
