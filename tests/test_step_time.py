@@ -121,6 +121,28 @@ def test_planner_counts_what_the_policy_keeps_on_the_device():
     assert p2p("remat").step_s > 1.5 * device.step_s
 
 
+def test_kept_layer_inputs_are_charged_their_relayout_copy_where_xla_makes_one():
+    """topology.Chip.stack_relayouts: on v6e and TPU7x XLA copies the stack of kept layer inputs whole before the
+    backward (two 32 GiB stacks at TPU7x's 16M peak); on v5p it does not. Offloaded inputs are not charged it."""
+    from maxctx.loader import load_config
+    from maxctx.plan import memory, planner, topology
+
+    assert [topology.CHIPS[g].stack_relayouts for g in ("v5p", "v6e", "tpu7x")] == [0, 1, 1]
+    keys = ["configs/base.yml", "model_name=llama3.1-8b-hd256", "max_target_length=262144",
+            "ici_context_parallelism=8", "ici_fsdp_parallelism=1", "per_device_batch_size=0.125",
+            "context_parallel_strategy=usp", "context_parallel_a2a_degree=4", "remat_policy=custom",
+            "context=offload"]
+
+    def memory_bytes(topo, where):
+        config = load_config([*keys, f"compile_topology={topo}", f"decoder_layer_input={where}"])
+        return next(c for c in planner.plan(config).ranked if c.label == "usp 2x4").memory_bytes
+
+    stack = 32 * 32768 * 4096 * 2  # 32 layers' inputs, 32,768 tokens per device, bf16
+    for topo, copies in (("v5p-16", 0), ("tpu7x-8", 1)):
+        kept = memory_bytes(topo, "device") - memory_bytes(topo, "offload")
+        assert kept == pytest.approx(memory.XLA_HEAP * (memory.KEPT_ON_DEVICE + copies) * stack)
+
+
 def test_documents_per_row_count_their_own_attention_and_the_busiest_rank():
     """planner_document_lengths: the attention term counts the documents' own pairs times the busiest rank's share
     (zig-zag vs the documents placement); MFU's model FLOPs keep the causal count; bad specs are refused."""

@@ -4,7 +4,8 @@ remat_policy=auto's host budget read (no JAX).
     HBM   `device_bytes`: what the program holds at its peak (`Peak`), one of two moments of the step:
             always   the optimizer state and weights XLA takes as arguments (none of what is offloaded to the
                      host), the fp32 gradient they accumulate, and what the remat policy keeps for the backward:
-                     the layer inputs and every other kept tensor (at KEPT_ON_DEVICE x their bytes)
+                     the layer inputs and every other kept tensor (at KEPT_ON_DEVICE x their bytes), and on
+                     chips whose backward reads the inputs' stack in another layout its copy (Chip.stack_relayouts)
             layer    the top layer's backward: its gathered weights (under expert parallelism E, X / E of the
                      experts) and their fp32 gradient, the residual
                      stream's working set (the family's LayerWork), a strided run's extra inputs, the offloaded
@@ -90,15 +91,19 @@ class Peak:
         return self.args + XLA_HEAP * (self.live - self.args)
 
 
-def host_budget_per_device(config: Config) -> float:
-    """Bytes of host DRAM one device may fill with offloaded tensors (module doc); 0 when not known."""
+def _chip(config: Config) -> topology.Chip | None:
+    """compile_topology's chip; None when it names none."""
     try:
         topo = topology.parse(config.compile_topology) if config.compile_topology else None
     except ConfigError:
         topo = None
-    if topo is None:
-        return 0.0
-    return HOST_FRACTION * topo.chip.host_bytes / topo.chip.devices_per_chip
+    return topo.chip if topo is not None else None
+
+
+def host_budget_per_device(config: Config) -> float:
+    """Bytes of host DRAM one device may fill with offloaded tensors (module doc); 0 when not known."""
+    chip = _chip(config)
+    return HOST_FRACTION * chip.host_bytes / chip.devices_per_chip if chip is not None else 0.0
 
 
 def held_host_bytes(config: Config, tp: int) -> float:
@@ -125,7 +130,8 @@ def device_bytes(config: Config, tp: int, shards: int, attention_bytes: float) -
     inputs = 0 if offloaded else step_time.kept_layer_inputs(config) * tokens * dim * b
     kept = layers * tokens * sum(
         per[name] for name, w in where.items() if w == "device" and name != "decoder_layer_input")
-    always = args + 4 * params / shards + KEPT_ON_DEVICE * (inputs + kept)
+    relayouts = chip.stack_relayouts if (chip := _chip(config)) is not None else 0  # the stack's copies
+    always = args + 4 * params / shards + KEPT_ON_DEVICE * (inputs + kept) + relayouts * inputs
     output_params = shape.vocab_size * dim
     layer_params = (params - output_params * (1 if shape.tied_embedding else 2)) / layers
     if _expert_degree(config, shape) > 1:  # an EP rank gathers its X / E experts only (maxctx.model.moe.dispatch)

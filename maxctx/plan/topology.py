@@ -55,6 +55,8 @@ class Chip:
     switch: int = 0
     # Transcendentals (exp) per second per chip, as libtpu's cost model prices them (EUP_SOURCE); 0: not priced
     transcendentals_per_s: float = 0.0
+    # Whole copies XLA makes of the stacked layer inputs kept in HBM before the backward reads them (see CHIPS)
+    stack_relayouts: int = 0
 
     @property
     def dcn_bytes_per_s_or_default(self) -> float:
@@ -73,6 +75,13 @@ GIB = 1024 ** 3
 # v6e 1.75 GHz: 1024 per cycle; v4 512 per cycle at 1.05 GHz); the vector unit is 8 x 128 on all of them
 # (jax.experimental.pallas.tpu's TpuInfo), while the MXUs grew from four 128 x 128 to 256 x 256 arrays.
 EUP_SOURCE = "libtpu 0.0.42.1 cost model (benchmarks/step_time_model.py --eup), compiled 2026-12-06"
+# Where Chip.stack_relayouts comes from: the dump (XLA_FLAGS=--xla_dump_to) of one compile per generation of the same
+# program, llama3.1-8b-hd256 with 4 layers, 32,768 tokens per device, usp 4x2, decoder_layer_input=device
+# context=offload (docs/choosing_a_strategy.md has the command). The forward scan writes the layer inputs' stack
+# bf16[4, 1, 32768, 4096] in the layout {3,2,1,0}. On v6e and TPU7x the backward reads it with the sequence minor
+# ({2,3,1,0}) and XLA copies the whole stack into that layout before the backward's loop, so both are live at once
+# (TPU7x at 16,777,216 tokens, usp 32x4: two 32 GiB stacks at the program's peak); on v5p it reads {3,2,1,0}, no
+# copy. v4 and v5e were not compiled (0, as v5p: their MXUs are v5p's 128 x 128, v6e's and TPU7x's 256 x 256).
 # DCN bandwidth per chip, one direction, where Google's page gives none (v4, v6e, tpu7x): an assumption, 100 Gb/s.
 DCN_DEFAULT_BYTES_PER_S = 12.5e9
 CHIPS: dict[str, Chip] = {
@@ -95,13 +104,13 @@ CHIPS: dict[str, Chip] = {
                 "https://cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps HBM; 800 GBps bidirectional ICI); host: "
                 "ct6e-standard-4t is 4 chips and 720 GB RAM (https://cloud.google.com/tpu/docs/tpu7x 4-chip VM table; "
                 "v6e page: 1536 GiB DRAM per 8-chip host)", host_bytes=720 * 10**9 // 4,
-                transcendentals_per_s=1.792e12),
+                transcendentals_per_s=1.792e12, stack_relayouts=1),
     "tpu7x": Chip("TPU7x (Ironwood)", "tpu7x", "TPU7x", 3, True, 2, False, 192 * GIB, 7380e9, 1200e9,
                   "https://cloud.google.com/tpu/docs/tpu7x (192 GiB, 7380 GBps HBM; 1200 GBps bidirectional ICI); "
                   "scoped VMEM: the 64.00M of VMEM per TensorCore libtpu 0.0.42.1 reports (docs/long_context.md; "
                   "its own limit is 32 MiB; 65472 KiB as on v5p); host: a 4-chip tpu7x VM has 960 GB RAM "
                   "(https://cloud.google.com/tpu/docs/tpu7x)", scoped_vmem_kib=65472, host_bytes=960 * 10**9 // 4,
-                  transcendentals_per_s=2 * 1.9456e12),
+                  transcendentals_per_s=2 * 1.9456e12, stack_relayouts=1),
 }
 ALIASES = {"v5litepod": "v5e", "v5": "v5p", "v7x": "tpu7x"}
 _NIC = 400e9 / 8  # one ConnectX-7 400 Gb/s NIC per GPU in DGX H100 / H200 / B200, one way
