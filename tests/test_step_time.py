@@ -123,7 +123,8 @@ def test_planner_counts_what_the_policy_keeps_on_the_device():
 
 def test_kept_layer_inputs_are_charged_their_relayout_copy_where_xla_makes_one():
     """topology.Chip.stack_relayouts: on v6e and TPU7x XLA copies the stack of kept layer inputs whole before the
-    backward (two 32 GiB stacks at TPU7x's 16M peak); on v5p it does not. Offloaded inputs are not charged it."""
+    backward (two 32 GiB stacks at TPU7x's 16M peak) when the custom policy names them; on v5p it does not, nor
+    under remat_policy=full. Offloaded inputs are not charged it."""
     from maxctx.loader import load_config
     from maxctx.plan import memory, planner, topology
 
@@ -141,6 +142,10 @@ def test_kept_layer_inputs_are_charged_their_relayout_copy_where_xla_makes_one()
     for topo, copies in (("v5p-16", 0), ("tpu7x-8", 1)):
         kept = memory_bytes(topo, "device") - memory_bytes(topo, "offload")
         assert kept == pytest.approx(memory.XLA_HEAP * (memory.KEPT_ON_DEVICE + copies) * stack)
+    full_keys = [k for k in keys if k not in ("remat_policy=custom", "context=offload")] + ["remat_policy=full"]
+    full = {topo: memory.device_bytes(load_config([*full_keys, f"compile_topology={topo}"]), 8, 8, 0.0).always
+            for topo in ("v5p-16", "tpu7x-8")}
+    assert full["tpu7x-8"] == pytest.approx(full["v5p-16"])
 
 
 def test_documents_per_row_count_their_own_attention_and_the_busiest_rank():

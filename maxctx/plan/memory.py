@@ -5,7 +5,8 @@ remat_policy=auto's host budget read (no JAX).
             always   the optimizer state and weights XLA takes as arguments (none of what is offloaded to the
                      host), the fp32 gradient they accumulate, and what the remat policy keeps for the backward:
                      the layer inputs and every other kept tensor (at KEPT_ON_DEVICE x their bytes), and on
-                     chips whose backward reads the inputs' stack in another layout its copy (Chip.stack_relayouts)
+                     chips whose backward reads the inputs' stack in another layout its copy (Chip.stack_relayouts;
+                     remat_policy=custom)
             layer    the top layer's backward: its gathered weights (under expert parallelism E, X / E of the
                      experts) and their fp32 gradient, the residual
                      stream's working set (the family's LayerWork), a strided run's extra inputs, the offloaded
@@ -130,7 +131,9 @@ def device_bytes(config: Config, tp: int, shards: int, attention_bytes: float) -
     inputs = 0 if offloaded else step_time.kept_layer_inputs(config) * tokens * dim * b
     kept = layers * tokens * sum(
         per[name] for name, w in where.items() if w == "device" and name != "decoder_layer_input")
-    relayouts = chip.stack_relayouts if (chip := _chip(config)) is not None else 0  # the stack's copies
+    # the stack's copies: where the custom policy names the inputs (none under remat_policy=full: topology.CHIPS)
+    chip = _chip(config)
+    relayouts = chip.stack_relayouts if chip is not None and config.remat_policy == "custom" else 0
     always = args + 4 * params / shards + KEPT_ON_DEVICE * (inputs + kept) + relayouts * inputs
     output_params = shape.vocab_size * dim
     layer_params = (params - output_params * (1 if shape.tied_embedding else 2)) / layers

@@ -75,15 +75,17 @@ GIB = 1024 ** 3
 # v6e 1.75 GHz: 1024 per cycle; v4 512 per cycle at 1.05 GHz); the vector unit is 8 x 128 on all of them
 # (jax.experimental.pallas.tpu's TpuInfo), while the MXUs grew from four 128 x 128 to 256 x 256 arrays.
 EUP_SOURCE = "libtpu 0.0.42.1 cost model (benchmarks/step_time_model.py --eup), compiled 2026-12-06"
-# Where Chip.stack_relayouts comes from: the dump (XLA_FLAGS=--xla_dump_to) of one compile per generation of the same
-# program, llama3.1-8b-hd256 with 4 layers, 32,768 tokens per device, usp 4x2, decoder_layer_input=device
-# context=offload (docs/choosing_a_strategy.md has the command). The forward scan writes the layer inputs' stack
-# bf16[4, 1, 32768, 4096] in the layout {3,2,1,0}. On v6e and TPU7x the backward reads it with the sequence minor
-# ({2,3,1,0}) and XLA copies the whole stack into that layout before the backward's loop, so both are live at once
-# (TPU7x at 16,777,216 tokens, usp 32x4: two 32 GiB stacks at the program's peak); on v5p it reads {3,2,1,0}, no
-# copy. v4 and v5e were not compiled (0, as v5p: their MXUs are v5p's 128 x 128, v6e's and TPU7x's 256 x 256).
 # DCN bandwidth per chip, one direction, where Google's page gives none (v4, v6e, tpu7x): an assumption, 100 Gb/s.
 DCN_DEFAULT_BYTES_PER_S = 12.5e9
+# Where Chip.stack_relayouts comes from: the dump (XLA_FLAGS=--xla_dump_to) of one compile per generation of the
+# same program, llama3.1-8b-hd256 with 4 layers, 32,768 tokens per device, usp 4x2, remat_policy=custom
+# decoder_layer_input=device context=offload (docs/choosing_a_strategy.md has the command). The forward scan writes
+# the layer inputs' stack bf16[4, 1, 32768, 4096] in the layout {3,2,1,0}. On v6e and TPU7x the backward's first
+# (peeled) iteration reads it with the sequence minor ({2,3,1,0}): XLA copies the whole stack into that layout
+# before the loop, which holds the original too, so both are live at the top layer's backward (TPU7x at 16,777,216
+# tokens, usp 32x4: two 32 GiB stacks at the program's peak); on v5p it reads {3,2,1,0}, no copy. Under
+# remat_policy=full (the same shapes, 1024-token splash blocks) neither v6e nor TPU7x copies it. v4 and v5e were
+# not compiled (0, as v5p: their MXUs are v5p's 128 x 128, v6e's and TPU7x's 256 x 256).
 CHIPS: dict[str, Chip] = {
     "v4": Chip("TPU v4", "v4", "TPU v4", 3, True, 1, True, 32 * GIB, 1200e9, 540e9,
                "https://cloud.google.com/tpu/docs/v4 (32 GiB, 1200 GBps HBM2); ICI: 6 links x 45 GB/s each way, "
